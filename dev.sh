@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# nbinfer's task runner. Each task creates (or reuses) the local virtual environment .venv first.
+#   bash dev.sh demo       the main job: a small random paged batch decode, checked against dense attention
+#   bash dev.sh test       the test suite (the simulator stands in for the GPU when there is none)
+#   bash dev.sh figures    regenerate every figure under figures/ from the lessons
+#   bash dev.sh notebooks  regenerate the executed lessons/*.ipynb from their lessons/*.py scripts
+#   bash dev.sh lint       ruff
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+VENV=.venv
+STAMP=$VENV/.nbinfer-installed
+
+ensure_venv() {
+  # Reinstall only when pyproject.toml changed since the last install.
+  local want
+  want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+  if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then return; fi
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e ".[dev,lessons]"
+  echo "$want" > "$STAMP"
+}
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+
+# Without a GPU, Numba's CUDA simulator runs the kernels on the CPU.
+use_sim_without_gpu() { has_gpu || export NUMBA_ENABLE_CUDASIM=1; }
+
+task=${1:-help}
+shift || true
+case "$task" in
+  demo)      ensure_venv; use_sim_without_gpu; exec "$VENV/bin/python" -m nbinfer.demo "$@" ;;
+  test)      ensure_venv; use_sim_without_gpu; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  figures)   ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool figures "$@" ;;
+  notebooks) ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool notebooks "$@" ;;
+  lint)      ensure_venv; exec "$VENV/bin/ruff" check nbinfer tests lessons bench "$@" ;;
+  *) sed -n '2,8p' "$0"; exit 2 ;;
+esac

@@ -1,0 +1,193 @@
+"""The attention-variant specification: scalar hooks that kernels capture as closures.
+
+An attention variant changes *what* attention computes without changing *how* the engine moves
+data. nbinfer describes a variant as a small, hashable spec of pure scalar Python functions
+(hooks). The same spec is
+
+* compiled into the GPU kernels (each hook becomes a captured ``cuda.jit(device=True)`` function,
+  so it is inlined, not branched on at run time),
+* run by the CUDA simulator on the CPU, and
+* evaluated in float64 by the reference engine (``nbinfer.reference``).
+
+Hook contracts (every argument is a scalar; positions are absolute token positions, so a query of a
+prefill whose KV is longer than its query sits at ``qo_idx + kv_len - qo_len``):
+
+``query_transform(x, x_pair, d, head_dim, pos, head) -> float``
+    Rewrite element ``d`` of a query vector before the dot product. ``x_pair`` is element
+    ``(d + head_dim // 2) % head_dim`` of the same vector (what rotary embeddings need).
+``key_transform(x, x_pair, d, head_dim, pos, head) -> float``
+    The same for keys; ``head`` is the KV head.
+``logits_transform(s, q_pos, kv_pos, qo_head) -> float``
+    Rewrite a logit ``s = sm_scale * (q . k)``.
+``logits_mask(q_pos, kv_pos, qo_head) -> bool``
+    ``True`` keeps the pair, ``False`` removes it (the logit becomes -inf; without softmax its
+    weight becomes 0).
+``output_transform(o, lse, qo_head) -> float``
+    Rewrite one element of the final output, given the natural-log LSE of the final state. It runs
+    once per output row, after all partial states are merged.
+
+Hooks must be written for Numba: ``math`` functions, arithmetic, comparisons, and indexing into
+captured NumPy arrays. Capture constants as ``numpy.float32`` so that GPU code does not silently
+promote to float64. A variant's identity (its hash) is its name, its parameters, ``use_softmax``
+and the code of its hooks, so two calls of the same factory with the same parameters give equal
+specs and share compiled kernels.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HOOK_KINDS = (
+    "query_transform",
+    "key_transform",
+    "logits_transform",
+    "logits_mask",
+    "output_transform",
+)
+
+# Number of scalar arguments each hook takes; checked when a spec is built.
+HOOK_ARITY = {
+    "query_transform": 6,
+    "key_transform": 6,
+    "logits_transform": 4,
+    "logits_mask": 3,
+    "output_transform": 3,
+}
+
+
+def _value_key(value):
+    """A hashable, content-based key for a value captured by a hook's closure."""
+    if isinstance(value, np.ndarray):
+        return ("ndarray", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, types.FunctionType):
+        return _function_key(value)
+    if isinstance(value, np.generic):
+        return (type(value).__name__, value.item())
+    try:
+        hash(value)
+    except TypeError:
+        return ("unhashable", id(value))
+    return value
+
+
+def _function_key(fn: Callable) -> tuple:
+    """Identify a hook by its code and the values it closes over (not by object identity)."""
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"hook must be a plain Python function, got {type(fn).__name__}")
+    cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
+    return (fn.__code__, cells)
+
+
+def _check_hooks(kind: str, hooks) -> tuple:
+    if callable(hooks):
+        hooks = (hooks,)
+    hooks = tuple(hooks)
+    for fn in hooks:
+        if not isinstance(fn, types.FunctionType):
+            raise TypeError(f"{kind}: expected a plain Python function, got {type(fn).__name__}")
+        n = fn.__code__.co_argcount
+        if n != HOOK_ARITY[kind]:
+            raise ValueError(
+                f"{kind} hook {fn.__name__!r} must take {HOOK_ARITY[kind]} arguments, takes {n}"
+            )
+    return hooks
+
+
+@dataclass(frozen=True, eq=False)
+class Variant:
+    """A hashable attention-variant spec.
+
+    Parameters
+    ----------
+    name : str
+        Readable name, used in kernel cache keys and reprs (``"soft_cap_30"``).
+    params : tuple of (str, value) pairs
+        Named parameters, for display and identity. Values must be hashable (use tuples, not lists).
+    query_transform, key_transform, logits_transform, logits_mask, output_transform : tuple of functions
+        Hooks of each kind, applied in order (masks are AND-ed). Empty means identity / keep all.
+    use_softmax : bool
+        ``True``: normalise with softmax (online, with an (m, l) state). ``False``: the output is
+        the plain sum ``sum_j w_j v_j`` of the transformed logits ``w_j`` (FlashSigmoid-style).
+    """
+
+    name: str
+    params: tuple = ()
+    query_transform: tuple = ()
+    key_transform: tuple = ()
+    logits_transform: tuple = ()
+    logits_mask: tuple = ()
+    output_transform: tuple = ()
+    use_softmax: bool = True
+    _key: tuple = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.use_softmax, bool):
+            raise TypeError(f"use_softmax must be bool, got {type(self.use_softmax).__name__}")
+        params = tuple(self.params)
+        for item in params:
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise TypeError(f"params must be (name, value) pairs, got {item!r}")
+            try:
+                hash(item[1])
+            except TypeError:
+                raise TypeError(f"parameter {item[0]!r} must be hashable, got {item[1]!r}") from None
+        object.__setattr__(self, "params", params)
+        for kind in HOOK_KINDS:
+            object.__setattr__(self, kind, _check_hooks(kind, getattr(self, kind)))
+        hook_keys = tuple(tuple(_function_key(f) for f in getattr(self, k)) for k in HOOK_KINDS)
+        object.__setattr__(self, "_key", (self.name, params, self.use_softmax, hook_keys))
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __eq__(self, other):
+        return isinstance(other, Variant) and self._key == other._key
+
+    def __repr__(self):
+        ps = ", ".join(f"{k}={v!r}" for k, v in self.params)
+        return f"Variant({self.name}{': ' + ps if ps else ''})"
+
+    @property
+    def is_standard(self) -> bool:
+        """True when the variant adds no hook and uses softmax (plain scaled dot-product attention)."""
+        return self.use_softmax and not any(getattr(self, k) for k in HOOK_KINDS)
+
+    def param(self, name: str):
+        """Return the value of parameter ``name``."""
+        for k, v in self.params:
+            if k == name:
+                return v
+        raise KeyError(f"variant {self.name!r} has no parameter {name!r}")
+
+    def __add__(self, other: Variant) -> Variant:
+        return compose(self, other)
+
+
+def compose(*variants: Variant, name: str | None = None) -> Variant:
+    """Combine variants into one: transforms chain left to right, masks are AND-ed.
+
+    All variants must agree on ``use_softmax``, except that the standard variant composes with
+    anything. ``compose(causal(), soft_cap(30.0))`` is Gemma-2-style causal soft-capped attention.
+    """
+    if not variants:
+        raise ValueError("compose needs at least one variant")
+    for v in variants:
+        if not isinstance(v, Variant):
+            raise TypeError(f"compose takes Variant objects, got {type(v).__name__}")
+    parts = [v for v in variants if not v.is_standard] or [variants[0]]
+    softmax = {v.use_softmax for v in parts}
+    if len(softmax) != 1:
+        raise ValueError("cannot compose variants that disagree on use_softmax")
+    hooks = {k: tuple(f for v in parts for f in getattr(v, k)) for k in HOOK_KINDS}
+    return Variant(
+        name=name or "+".join(v.name for v in parts),
+        params=tuple(p for v in parts for p in v.params),
+        use_softmax=softmax.pop(),
+        **hooks,
+    )
