@@ -18,24 +18,71 @@ import numpy as np
 from .._checks import as_index_array, check_indptr, check_positive_int, check_range
 
 
+def index_array(name: str, a) -> np.ndarray:
+    """:func:`as_index_array` that also accepts an empty Python list (NumPy makes it float64)."""
+    if not hasattr(a, "dtype"):
+        arr = np.asarray(a)
+        if arr.size == 0:
+            a = arr.astype(np.int32)
+    return as_index_array(name, a)
+
+
+def check_block_shape(block_shape, name: str = "block_shape") -> tuple[int, int]:
+    """Validate a ``(Br, Bc)`` pair of positive ints; return it as a tuple of Python ints."""
+    try:
+        pair = tuple(block_shape)
+    except TypeError:
+        raise TypeError(f"{name} must be a pair (Br, Bc), got {block_shape!r}") from None
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be a pair (Br, Bc), got {block_shape!r}")
+    return (check_positive_int(f"{name}[0] (Br)", pair[0]),
+            check_positive_int(f"{name}[1] (Bc)", pair[1]))
+
+
+def check_shape(shape, name: str = "shape") -> tuple[int, int]:
+    """Validate an ``(M, N)`` pair of non-negative ints; return it as a tuple of Python ints."""
+    try:
+        pair = tuple(shape)
+    except TypeError:
+        raise TypeError(f"{name} must be a pair (M, N), got {shape!r}") from None
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be a pair (M, N), got {shape!r}")
+    return (check_positive_int(f"{name}[0] (M)", pair[0], minimum=0),
+            check_positive_int(f"{name}[1] (N)", pair[1], minimum=0))
+
+
+def _frozen_copy(arr: np.ndarray) -> np.ndarray:
+    # Copy before freezing: as_index_array returns the caller's own array when it is already
+    # contiguous int32, and marking that read-only would silently change the caller's data.
+    out = np.array(arr, dtype=np.int32, copy=True)
+    out.setflags(write=False)
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class BSR:
     """A validated block-sparse row matrix of shape ``(M, N)`` with blocks ``(Br, Bc)``.
 
     Parameters
     ----------
-    indptr : array of int32, shape [ceil(M / Br) + 1]
-        Block row ``i`` owns ``indices[indptr[i]:indptr[i + 1]]``.
-    indices : array of int32, shape [nnz_blocks]
+    indptr : array of int, shape [ceil(M / Br) + 1]
+        Block row ``i`` owns ``indices[indptr[i]:indptr[i + 1]]``. Stored as int32.
+    indices : array of int, shape [nnz_blocks]
         Block column of each stored block, in ``[0, ceil(N / Bc))``. Order within a row is the
-        order in which a kernel visits the blocks (for a page table: logical page order).
+        order in which a kernel visits the blocks (for a page table: logical page order), so it
+        need not be sorted; a column may appear in many rows (shared pages). Stored as int32.
     block_shape : (int, int)
         ``(Br, Bc)``. Any positive sizes, ``(1, 1)`` included.
     shape : (int, int)
         ``(M, N)``; need not be multiples of the block shape (the last block row/column is partial).
-    last_block_len : array of int32, shape [ceil(M / Br)], optional
-        Valid columns in the last stored block of each non-empty block row, in ``[1, Bc]``.
-        ``None`` means every stored block is full (up to the matrix edge ``N``).
+    last_block_len : array of int, shape [ceil(M / Br)], optional
+        Valid columns in the last stored block of each block row: in ``[1, Bc]`` for a non-empty
+        row, in ``[0, Bc]`` (ignored) for an empty one. ``None`` means every stored block is full
+        up to the matrix edge ``N``.
+
+    Notes
+    -----
+    The arrays are copied and made read-only, so a BSR never changes after construction.
     """
 
     indptr: np.ndarray
@@ -45,58 +92,68 @@ class BSR:
     last_block_len: np.ndarray | None = None
 
     def __post_init__(self):
-        if len(tuple(self.block_shape)) != 2:
-            raise ValueError(f"block_shape must be (Br, Bc), got {self.block_shape!r}")
-        if len(tuple(self.shape)) != 2:
-            raise ValueError(f"shape must be (M, N), got {self.shape!r}")
-        br = check_positive_int("block_shape[0] (Br)", self.block_shape[0])
-        bc = check_positive_int("block_shape[1] (Bc)", self.block_shape[1])
-        m = check_positive_int("shape[0] (M)", self.shape[0], minimum=0)
-        n = check_positive_int("shape[1] (N)", self.shape[1], minimum=0)
-        rows = -(-m // br)
-        cols = -(-n // bc)
-        indices = as_index_array("indices", self.indices)
+        br, bc = check_block_shape(self.block_shape)
+        m, n = check_shape(self.shape)
+        rows, cols = -(-m // br), -(-n // bc)
+        indices = index_array("indices", self.indices)
         indptr = check_indptr("indptr", self.indptr, length=rows + 1, total=indices.size)
-        check_range("indices", indices, 0, max(cols, 0) if cols else 0)
+        check_range("indices", indices, 0, cols)
         last = None
         if self.last_block_len is not None:
-            last = as_index_array("last_block_len", self.last_block_len)
+            last = index_array("last_block_len", self.last_block_len)
             if last.size != rows:
-                raise ValueError(f"last_block_len must have length {rows} (block rows), got {last.size}")
+                raise ValueError(
+                    f"last_block_len must have length {rows} (block rows), got {last.size}")
             nonempty = np.diff(indptr) > 0
-            check_range("last_block_len", last[nonempty], 1, bc + 1)
-        for name, value in (("block_shape", (br, bc)), ("shape", (m, n)), ("indptr", indptr),
-                            ("indices", indices), ("last_block_len", last)):
-            object.__setattr__(self, name, value)
-        for arr in (indptr, indices, last):
-            if arr is not None:
-                arr.setflags(write=False)
+            # Empty rows read nothing, so their entry is ignored; FlashInfer callers put 0 there.
+            check_range("last_block_len", np.where(nonempty, last, 1), 1, bc + 1)
+            check_range("last_block_len", last, 0, bc + 1)
+            last = _frozen_copy(last)
+        object.__setattr__(self, "block_shape", (br, bc))
+        object.__setattr__(self, "shape", (m, n))
+        object.__setattr__(self, "indptr", _frozen_copy(indptr))
+        object.__setattr__(self, "indices", _frozen_copy(indices))
+        object.__setattr__(self, "last_block_len", last)
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
     def num_block_rows(self) -> int:
+        """``ceil(M / Br)``."""
         return self.indptr.size - 1
 
     @property
     def num_block_cols(self) -> int:
+        """``ceil(N / Bc)``."""
         return -(-self.shape[1] // self.block_shape[1])
 
     @property
     def nnz_blocks(self) -> int:
+        """Number of stored blocks."""
         return int(self.indices.size)
 
     def row_blocks(self, i: int) -> np.ndarray:
-        """Block columns stored in block row ``i``, in visiting order."""
+        """Block columns stored in block row ``i`` (int32), in visiting order."""
+        i = check_positive_int("i", i, minimum=0)
+        if i >= self.num_block_rows:
+            raise ValueError(f"i must be < num_block_rows={self.num_block_rows}, got {i}")
         return self.indices[self.indptr[i]:self.indptr[i + 1]]
 
+    def block_row_ids(self) -> np.ndarray:
+        """Block row of every stored block, int64 [nnz_blocks] (the COO row of the CSR)."""
+        return np.repeat(np.arange(self.num_block_rows, dtype=np.int64), np.diff(self.indptr))
+
     def block_col_lens(self) -> np.ndarray:
-        """Valid columns of every stored block, int32 [nnz_blocks] (partial edge and last blocks)."""
-        br, bc = self.block_shape
+        """Valid columns of every stored block, int32 [nnz_blocks].
+
+        A block is cut short by the matrix edge ``N`` and, if it is the last block of its row,
+        by ``last_block_len``.
+        """
+        bc = self.block_shape[1]
         lens = np.minimum(bc, self.shape[1] - self.indices.astype(np.int64) * bc).astype(np.int32)
         if self.last_block_len is not None:
-            counts = np.diff(self.indptr)
-            ends = self.indptr[1:][counts > 0] - 1
-            lens[ends] = np.minimum(lens[ends], self.last_block_len[counts > 0])
+            nonempty = np.diff(self.indptr) > 0
+            ends = self.indptr[1:][nonempty] - 1
+            lens[ends] = np.minimum(lens[ends], self.last_block_len[nonempty])
         return lens
 
     def row_kv_len(self) -> np.ndarray:
@@ -106,38 +163,62 @@ class BSR:
 
     # -- dense views ---------------------------------------------------------------------------
     def to_dense(self) -> np.ndarray:
-        """Block occupancy: bool ``[num_block_rows, num_block_cols]``, True where a block is stored."""
+        """Block occupancy: bool ``[num_block_rows, num_block_cols]``, True where stored."""
         occ = np.zeros((self.num_block_rows, self.num_block_cols), dtype=bool)
-        rows = np.repeat(np.arange(self.num_block_rows), np.diff(self.indptr))
-        occ[rows, self.indices] = True
+        occ[self.block_row_ids(), self.indices] = True
         return occ
 
     def to_dense_mask(self) -> np.ndarray:
         """Element occupancy: bool ``[M, N]``; a stored block covers its rows and valid columns."""
         br, bc = self.block_shape
         m, n = self.shape
-        mask = np.zeros((m, n), dtype=bool)
-        lens = self.block_col_lens()
-        for i in range(self.num_block_rows):
-            r0, r1 = i * br, min((i + 1) * br, m)
-            for k in range(self.indptr[i], self.indptr[i + 1]):
-                c0 = int(self.indices[k]) * bc
-                mask[r0:r1, c0:c0 + int(lens[k])] = True
-        return mask
+        lens = self.block_col_lens().astype(np.int64)
+        # One entry per valid (block, column) pair: the block's row and the element's column.
+        owner = np.repeat(np.arange(self.nnz_blocks), lens)
+        starts = np.concatenate([[0], np.cumsum(lens)])[:-1]
+        offset = np.arange(owner.size) - starts[owner]
+        cols = self.indices.astype(np.int64)[owner] * bc + offset
+        per_block_row = np.zeros((self.num_block_rows, n), dtype=bool)
+        per_block_row[self.block_row_ids()[owner], cols] = True
+        # Every row of a block row sees the same columns; the last block row may be partial.
+        return np.repeat(per_block_row, br, axis=0)[:m]
 
     @classmethod
     def from_dense(cls, occupancy, block_shape, shape=None) -> BSR:
-        """Build from a block occupancy matrix (bool ``[rows, cols]``), blocks in column order."""
+        """Build from a block occupancy matrix, storing blocks in increasing column order.
+
+        Parameters
+        ----------
+        occupancy : array of bool, shape [num_block_rows, num_block_cols]
+            True where a block is stored.
+        block_shape : (int, int)
+            ``(Br, Bc)``.
+        shape : (int, int), optional
+            ``(M, N)`` with ``ceil(M / Br), ceil(N / Bc)`` equal to ``occupancy.shape``;
+            default ``(rows * Br, cols * Bc)``.
+
+        Returns
+        -------
+        BSR
+            Without ``last_block_len`` (every block full up to the matrix edge).
+        """
         occ = np.asarray(occupancy)
+        if occ.dtype != np.bool_:
+            raise TypeError(f"occupancy must be a boolean array, got dtype {occ.dtype}")
         if occ.ndim != 2:
             raise ValueError(f"occupancy must be 2-D, got shape {occ.shape}")
-        br, bc = block_shape
+        br, bc = check_block_shape(block_shape)
         if shape is None:
             shape = (occ.shape[0] * br, occ.shape[1] * bc)
+        m, n = check_shape(shape)
+        grid = (-(-m // br), -(-n // bc))
+        if occ.shape != grid:
+            raise ValueError(
+                f"occupancy must have shape {grid} (ceil(shape / block_shape)), got {occ.shape}")
         rows, cols = np.nonzero(occ)
         indptr = np.zeros(occ.shape[0] + 1, dtype=np.int32)
         np.cumsum(np.bincount(rows, minlength=occ.shape[0]), out=indptr[1:])
-        return cls(indptr, cols.astype(np.int32), (br, bc), tuple(shape))
+        return cls(indptr, cols.astype(np.int32), (br, bc), (m, n))
 
     def __repr__(self):
         br, bc = self.block_shape

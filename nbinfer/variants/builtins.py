@@ -61,8 +61,8 @@ def sliding_window(window_left: int) -> Variant:
 def soft_cap(cap: float) -> Variant:
     """Logits soft-capping (Gemma 2, Grok): ``s -> cap * tanh(s / cap)``."""
     cap = _positive_float("cap", cap)
-    c = np.float32(cap)
-    inv = np.float32(1.0 / cap)
+    c = _float32("cap", cap)
+    inv = _float32("1 / cap", 1.0 / cap)
 
     def logits_transform(s, q_pos, kv_pos, qo_head):
         return c * math.tanh(s * inv)
@@ -127,8 +127,8 @@ def sigmoid_attention(scale: float = 1.0, bias: float = 0.0) -> Variant:
     """FlashSigmoid: no softmax; weights ``sigmoid(s * scale + bias)``, output ``sum_j w_j v_j``."""
     scale = _finite_float("scale", scale)
     bias = _finite_float("bias", bias)
-    a = np.float32(scale)
-    b = np.float32(bias)
+    a = _float32("scale", scale)
+    b = _float32("bias", bias)
 
     def logits_transform(s, q_pos, kv_pos, qo_head):
         return _ONE / (_ONE + math.exp(-(s * a + b)))
@@ -148,9 +148,10 @@ def attention_sink(sinks) -> Variant:
     table = np.asarray(sinks, dtype=np.float64)
     if table.ndim != 1 or table.size == 0:
         raise ValueError(f"sinks must be a non-empty 1-D sequence, got shape {table.shape}")
-    if not np.all(np.isfinite(table)):
-        raise ValueError("sinks must be finite")
-    table32 = table.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        table32 = table.astype(np.float32)
+    if not (np.all(np.isfinite(table)) and np.all(np.isfinite(table32))):
+        raise ValueError(f"sinks must be finite float32 values, got {table.tolist()}")
 
     def output_transform(o, lse, qo_head):
         return o / (_ONE + math.exp(table32[qo_head] - lse))
@@ -173,8 +174,11 @@ def from_flashinfer_args(
 ) -> Variant:
     """Build the variant that FlashInfer's keyword arguments describe.
 
-    Order: rotary embedding (query/key transform), soft-cap, ALiBi (logits transforms), causal
-    and window masks. ``window_left=-1`` and ``logits_soft_cap`` of ``None``/``0`` disable those.
+    Order: rotary embedding (query/key transform), ALiBi then soft-cap (logits transforms, in
+    FlashInfer's ``DefaultAttention`` order, so the cap bounds the biased logit), causal and window
+    masks. ``window_left=-1`` and ``logits_soft_cap`` of ``None``/``0`` disable those.
+    (FlashInfer folds ``sm_scale / cap`` into the query, so with ALiBi *and* a soft cap its bias
+    is divided by ``cap``; nbinfer adds the bias to ``sm_scale * q.k`` as in every other case.)
     """
     if pos_encoding_mode not in POS_ENCODING_MODES:
         raise ValueError(
@@ -186,12 +190,12 @@ def from_flashinfer_args(
     if pos_encoding_mode == "ROPE_LLAMA":
         parts.append(rope_llama(1.0 if rope_scale is None else rope_scale,
                                 1e4 if rope_theta is None else rope_theta))
-    if logits_soft_cap:
-        parts.append(soft_cap(logits_soft_cap))
     if pos_encoding_mode == "ALIBI":
         if num_qo_heads is None:
             raise ValueError("pos_encoding_mode='ALIBI' needs num_qo_heads")
         parts.append(alibi(num_qo_heads))
+    if logits_soft_cap:
+        parts.append(soft_cap(logits_soft_cap))
     if causal:
         parts.append(_causal_variant())
     if window_left is None or isinstance(window_left, bool) or not isinstance(
@@ -219,6 +223,16 @@ def _finite_float(name, value) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
+
+
+def _float32(name, value) -> np.float32:
+    """``value`` as the float32 constant a hook captures; it must stay finite and, if it was
+    non-zero, non-zero (``cap=1e39`` or ``1 / cap`` overflowing would turn logits into NaN)."""
+    with np.errstate(over="ignore"):
+        v = np.float32(value)
+    if not np.isfinite(v) or (v == 0 and value != 0):
+        raise ValueError(f"{name} must fit in float32, got {value!r}")
+    return v
 
 
 def _positive_int(name, value) -> int:

@@ -7,8 +7,6 @@ broadcasting, and the identical Python source the GPU compiles), then chained in
 
 from __future__ import annotations
 
-import functools
-
 import numba
 import numpy as np
 
@@ -23,14 +21,18 @@ _SIGNATURES = {
 }
 
 
-@functools.cache
-def _ufunc_cached(kind: str, key, fn):
-    return numba.vectorize([_SIGNATURES[kind]])(fn)
+# Compiled ufuncs keyed by (signature, hook key): the key is the hook's code, captured values and
+# globals (``spec._function_key``), not the function object, so the closures that two calls of
+# one factory return share one compilation (and a RoPE hook used for queries and keys, too).
+_UFUNCS: dict = {}
 
 
 def _ufunc(kind: str, fn):
-    # Keyed by the hook's code and captured values, so equal hooks compile once.
-    return _ufunc_cached(kind, _function_key(fn), fn)
+    key = (_SIGNATURES[kind], _function_key(fn))
+    uf = _UFUNCS.get(key)
+    if uf is None:
+        uf = _UFUNCS[key] = numba.vectorize([_SIGNATURES[kind]])(fn)
+    return uf
 
 
 def transform_vectors(variant: Variant, kind: str, x: np.ndarray, pos: np.ndarray,
@@ -39,6 +41,8 @@ def transform_vectors(variant: Variant, kind: str, x: np.ndarray, pos: np.ndarra
 
     ``pos`` is [L] absolute positions, ``heads`` is [H] head indices.
     """
+    if kind not in ("query_transform", "key_transform"):
+        raise ValueError(f"kind must be 'query_transform' or 'key_transform', got {kind!r}")
     fns = getattr(variant, kind)
     if not fns:
         return x

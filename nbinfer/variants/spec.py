@@ -29,12 +29,15 @@ prefill whose KV is longer than its query sits at ``qo_idx + kv_len - qo_len``):
 Hooks must be written for Numba: ``math`` functions, arithmetic, comparisons, and indexing into
 captured NumPy arrays. Capture constants as ``numpy.float32`` so that GPU code does not silently
 promote to float64. A variant's identity (its hash) is its name, its parameters, ``use_softmax``
-and the code of its hooks, so two calls of the same factory with the same parameters give equal
-specs and share compiled kernels.
+and, for each hook, its code, the values it closes over and the globals it reads (what Numba
+freezes into compiled code), so two calls of the same factory with the same parameters give equal
+specs and share compiled kernels. Captured arrays count by content at the time the spec is built:
+do not mutate them afterwards.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,41 +61,110 @@ HOOK_ARITY = {
     "output_transform": 3,
 }
 
+_VARARGS = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
-def _value_key(value):
-    """A hashable, content-based key for a value captured by a hook's closure."""
+
+class _Identity:
+    """Key for a value that has no content-based key: equal only to itself, and keeps it alive
+    (so its ``id`` cannot be reused by another object while a spec or cache holds the key)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.value is self.value
+
+    def __hash__(self):
+        return id(self.value)
+
+
+def _scalar_key(value):
+    # Typed, so that 1, 1.0 and True (equal in Python, different types to Numba) differ; floats
+    # by their exact bits, so that -0.0 differs from 0.0 and a NaN equals itself.
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, complex):
+        return ("complex", value.real.hex(), value.imag.hex())
+    return (type(value).__name__, value)
+
+
+def _value_key(value, seen=frozenset()):
+    """A hashable, content-based key for a value a hook captures (closure cell or global)."""
     if isinstance(value, np.ndarray):
         return ("ndarray", value.dtype.str, value.shape, value.tobytes())
     if isinstance(value, types.FunctionType):
-        return _function_key(value)
+        return _function_key(value, seen)
     if isinstance(value, np.generic):
-        return (type(value).__name__, value.item())
+        return ("numpy", type(value).__name__, _value_key(value.item(), seen))
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return _scalar_key(value)
+    if isinstance(value, tuple):
+        return ("tuple", tuple(_value_key(v, seen) for v in value))
     try:
         hash(value)
     except TypeError:
-        return ("unhashable", id(value))
-    return value
+        return ("identity", _Identity(value))
+    return ("object", value)
 
 
-def _function_key(fn: Callable) -> tuple:
-    """Identify a hook by its code and the values it closes over (not by object identity)."""
+def _global_names(code: types.CodeType):
+    """Names a code object (and any code nested in it) may load from its globals."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _function_key(fn: Callable, seen=frozenset()) -> tuple:
+    """Identify a hook by its code, the values it closes over and the globals it reads.
+
+    Not by object identity: two calls of a factory give equal keys. Globals count because Numba
+    freezes them into the compiled code as constants: a notebook that changes ``T = 2.0`` and
+    redefines ``def hook(...): return s / T`` must not get the kernel compiled for the old ``T``.
+    """
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"hook must be a plain Python function, got {type(fn).__name__}")
-    cells = tuple(_value_key(c.cell_contents) for c in (fn.__closure__ or ()))
-    return (fn.__code__, cells)
+    code = fn.__code__
+    if id(fn) in seen:  # recursion through a closure cell or a global
+        return ("recursive", code)
+    seen = seen | {id(fn)}
+    cells = []
+    for cell in fn.__closure__ or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell (a name assigned after the hook was defined)
+            cells.append(("empty-cell",))
+        else:
+            cells.append(_value_key(value, seen))
+    glob = fn.__globals__
+    used = tuple(
+        (name, _value_key(glob[name], seen)) for name in sorted(_global_names(code)) if name in glob
+    )
+    return (code, tuple(cells), used)
 
 
 def _check_hooks(kind: str, hooks) -> tuple:
     if callable(hooks):
         hooks = (hooks,)
-    hooks = tuple(hooks)
+    try:
+        hooks = tuple(hooks)
+    except TypeError:
+        raise TypeError(
+            f"{kind} must be a function or a sequence of functions, got {type(hooks).__name__}"
+        ) from None
     for fn in hooks:
         if not isinstance(fn, types.FunctionType):
             raise TypeError(f"{kind}: expected a plain Python function, got {type(fn).__name__}")
-        n = fn.__code__.co_argcount
-        if n != HOOK_ARITY[kind]:
+        code = fn.__code__
+        n = code.co_argcount
+        if n != HOOK_ARITY[kind] or code.co_kwonlyargcount or code.co_flags & _VARARGS:
             raise ValueError(
-                f"{kind} hook {fn.__name__!r} must take {HOOK_ARITY[kind]} arguments, takes {n}"
+                f"{kind} hook {fn.__name__!r} must take exactly {HOOK_ARITY[kind]} positional "
+                f"arguments, takes {n}"
+                + (" and *args/**kwargs/keyword-only ones" if n == HOOK_ARITY[kind] else "")
             )
     return hooks
 
@@ -107,8 +179,9 @@ class Variant:
         Readable name, used in kernel cache keys and reprs (``"soft_cap_30"``).
     params : tuple of (str, value) pairs
         Named parameters, for display and identity. Values must be hashable (use tuples, not lists).
-    query_transform, key_transform, logits_transform, logits_mask, output_transform : tuple of functions
-        Hooks of each kind, applied in order (masks are AND-ed). Empty means identity / keep all.
+    query_transform, key_transform, logits_transform, logits_mask, output_transform : tuple
+        Functions (hooks) of each kind, applied in order (masks are AND-ed). Empty means
+        identity / keep all. A single function may be passed instead of a tuple.
     use_softmax : bool
         ``True``: normalise with softmax (online, with an (m, l) state). ``False``: the output is
         the plain sum ``sum_j w_j v_j`` of the transformed logits ``w_j`` (FlashSigmoid-style).
@@ -136,7 +209,9 @@ class Variant:
             try:
                 hash(item[1])
             except TypeError:
-                raise TypeError(f"parameter {item[0]!r} must be hashable, got {item[1]!r}") from None
+                raise TypeError(
+                    f"parameter {item[0]!r} must be hashable, got {item[1]!r}"
+                ) from None
         object.__setattr__(self, "params", params)
         for kind in HOOK_KINDS:
             object.__setattr__(self, kind, _check_hooks(kind, getattr(self, kind)))
@@ -155,7 +230,7 @@ class Variant:
 
     @property
     def is_standard(self) -> bool:
-        """True when the variant adds no hook and uses softmax (plain scaled dot-product attention)."""
+        """True when the variant adds no hook and uses softmax (plain scaled dot-product)."""
         return self.use_softmax and not any(getattr(self, k) for k in HOOK_KINDS)
 
     def param(self, name: str):
@@ -172,8 +247,14 @@ class Variant:
 def compose(*variants: Variant, name: str | None = None) -> Variant:
     """Combine variants into one: transforms chain left to right, masks are AND-ed.
 
-    All variants must agree on ``use_softmax``, except that the standard variant composes with
-    anything. ``compose(causal(), soft_cap(30.0))`` is Gemma-2-style causal soft-capped attention.
+    ``compose(causal(), soft_cap(30.0))`` is Gemma-2-style causal soft-capped attention.
+
+    ``use_softmax``: a variant that uses softmax but has no output transform (masks, RoPE, ALiBi,
+    soft cap, the standard variant) is well defined under either normalisation, so it composes
+    with a no-softmax variant and the result has no softmax (``compose(causal(),
+    sigmoid_attention())`` is causal sigmoid attention). An output transform reads the softmax
+    LSE, so a softmax variant with one (attention sinks) and a no-softmax variant disagree, and
+    composing them raises ``ValueError``.
     """
     if not variants:
         raise ValueError("compose needs at least one variant")
@@ -181,13 +262,18 @@ def compose(*variants: Variant, name: str | None = None) -> Variant:
         if not isinstance(v, Variant):
             raise TypeError(f"compose takes Variant objects, got {type(v).__name__}")
     parts = [v for v in variants if not v.is_standard] or [variants[0]]
-    softmax = {v.use_softmax for v in parts}
-    if len(softmax) != 1:
-        raise ValueError("cannot compose variants that disagree on use_softmax")
+    use_softmax = all(v.use_softmax for v in parts)
+    needs_softmax = [v.name for v in parts if v.use_softmax and v.output_transform]
+    if not use_softmax and needs_softmax:
+        no_softmax = [v.name for v in parts if not v.use_softmax]
+        raise ValueError(
+            f"cannot compose variants that disagree on use_softmax: {needs_softmax} need softmax "
+            f"(their output transform reads its LSE), {no_softmax} use none"
+        )
     hooks = {k: tuple(f for v in parts for f in getattr(v, k)) for k in HOOK_KINDS}
     return Variant(
         name=name or "+".join(v.name for v in parts),
         params=tuple(p for v in parts for p in v.params),
-        use_softmax=softmax.pop(),
+        use_softmax=use_softmax,
         **hooks,
     )
