@@ -56,6 +56,8 @@ def check_float(name: str, a, allowed=FLOAT_DTYPES) -> None:
 def as_index_array(name: str, a, ndim: int = 1) -> np.ndarray:
     """Return ``a`` as a contiguous int32 NumPy array; reject non-integer input and int overflow."""
     arr = np.asarray(a)
+    if arr.size == 0 and not isinstance(a, np.ndarray):
+        arr = arr.astype(np.int32)  # np.asarray([]) is float64; an empty list is a valid index list
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array (int32), got dtype {arr.dtype}")
     if arr.ndim != ndim:

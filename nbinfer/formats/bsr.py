@@ -18,15 +18,6 @@ import numpy as np
 from .._checks import as_index_array, check_indptr, check_positive_int, check_range
 
 
-def index_array(name: str, a) -> np.ndarray:
-    """:func:`as_index_array` that also accepts an empty Python list (NumPy makes it float64)."""
-    if not hasattr(a, "dtype"):
-        arr = np.asarray(a)
-        if arr.size == 0:
-            a = arr.astype(np.int32)
-    return as_index_array(name, a)
-
-
 def check_block_shape(block_shape, name: str = "block_shape") -> tuple[int, int]:
     """Validate a ``(Br, Bc)`` pair of positive ints; return it as a tuple of Python ints."""
     try:
@@ -95,12 +86,12 @@ class BSR:
         br, bc = check_block_shape(self.block_shape)
         m, n = check_shape(self.shape)
         rows, cols = -(-m // br), -(-n // bc)
-        indices = index_array("indices", self.indices)
+        indices = as_index_array("indices", self.indices)
         indptr = check_indptr("indptr", self.indptr, length=rows + 1, total=indices.size)
         check_range("indices", indices, 0, cols)
         last = None
         if self.last_block_len is not None:
-            last = index_array("last_block_len", self.last_block_len)
+            last = as_index_array("last_block_len", self.last_block_len)
             if last.size != rows:
                 raise ValueError(
                     f"last_block_len must have length {rows} (block rows), got {last.size}")

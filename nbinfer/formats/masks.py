@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_choice, check_indptr, check_positive_int
-from .bsr import BSR, check_block_shape, index_array
+from .._checks import as_index_array, check_choice, check_indptr, check_positive_int
+from .bsr import BSR, check_block_shape
 
 BIT_ORDERS = ("big", "little")
 
@@ -192,7 +192,7 @@ def segment_unpackbits(packed, packed_indptr, lengths, bitorder: str = "big") ->
     numpy.ndarray of bool, shape [sum(lengths)]
     """
     check_choice("bitorder", bitorder, BIT_ORDERS)
-    lengths = index_array("lengths", lengths).astype(np.int64)
+    lengths = as_index_array("lengths", lengths).astype(np.int64)
     if lengths.size and lengths.min() < 0:
         raise ValueError(f"lengths must be >= 0, got {int(lengths.min())}")
     packed = np.asarray(packed)

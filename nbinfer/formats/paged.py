@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import check_indptr, check_positive_int, check_range
-from .bsr import BSR, index_array
+from .._checks import as_index_array, check_indptr, check_positive_int, check_range
+from .bsr import BSR
 
 
 @dataclass(frozen=True, eq=False)
@@ -55,10 +55,10 @@ class PageTable:
     def __post_init__(self):
         page_size = check_positive_int("page_size", self.page_size)
         num_pages = check_positive_int("num_pages", self.num_pages, minimum=0)
-        indices = index_array("indices", self.indices)
+        indices = as_index_array("indices", self.indices)
         indptr = check_indptr("indptr", self.indptr, total=indices.size)
         check_range("indices", indices, 0, num_pages)
-        last = index_array("last_page_len", self.last_page_len)
+        last = as_index_array("last_page_len", self.last_page_len)
         batch = indptr.size - 1
         if last.size != batch:
             raise ValueError(
@@ -163,7 +163,7 @@ class PageTable:
         -------
         PageTable
         """
-        lens = index_array("kv_lens", kv_lens).astype(np.int64)
+        lens = as_index_array("kv_lens", kv_lens).astype(np.int64)
         check_range("kv_lens", lens, 0, np.iinfo(np.int32).max)
         page_size = check_positive_int("page_size", page_size)
         pages = -(-lens // page_size)
