@@ -1,0 +1,156 @@
+"""Multi-level cascade attention (FlashInfer's MultiLevelCascadeAttentionWrapper), reference form.
+
+Cascade attention splits each query's key sequence into levels: level 0 is typically a prefix
+shared by every request (one qo segment covering all queries), deeper levels are shared by fewer
+queries, and the last level holds each request's own tokens. Level ``l`` partitions the query
+rows into segments by ``qo_indptr_arr[l]``; segment ``s`` attends to the pages of entry ``s`` of
+that level's page table. A query's per-level states are combined with the merge operator, which
+is exact because the levels' key sets are disjoint pieces of one concatenated sequence.
+
+Positions follow the concatenation: keys of level ``l`` start after the query's keys in levels
+``< l``, and the query sits at ``total_kv_len - qo_len + i`` where ``qo_len`` and ``i`` refer to
+its last-level segment. ``causal`` masks only within the last level; earlier levels are prefixes
+that every query of the segment sees in full. Other masks (e.g. ``window_left``) and positional
+encodings see the concatenated positions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .._checks import check_sm_scale
+from ._batch import check_qo_indptr, epilogue
+from ._common import as_f64, build_variant, check_lse_base, check_q_kv
+from .attention import attention_state
+from .merge import merge_state
+from .paged import check_page_table, gather_kv, kv_lengths, split_paged_kv_cache
+
+__all__ = ["multi_level_cascade_attention"]
+
+
+def _check_levels(nnz, qo_indptr_arr, indptr_arr, indices_arr, last_arr):
+    names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
+             "paged_kv_last_page_len_arr")
+    lists = (qo_indptr_arr, indptr_arr, indices_arr, last_arr)
+    for name, lst in zip(names, lists, strict=True):
+        if not isinstance(lst, (list, tuple)):
+            raise TypeError(f"{name} must be a list with one array per level, "
+                            f"got {type(lst).__name__}")
+    levels = len(qo_indptr_arr)
+    if levels == 0:
+        raise ValueError("qo_indptr_arr must hold at least one level, got an empty list")
+    for name, lst in zip(names[1:], lists[1:], strict=True):
+        if len(lst) != levels:
+            raise ValueError(f"{name} must have one entry per level ({levels}), got {len(lst)}")
+    qo_ptrs = [check_qo_indptr(p, nnz, name=f"qo_indptr_arr[{lvl}]")
+               for lvl, p in enumerate(qo_indptr_arr)]
+    for lvl in range(levels - 1):
+        missing = np.setdiff1d(qo_ptrs[lvl], qo_ptrs[lvl + 1])
+        if missing.size:
+            raise ValueError(
+                f"qo_indptr_arr[{lvl}] must be a coarsening of qo_indptr_arr[{lvl + 1}] (every "
+                f"segment boundary of a level is a boundary of the next level), but boundary "
+                f"{int(missing[0])} of level {lvl} is missing from level {lvl + 1}")
+    return levels, qo_ptrs
+
+
+def _segment_of_rows(qo_ptr: np.ndarray, nnz: int) -> np.ndarray:
+    # The last segment starting at or before each row: with empty segments (repeated boundaries)
+    # this is the non-empty one that contains the row.
+    return np.searchsorted(qo_ptr, np.arange(nnz), side="right") - 1
+
+
+def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_indptr_arr,
+                                  paged_kv_indices_arr, paged_kv_last_page_len_arr, *,
+                                  causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
+                                  window_left=-1, logits_soft_cap=None, sm_scale=None,
+                                  rope_scale=None, rope_theta=None, variant=None,
+                                  return_lse=False, lse_base=math.e):
+    """Attention over KV split into levels of shared prefixes, merged per query.
+
+    Parameters
+    ----------
+    q : ndarray, float16/32/64, shape [nnz_qo, num_qo_heads, head_dim]
+    qo_indptr_arr : list of arrays of int32, one ``[B_l + 1]`` per level
+        Query segments of each level; each ends at ``nnz_qo``, and every boundary of level ``l``
+        is also a boundary of level ``l + 1``.
+    paged_kv_cache : ndarray or (ndarray, ndarray)
+        The one cache all levels read (see :func:`~nbinfer.reference.paged.split_paged_kv_cache`).
+    paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len_arr : lists of arrays
+        One page table per level, with ``B_l`` requests (one per qo segment).
+    causal : bool
+        Bottom-right aligned causal mask inside the last level only.
+    kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
+    variant, return_lse, lse_base
+        As in :func:`~nbinfer.reference.prefill.single_prefill_with_kv_cache`.
+
+    Returns
+    -------
+    o : ndarray, float64, shape [nnz_qo, num_qo_heads, head_dim]
+    lse : ndarray, float64, shape [nnz_qo, num_qo_heads]
+        LSE over all levels' keys; only with ``return_lse``.
+    """
+    lse_base = check_lse_base(lse_base)
+    q = as_f64("q", q, 3)
+    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
+    num_pages, page_size, hkv, d = k_cache.shape
+    check_q_kv(q, hkv, d, kv_name="paged_kv_cache")
+    scale = check_sm_scale(sm_scale, d)
+    nnz, hq, _ = q.shape
+    levels, qo_ptrs = _check_levels(nnz, qo_indptr_arr, paged_kv_indptr_arr,
+                                    paged_kv_indices_arr, paged_kv_last_page_len_arr)
+    tables, lens = [], []
+    for lvl in range(levels):
+        names = (f"paged_kv_indptr_arr[{lvl}]", f"paged_kv_indices_arr[{lvl}]",
+                 f"paged_kv_last_page_len_arr[{lvl}]")
+        if np.size(paged_kv_indptr_arr[lvl]) != qo_ptrs[lvl].size:
+            raise ValueError(f"{names[0]} must have length {qo_ptrs[lvl].size} (one request per "
+                             f"qo segment of level {lvl}), got {np.size(paged_kv_indptr_arr[lvl])}")
+        table = check_page_table(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
+                                 paged_kv_last_page_len_arr[lvl], num_pages, page_size,
+                                 names=names)
+        tables.append(table)
+        lens.append(kv_lengths(table[0], table[2], page_size))
+
+    flags = dict(num_qo_heads=hq, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                 rope_theta=rope_theta, variant=variant)
+    prefix_var = build_variant(causal=False, **flags)
+    last_var = build_variant(causal=causal, **flags)
+
+    # Per query row: kv length of each level it reads, its keys' offset per level, its position.
+    seg = [_segment_of_rows(p, nnz) for p in qo_ptrs]
+    row_len = np.stack([lens[lvl][seg[lvl]] for lvl in range(levels)]) if nnz else \
+        np.zeros((levels, 0), dtype=np.int64)
+    offset = np.cumsum(row_len, axis=0) - row_len
+    last_ptr = qo_ptrs[-1]
+    qo_len_last = (last_ptr[1:] - last_ptr[:-1])[seg[-1]]
+    within = np.arange(nnz) - last_ptr[seg[-1]]
+    q_pos = row_len.sum(axis=0) - qo_len_last + within
+
+    o = np.zeros((nnz, hq, d))
+    lse = np.full((nnz, hq), -np.inf)
+    for lvl in range(levels):
+        var = last_var if lvl == levels - 1 else prefix_var
+        indptr, indices, _ = tables[lvl]
+        ptr = qo_ptrs[lvl]
+        o_l = np.zeros((nnz, hq, d))
+        lse_l = np.full((nnz, hq), -np.inf)
+        for s in range(ptr.size - 1):
+            a, e = int(ptr[s]), int(ptr[s + 1])
+            if a == e:
+                continue
+            kv_len = int(lens[lvl][s])
+            k, v = gather_kv(k_cache, v_cache, indices[indptr[s]:indptr[s + 1]], kv_len)
+            kv_pos = int(offset[lvl, a]) + np.arange(kv_len)
+            o_l[a:e], lse_l[a:e] = attention_state(q[a:e], k, v, sm_scale=scale, variant=var,
+                                                   q_pos=q_pos[a:e], kv_pos=kv_pos)
+        if not last_var.use_softmax:
+            o, lse = o + o_l, lse_l  # without softmax, states add and carry no LSE
+        elif lvl == 0:
+            o, lse = o_l, lse_l
+        else:
+            o, lse = merge_state(o, lse, o_l, lse_l)
+    return epilogue(o, lse, last_var, return_lse, lse_base)
