@@ -13,7 +13,6 @@ import numpy as np
 
 from .._checks import (
     KV_LAYOUTS,
-    as_index_array,
     check_choice,
     check_dim,
     check_float,
@@ -62,17 +61,6 @@ def as_f64(name: str, a, ndim) -> np.ndarray:
     check_float(name, a)
     check_ndim(name, a, ndim)
     return np.asarray(a, dtype=np.float64)
-
-
-def index_array(name: str, a) -> np.ndarray:
-    """``as_index_array`` (int32, 1-D) that also accepts an empty Python list.
-
-    ``np.asarray([])`` is float64, which the integer check would reject; an empty page list is
-    common (a request without pages), so it is let through as int32.
-    """
-    if not hasattr(a, "dtype") and np.size(a) == 0:
-        a = np.zeros(0, dtype=np.int32)
-    return as_index_array(name, a)
 
 
 def check_layout(kv_layout) -> str:

@@ -22,10 +22,10 @@ import math
 
 import numpy as np
 
-from .._checks import check_ndim, check_sm_scale
+from .._checks import as_index_array, check_ndim, check_sm_scale
 from ..variants import Variant, standard
 from ..variants.host import logits_keep, transform_logits, transform_output, transform_vectors
-from ._common import as_f64, check_lse_base, check_q_kv, index_array, lse_from_base, lse_to_base
+from ._common import as_f64, check_lse_base, check_q_kv, lse_from_base, lse_to_base
 
 __all__ = ["attention_state", "finalize"]
 
@@ -33,7 +33,7 @@ __all__ = ["attention_state", "finalize"]
 def _positions(name: str, pos, length: int, default_start: int) -> np.ndarray:
     if pos is None:
         return np.arange(default_start, default_start + length, dtype=np.int64)
-    arr = index_array(name, pos).astype(np.int64)
+    arr = as_index_array(name, pos).astype(np.int64)
     if arr.size != length:
         raise ValueError(f"{name} must have length {length}, got {arr.size}")
     return arr

@@ -122,8 +122,7 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
 
     # Per query row: kv length of each level it reads, its keys' offset per level, its position.
     seg = [_segment_of_rows(p, nnz) for p in qo_ptrs]
-    row_len = np.stack([lens[lvl][seg[lvl]] for lvl in range(levels)]) if nnz else \
-        np.zeros((levels, 0), dtype=np.int64)
+    row_len = np.stack([lens[lvl][seg[lvl]] for lvl in range(levels)])  # [levels, nnz]
     offset = np.cumsum(row_len, axis=0) - row_len
     last_ptr = qo_ptrs[-1]
     qo_len_last = (last_ptr[1:] - last_ptr[:-1])[seg[-1]]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._checks import (
+    as_index_array,
     check_dim,
     check_float,
     check_indptr,
@@ -19,7 +20,7 @@ from .._checks import (
     check_positive_int,
     check_range,
 )
-from ._common import check_layout, index_array
+from ._common import check_layout
 
 __all__ = [
     "append_paged_kv_cache",
@@ -98,9 +99,9 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
     (kv_indptr, kv_indices, kv_last_page_len) : int32 ndarrays
     """
     n_ptr, n_idx, n_last = names
-    indices = index_array(n_idx, kv_indices)
+    indices = as_index_array(n_idx, kv_indices)
     indptr = check_indptr(n_ptr, kv_indptr, total=indices.size)
-    last = index_array(n_last, kv_last_page_len)
+    last = as_index_array(n_last, kv_last_page_len)
     batch = indptr.size - 1
     if last.size != batch:
         raise ValueError(f"{n_last} must have length batch_size={batch} "
@@ -117,6 +118,13 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
 
 def kv_lengths(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray:
     """KV length of every request: ``(pages - 1) * page_size + last_page_len``, 0 without pages.
+
+    Parameters
+    ----------
+    kv_indptr : array of int, shape [batch_size + 1]
+    kv_last_page_len : array of int, shape [batch_size]
+        A validated page table (see :func:`check_page_table`).
+    page_size : int
 
     Returns
     -------
@@ -172,7 +180,7 @@ def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
     """
     nnz = check_positive_int("nnz", nnz, minimum=0)
     indptr = check_indptr("append_indptr", append_indptr, total=nnz)
-    lens = index_array("seq_lens", seq_lens)
+    lens = as_index_array("seq_lens", seq_lens)
     batch = indptr.size - 1
     if lens.size != batch:
         raise ValueError(f"seq_lens must have length batch_size={batch}, got {lens.size}")
@@ -226,8 +234,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         check_dim(name, arr, 2, d, "head_dim of paged_kv_cache")
     nnz = append_key.shape[0]
     check_dim("append_value", append_value, 0, nnz, "nnz of append_key")
-    bi = index_array("batch_indices", batch_indices)
-    pos = index_array("positions", positions)
+    bi = as_index_array("batch_indices", batch_indices)
+    pos = as_index_array("positions", positions)
     if bi.size != nnz:
         raise ValueError(f"batch_indices must have length nnz={nnz}, got {bi.size}")
     if pos.size != nnz:

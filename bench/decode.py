@@ -1,0 +1,216 @@
+"""Batch decode on the GPU: correctness spot checks, then speed against torch SDPA.
+
+Run on the H200 (see bench/README.md for the exact command):
+
+    python bench/decode.py --out bench/results/decode_h200.json
+
+Bytes counted per call: the K and V of every request and KV head, once (Q and O are < 0.1 %).
+Bandwidth = bytes / median time. The floor is bytes / 4.22 TB/s (measured device copy ceiling).
+Timing: CUDA events around each call, 5 warm-up calls, median of 30; the KV of each case is
+larger than the 60 MB L2, so repeated calls stream from HBM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+
+import nbinfer
+from nbinfer import reference
+from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
+from nbinfer.formats import PageTable
+
+COPY_CEILING = 4.22e12
+CASES = [(64, 4096), (256, 1024), (16, 32768)]
+
+
+def median_ms(fn, warmup=5, iters=30):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def paged_case(batch, kv_len, hq=32, hkv=8, d=128, ps=16, dtype=torch.float16, seed=0,
+               layout="NHD"):
+    rng = np.random.default_rng(seed)
+    pt = PageTable.from_kv_lens([kv_len] * batch, ps, rng=rng)
+    shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+    cache = torch.randn(shape, dtype=dtype, device="cuda")
+    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
+    return pt, cache, q
+
+
+def check(batch, kv_lens, hq, hkv, d, ps, dtype, layout, variant=None, flags=None, seed=1):
+    rng = np.random.default_rng(seed)
+    pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
+    shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+    cache = torch.randn(shape, dtype=dtype, device="cuda")
+    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, layout)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=dtype,
+           variant=variant, **(flags or {}))
+    torch.cuda.synchronize()
+    o, lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q.float().cpu().numpy(), cache.float().cpu().numpy(), pt.indptr, pt.indices,
+        pt.last_page_len, kv_layout=layout, variant=variant, return_lse=True, **(flags or {}))
+    o = o.float().cpu().numpy()
+    err = np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), 1e-30)
+    lse = lse.cpu().numpy()
+    fin = np.isfinite(ref_lse)
+    lerr = float(np.abs(lse[fin] - ref_lse[fin]).max()) if fin.any() else 0.0
+    return float(err), lerr
+
+
+def kernel_resources(wrapper):
+    k = wrapper._plan["kernel"]
+    sig = next(iter(k.overloads))
+    over = k.overloads[sig]
+    return dict(regs=int(over.regs_per_thread), local_bytes=int(over.local_mem_per_thread),
+                shared_bytes=int(over.shared_mem_per_block))
+
+
+def bench_case(batch, kv_len, sdpa=True):
+    hq, hkv, d, ps = 32, 8, 128, 16
+    pt, cache, q = paged_case(batch, kv_len)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=torch.float16)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+    kv_bytes = batch * kv_len * hkv * d * 2 * 2
+    t = median_ms(lambda: w.run(q, cache, out=out, lse=lse))
+    res = dict(batch=batch, kv_len=kv_len, kv_bytes=kv_bytes, nbinfer_ms=t,
+               nbinfer_tbps=kv_bytes / t / 1e9, floor_ms=kv_bytes / COPY_CEILING * 1e3,
+               work_items=int(w._plan["split"].work.shape[0]), chunk=w._plan["split"].chunk,
+               **kernel_resources(w))
+    # Host cost of one run() call (launch-bound: measured with the GPU idle between calls).
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        w.run(q, cache, out=out, lse=lse)
+    res["run_host_us"] = (time.perf_counter() - t0) / 20 * 1e6
+    torch.cuda.synchronize()
+    if sdpa:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa_fn
+
+        k = torch.randn(batch, hkv, kv_len, d, dtype=torch.float16, device="cuda")
+        v = torch.randn_like(k)
+        q4 = q.view(batch, hq, 1, d)
+        for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    ts = median_ms(lambda: sdpa_fn(q4, k, v, enable_gqa=True))
+                res[f"sdpa_{name}_ms"] = ts
+                res[f"sdpa_{name}_tbps"] = kv_bytes / ts / 1e9
+            except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
+                res[f"sdpa_{name}_error"] = str(exc)[:200]
+        del k, v
+    res["kernel_only_ms"] = kernel_only_ms(w, q, cache, out, lse)
+    res["kernel_only_tbps"] = kv_bytes / res["kernel_only_ms"] / 1e9
+    torch.cuda.empty_cache()
+    return res
+
+
+def kernel_only_ms(w, q, cache, out, lse, reps=20):
+    """GPU time of the decode kernel alone: arguments converted once, launches queued back to
+    back between two events, so Python's per-launch cost hides behind the GPU work."""
+    from numba import cuda
+
+    from nbinfer.kernels.decode import decode_launch_config
+
+    p = w._plan
+    hkv, d, ps = p["num_kv_heads"], p["head_dim"], p["page_size"]
+    flat = cuda.as_cuda_array(cache.reshape(-1))
+    ws = cuda.as_cuda_array(w._workspace).view(np.float32)
+    args = (cuda.as_cuda_array(q.reshape(-1)), flat, flat, p["dev"]["indptr"], p["dev"]["indices"],
+            p["dev"]["last"], p["dev"]["work"], cuda.as_cuda_array(out.reshape(-1)),
+            cuda.as_cuda_array(lse.reshape(-1)), ws[:1024], ws[1024:2048], np.int32(hkv),
+            np.int64(ps * hkv * d), np.int64(2 * ps * hkv * d), np.int64(0),
+            np.float32(p["sm_scale"]))
+    grid, block = decode_launch_config(p["split"].work.shape[0])
+    launch = p["kernel"][grid, block]
+    for _ in range(3):
+        launch(*args)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        launch(*args)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    from nbinfer import variants as V
+
+    checks = []
+    configs = [
+        (4, [1, 100, 1000, 4097], 32, 8, 128, 16, torch.float16, "NHD", None, None),
+        (3, [7, 333, 2049], 8, 8, 64, 1, torch.float16, "HND", None, None),
+        (3, [7, 333, 2049], 32, 4, 256, 5, torch.bfloat16, "NHD", None, None),
+        (2, [50, 3000], 8, 1, 128, 16, torch.float32, "NHD", None, None),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD", None, dict(logits_soft_cap=30.0)),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD", None, dict(window_left=100)),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD", None,
+         dict(pos_encoding_mode="ROPE_LLAMA")),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD", None,
+         dict(pos_encoding_mode="ALIBI")),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD", V.sigmoid_attention(0.5, -1.0), None),
+        (2, [50, 3000], 32, 8, 128, 16, torch.float16, "NHD",
+         V.attention_sink(np.linspace(-1, 2, 32)), None),
+    ]
+    for cfg in configs:
+        b, lens, hq, hkv, d, ps, dt, lay, var, flags = cfg
+        try:
+            err, lerr = check(b, lens, hq, hkv, d, ps, dt, lay, var, flags)
+            checks.append(dict(cfg=f"B{b} Hq{hq} Hkv{hkv} D{d} ps{ps} {dt} {lay} "
+                                   f"{var.name if var else ''} {flags or ''}", rel_err=err,
+                               lse_err=lerr))
+        except Exception as exc:  # noqa: BLE001
+            checks.append(dict(cfg=str(cfg[:8]), error=repr(exc)[:500]))
+        print(checks[-1], flush=True)
+    results = [bench_case(b, l) for b, l in (CASES[:1] if args.quick else CASES)]
+    payload = dict(device=torch.cuda.get_device_name(), nbinfer=nbinfer.__version__,
+                   checks=checks, decode=results, copy_ceiling=COPY_CEILING)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(payload, f, indent=2)
+    print("\ncase            kernel ms  TB/s   %ceil  cudnn ms  TB/s  ratio  regs local  host us")
+    for r in results:
+        cud = r.get("sdpa_cudnn_ms", float("nan"))
+        print(f"B{r['batch']:<4} L{r['kv_len']:<7} {r['kernel_only_ms']:9.3f} {r['kernel_only_tbps']:6.2f} "
+              f"{r['kernel_only_tbps'] / 4.22 * 100:6.1f}  {cud:8.3f} {r.get('sdpa_cudnn_tbps', 0):5.2f} "
+              f"{cud / r['kernel_only_ms']:6.2f} {r['regs']:5d} {r['local_bytes']:5d} "
+              f"{r['run_host_us']:8.1f}")
+    bad = [c for c in checks if "error" in c or c["rel_err"] > 2e-2]
+    print(f"checks: {len(checks) - len(bad)} ok, {len(bad)} bad")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Arrays in, arrays out: numpy, Numba device arrays, torch and cupy CUDA tensors.
+
+Kernels see 1-D Numba arrays (device arrays on the GPU, NumPy arrays in the simulator). This module
+converts whatever the caller passed, zero-copy where the array already lives on the GPU
+(``__cuda_array_interface__``), and hands results back as the caller's kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from .._checks import dtype_name
+
+BACKENDS = ("auto", "cuda", "sim", "reference")
+
+
+def array_kind(x) -> str:
+    """``"numpy"``, ``"numba"``, ``"torch"`` or ``"cupy"``; raises TypeError for anything else."""
+    mod = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if mod == "torch":
+        return "torch"
+    if mod == "cupy":
+        return "cupy"
+    if hasattr(x, "copy_to_host") or (not _sim() and cuda.is_cuda_array(x)):
+        return "numba"
+    raise TypeError(f"expected a numpy array, numba device array, torch or cupy tensor, "
+                    f"got {type(x).__name__}")
+
+
+def _sim() -> bool:
+    from ..kernels.primitives import simulator
+
+    return simulator()
+
+
+def resolve_backend(backend: str) -> str:
+    """Map ``"auto"`` to ``"cuda"`` when a GPU is usable, else ``"sim"``; validate the name."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "sim" if _sim() or not cuda.is_available() else "cuda"
+    if backend == "sim" and not _sim():
+        raise ValueError("backend='sim' needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
+    if backend == "cuda" and (_sim() or not cuda.is_available()):
+        raise ValueError("backend='cuda' needs a CUDA GPU (and NUMBA_ENABLE_CUDASIM unset)")
+    return backend
+
+
+def storage_dtype(x) -> str:
+    """``"float16"``, ``"bfloat16"`` or ``"float32"`` for a float array of any kind."""
+    name = dtype_name(x)
+    if name in ("float16", "bfloat16", "float32"):
+        return name
+    raise TypeError(f"expected a float16, bfloat16 or float32 array, got {name}")
+
+
+def device_of(x):
+    """A comparable device tag: ``"host"`` or ``("cuda", index)``."""
+    kind = array_kind(x)
+    if kind == "numpy":
+        return "host"
+    if kind == "torch":
+        return "host" if x.device.type == "cpu" else ("cuda", x.device.index or 0)
+    if kind == "cupy":
+        return ("cuda", x.device.id)
+    return ("cuda", 0)
+
+
+def to_kernel(x, backend: str):
+    """A flat (1-D, contiguous) Numba-usable view or copy of ``x`` for a kernel argument.
+
+    bf16 tensors become their int16 bit pattern. On ``"cuda"`` host arrays are copied to the
+    device; on ``"sim"`` everything must be host memory.
+    """
+    kind = array_kind(x)
+    if kind == "torch":
+        import torch
+
+        if not x.is_contiguous():
+            raise ValueError("torch tensors must be contiguous")
+        t = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        t = t.reshape(-1)
+        if backend == "sim":
+            return t.cpu().numpy()
+        return cuda.as_cuda_array(t.detach())
+    if kind == "cupy":
+        if backend == "sim":
+            raise ValueError("cupy arrays need backend='cuda'")
+        return cuda.as_cuda_array(x.reshape(-1))
+    if kind == "numba":
+        if backend == "sim":
+            return x.copy_to_host().reshape(-1)
+        return x.reshape(-1) if x.is_c_contiguous() else None
+    arr = np.ascontiguousarray(x).reshape(-1)
+    if backend == "sim":
+        # The simulator copies every argument back after the launch, so it needs writable memory.
+        return arr if arr.flags.writeable else arr.copy()
+    return cuda.to_device(arr)
+
+
+def host_int32(x, name: str) -> np.ndarray:
+    """An index array (any kind) as a host int32 NumPy array."""
+    kind = array_kind(x) if not isinstance(x, (list, tuple)) else "numpy"
+    if kind == "torch":
+        x = x.detach().cpu().numpy()
+    elif kind == "cupy":
+        x = x.get()
+    elif kind == "numba":
+        x = x.copy_to_host()
+    arr = np.asarray(x)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    return arr.astype(np.int32, copy=False)
+
+
+def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):
+    """Allocate an output of the caller's kind: returns ``(user_array, kernel_view)``."""
+    if kind == "torch":
+        import torch
+
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
+        t = torch.empty(shape, dtype=tdt, device=template.device)
+        return t, to_kernel(t, backend)
+    if kind == "cupy":
+        import cupy
+
+        a = cupy.empty(shape, dtype=dtype)
+        return a, to_kernel(a, backend)
+    npdt = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
+    if backend == "sim" or kind == "numpy":
+        host = np.empty(shape, dtype=npdt)
+        if backend == "sim":
+            return host, host.reshape(-1)
+        dev = cuda.device_array(int(np.prod(shape)), dtype=npdt)
+        return host, dev
+    dev = cuda.device_array(shape, dtype=npdt)
+    return dev, dev.reshape(-1)
+
+
+def finish(kind: str, user, kernel_view, backend: str):
+    """Copy a device result back into a host output when the caller passed NumPy."""
+    if kind == "numpy" and backend == "cuda":
+        kernel_view.copy_to_host(user.reshape(-1))
+    return user

@@ -1,0 +1,214 @@
+"""GPU-only device primitives and their CUDA-simulator twins.
+
+Kernels in nbinfer are built by factories; each factory asks :func:`primitives` for the device
+functions it needs. On a real GPU these are inline-PTX intrinsics and warp shuffles; under
+``NUMBA_ENABLE_CUDASIM=1`` they are plain-Python twins with the same meaning (the simulator has no
+shuffles, no inline PTX, no bf16), chosen when the kernel is built, never branched on at run time.
+
+Storage dtypes: fp16 KV is stored as ``float16``; bf16 as its raw bits in ``int16`` (torch bf16
+tensors have no ``__cuda_array_interface__`` typestr, so callers pass ``t.view(torch.int16)``);
+fp32 as ``float32``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import SimpleNamespace
+
+import numpy as np
+from numba import config, cuda, float32, int32, types
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def simulator() -> bool:
+    """True when Numba's CUDA simulator is active (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return bool(config.ENABLE_CUDASIM)
+
+
+@functools.cache
+def _gpu_intrinsics():
+    """Inline-PTX intrinsics (built lazily: importing llvmlite pieces is GPU-path only)."""
+    from llvmlite import ir
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    def element_ptr(context, builder, aryty, ary, idx):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return cgutils.get_item_pointer(context, builder, aryty, arr, [idx], wraparound=False)
+
+    @intrinsic
+    def f16_bits_to_f32(typingctx, bits):
+        # cvt.f32.f16 on the low 16 bits of an integer register: one instruction per element.
+        sig = types.float32(bits)
+
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.uint32)
+            fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, "{.reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h;}", "=f,r")
+            return builder.call(asm, [v])
+
+        return sig, codegen
+
+    def make_cp_async(nbytes):
+        # One cp.async of nbytes (4, 8 or 16) from global memory into shared memory: the copy
+        # bypasses registers, so a warp can keep many KV rows in flight while it computes.
+        cache = "cg" if nbytes == 16 else "ca"
+
+        @intrinsic
+        def cp_async(typingctx, dst, dst_idx, src, src_idx):
+            sig = types.void(dst, dst_idx, src, src_idx)
+
+            def codegen(context, builder, sig, args):
+                dptr = element_ptr(context, builder, sig.args[0], args[0], args[1])
+                sptr = element_ptr(context, builder, sig.args[2], args[2], args[3])
+                i64 = ir.IntType(64)
+                d = builder.ptrtoint(dptr, i64)
+                s = builder.ptrtoint(sptr, i64)
+                fnty = ir.FunctionType(ir.VoidType(), [i64, i64])
+                asm = ir.InlineAsm(
+                    fnty,
+                    "{.reg .u64 a; .reg .u32 sa; .reg .u64 g; cvta.to.shared.u64 a, $0; "
+                    "cvt.u32.u64 sa, a; cvta.to.global.u64 g, $1; "
+                    f"cp.async.{cache}.shared.global [sa], [g], {nbytes};}}",
+                    "l,l,~{memory}", side_effect=True)
+                builder.call(asm, [d, s])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return cp_async
+
+    def make_asm_void(text):
+        @intrinsic
+        def op(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return op
+
+    return SimpleNamespace(
+        f16_bits_to_f32=f16_bits_to_f32,
+        cp_async={n: make_cp_async(n) for n in (4, 8, 16)},
+        commit=make_asm_void("cp.async.commit_group;"),
+        wait={n: make_asm_void(f"cp.async.wait_group {n};") for n in range(4)},
+    )
+
+
+@functools.cache
+def primitives(sim: bool):
+    """Device functions for one target: the GPU (``sim=False``) or the simulator (``sim=True``).
+
+    Returns a namespace with
+
+    converters ``f16``, ``bf16``, ``f32`` (storage element -> float32),
+    ``from_f32_bf16`` (float32 -> bf16 bits, round to nearest even),
+    ``exp2``, ``log2``, ``make_cp_async(n_elems, itemsize)``, ``commit``, ``wait(n)``,
+    ``shfl_xor(v, offset)``, ``shfl_idx(v, lane)``, ``syncwarp()``.
+
+    The simulator's shuffles are not provided: kernels use the warp collectives built by
+    :func:`warp_collectives`, which have their own shared-memory twins.
+    """
+    ns = SimpleNamespace()
+    if sim:
+        def f16_to_f32(x):
+            return float32(x)
+
+        def f32_to_f32(x):
+            return x
+
+        def bf16_to_f32(bits):
+            word = np.array([(int(bits) & 0xFFFF) << 16], dtype=np.uint32)
+            return float32(word.view(np.float32)[0])
+
+        def f32_to_bf16(x):
+            b = int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+            b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+            return np.int16(np.uint16(b & 0xFFFF).view(np.int16))
+
+        def exp2(x):
+            return float32(2.0 ** x) if x > -math.inf else float32(0.0)
+
+        def log2(x):
+            return float32(math.log2(x))
+
+        def make_cp_async(n, itemsize):
+            def cp_async(dst, di, src, si):
+                for e in range(n):
+                    dst[di + e] = src[si + e]
+            return cp_async
+
+        def commit():
+            pass
+
+        def wait(n):
+            def w():
+                pass
+            return w
+
+        ns.f16, ns.bf16, ns.f32, ns.from_f32_bf16 = f16_to_f32, bf16_to_f32, f32_to_f32, f32_to_bf16
+        ns.exp2, ns.log2 = exp2, log2
+        ns.make_cp_async, ns.commit, ns.wait = make_cp_async, commit, wait
+        return ns
+
+    from numba.cuda import libdevice
+
+    intr = _gpu_intrinsics()
+
+    @cuda.jit(device=True, inline="always")
+    def f16_to_f32(x):
+        return float32(x)
+
+    @cuda.jit(device=True, inline="always")
+    def f32_to_f32(x):
+        return x
+
+    @cuda.jit(device=True, inline="always")
+    def bf16_to_f32(bits):
+        # bf16 is the top half of a float32: shift the 16 bits into place and reinterpret.
+        return libdevice.int_as_float(int32(bits) << 16)
+
+    @cuda.jit(device=True, inline="always")
+    def f32_to_bf16(x):
+        b = libdevice.float_as_int(x)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        return types.int16(b)
+
+    @cuda.jit(device=True, inline="always")
+    def exp2(x):
+        return libdevice.exp2f(x)
+
+    @cuda.jit(device=True, inline="always")
+    def log2(x):
+        return libdevice.log2f(x)
+
+    def make_cp_async(n, itemsize):
+        nbytes = n * itemsize
+        if nbytes in (4, 8, 16):
+            return intr.cp_async[nbytes]
+        if nbytes % 16:
+            raise ValueError(f"cp.async copies 4, 8 or 16 bytes or multiples of 16, got {nbytes}")
+        chunk = 16 // itemsize
+        reps = nbytes // 16
+        cp16 = intr.cp_async[16]
+
+        @cuda.jit(device=True, inline="always")
+        def cp_async(dst, di, src, si):
+            for r in range(reps):
+                cp16(dst, di + r * chunk, src, si + r * chunk)
+
+        return cp_async
+
+    ns.f16, ns.bf16, ns.f32, ns.from_f32_bf16 = f16_to_f32, bf16_to_f32, f32_to_f32, f32_to_bf16
+    ns.exp2, ns.log2 = exp2, log2
+    ns.make_cp_async, ns.commit = make_cp_async, intr.commit
+    ns.wait = lambda n: intr.wait[n]
+    return ns
