@@ -19,6 +19,7 @@ from .._checks import (
     check_heads,
     check_ndim,
     check_positive_int,
+    check_sm_scale,
 )
 from ..variants import Variant, compose, from_flashinfer_args
 
@@ -89,6 +90,19 @@ def check_q_kv(q: np.ndarray, num_kv_heads: int, head_dim: int, *, kv_name: str 
     check_positive_int("head_dim", head_dim)
     check_dim("q", q, q.ndim - 1, head_dim, f"head_dim of {kv_name}")
     return check_heads(q.shape[-2], num_kv_heads)
+
+
+def _prepare_contiguous(q, k, v, kv_layout, sm_scale, lse_base):
+    """Shared input checks of the 3-D contiguous-KV entry points with an explicit scale.
+
+    Returns ``(lse_base, q, k, v, scale)`` with ``k``/``v`` in NHD.
+    """
+    lse_base = check_lse_base(lse_base)
+    q = as_f64("q", q, 3)
+    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
+    check_q_kv(q, k.shape[1], k.shape[2])
+    scale = check_sm_scale(sm_scale, k.shape[2])
+    return lse_base, q, k, v, scale
 
 
 def build_variant(*, num_qo_heads: int, causal=False, window_left=-1, logits_soft_cap=None,

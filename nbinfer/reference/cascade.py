@@ -20,12 +20,11 @@ import math
 
 import numpy as np
 
-from .._checks import check_sm_scale
 from ._batch import check_qo_indptr, epilogue
-from ._common import as_f64, build_variant, check_lse_base, check_q_kv
+from ._common import build_variant
 from .attention import attention_state
 from .merge import merge_state
-from .paged import check_page_table, gather_kv, kv_lengths, split_paged_kv_cache
+from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
 
 __all__ = ["multi_level_cascade_attention"]
 
@@ -92,12 +91,8 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
     lse : ndarray, float64, shape [nnz_qo, num_qo_heads]
         LSE over all levels' keys; only with ``return_lse``.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
-    num_pages, page_size, hkv, d = k_cache.shape
-    check_q_kv(q, hkv, d, kv_name="paged_kv_cache")
-    scale = check_sm_scale(sm_scale, d)
+    lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale = _prepare_paged(
+        q, paged_kv_cache, kv_layout, sm_scale, lse_base)
     nnz, hq, _ = q.shape
     levels, qo_ptrs = _check_levels(nnz, qo_indptr_arr, paged_kv_indptr_arr,
                                     paged_kv_indices_arr, paged_kv_last_page_len_arr)

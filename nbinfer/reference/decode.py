@@ -10,11 +10,11 @@ import math
 
 import numpy as np
 
-from .._checks import check_dim, check_sm_scale
+from .._checks import check_dim
 from ._batch import epilogue, run_requests
 from ._common import as_f64, build_variant, check_lse_base, check_q_kv, contiguous_kv_to_nhd
 from .attention import attention_state
-from .paged import check_page_table, gather_kv, kv_lengths, split_paged_kv_cache
+from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
 
 __all__ = ["batch_decode_with_paged_kv_cache", "single_decode_with_kv_cache"]
 
@@ -92,12 +92,8 @@ def batch_decode_with_paged_kv_cache(q, paged_kv_cache, kv_indptr, kv_indices, k
     lse : ndarray, float64, shape [batch_size, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
-    num_pages, page_size, hkv, d = k_cache.shape
-    check_q_kv(q, hkv, d, kv_name="paged_kv_cache")
-    scale = check_sm_scale(sm_scale, d)
+    lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale = _prepare_paged(
+        q, paged_kv_cache, kv_layout, sm_scale, lse_base)
     indptr, indices, last = check_page_table(kv_indptr, kv_indices, kv_last_page_len,
                                              num_pages, page_size)
     check_dim("q", q, 0, indptr.size - 1, "batch_size = len(kv_indptr) - 1")

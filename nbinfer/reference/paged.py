@@ -9,6 +9,8 @@ gathers each request's keys into a contiguous array (a copy; kernels read pages 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .._checks import (
@@ -19,8 +21,9 @@ from .._checks import (
     check_ndim,
     check_positive_int,
     check_range,
+    check_sm_scale,
 )
-from ._common import check_layout
+from ._common import as_f64, check_layout, check_lse_base, check_q_kv
 
 __all__ = [
     "append_paged_kv_cache",
@@ -32,6 +35,28 @@ __all__ = [
 ]
 
 PAGE_TABLE_NAMES = ("kv_indptr", "kv_indices", "kv_last_page_len")
+
+
+class _PagedInputs(NamedTuple):
+    lse_base: float
+    q: np.ndarray
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+    num_pages: int
+    page_size: int
+    head_dim: int
+    scale: float
+
+
+def _prepare_paged(q, paged_kv_cache, kv_layout, sm_scale, lse_base) -> _PagedInputs:
+    """Shared input checks of the paged entry points (same order and messages in each)."""
+    lse_base = check_lse_base(lse_base)
+    q = as_f64("q", q, 3)
+    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
+    num_pages, page_size, hkv, d = k_cache.shape
+    check_q_kv(q, hkv, d, kv_name="paged_kv_cache")
+    scale = check_sm_scale(sm_scale, d)
+    return _PagedInputs(lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale)
 
 
 def split_paged_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):

@@ -11,11 +11,17 @@ from __future__ import annotations
 
 import math
 
-from .._checks import check_sm_scale
 from ._batch import batch_masks, check_qo_indptr, epilogue, run_requests, single_mask
-from ._common import as_f64, build_variant, check_lse_base, check_q_kv, contiguous_kv_to_nhd
+from ._common import (
+    _prepare_contiguous,
+    as_f64,
+    build_variant,
+    check_lse_base,
+    check_q_kv,
+    contiguous_kv_to_nhd,
+)
 from .attention import attention_state
-from .paged import check_page_table, gather_kv, kv_lengths, split_paged_kv_cache
+from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
 
 __all__ = [
     "batch_prefill_with_paged_kv_cache",
@@ -119,12 +125,8 @@ def batch_prefill_with_paged_kv_cache(q, qo_indptr, paged_kv_cache, kv_indptr, k
     lse : ndarray, float64, shape [nnz_qo, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
-    num_pages, page_size, hkv, d = k_cache.shape
-    check_q_kv(q, hkv, d, kv_name="paged_kv_cache")
-    scale = check_sm_scale(sm_scale, d)
+    lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale = _prepare_paged(
+        q, paged_kv_cache, kv_layout, sm_scale, lse_base)
     indptr, indices, last = check_page_table(kv_indptr, kv_indices, kv_last_page_len,
                                              num_pages, page_size)
     qo_ptr = check_qo_indptr(qo_indptr, q.shape[0], batch=indptr.size - 1)
@@ -169,11 +171,7 @@ def batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr, *, custom_
     lse : ndarray, float64, shape [nnz_qo, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
-    check_q_kv(q, k.shape[1], k.shape[2])
-    scale = check_sm_scale(sm_scale, k.shape[2])
+    lse_base, q, k, v, scale = _prepare_contiguous(q, k, v, kv_layout, sm_scale, lse_base)
     qo_ptr = check_qo_indptr(qo_indptr, q.shape[0])
     kv_ptr = check_qo_indptr(kv_indptr, k.shape[0], name="kv_indptr", batch=qo_ptr.size - 1)
     kv_lens = kv_ptr[1:] - kv_ptr[:-1]

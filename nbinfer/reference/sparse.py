@@ -12,11 +12,14 @@ import math
 
 import numpy as np
 
-from .._checks import check_ndim, check_sm_scale
+from .._checks import check_ndim
 from ..formats import BSR
 from ..formats.masks import unpackbits
 from ._batch import epilogue
-from ._common import as_f64, build_variant, check_lse_base, check_q_kv, contiguous_kv_to_nhd
+from ._common import (
+    _prepare_contiguous,
+    build_variant,
+)
 from .attention import attention_state
 
 __all__ = ["block_sparse_attention", "block_sparse_dense_mask"]
@@ -108,11 +111,7 @@ def block_sparse_attention(q, k, v, indptr, indices, R, C, *, mask=None, packed_
     lse : ndarray, float64, shape [M, num_qo_heads]
         Only with ``return_lse``; ``-inf`` for a row with no stored block.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
-    check_q_kv(q, k.shape[1], k.shape[2])
-    scale = check_sm_scale(sm_scale, k.shape[2])
+    lse_base, q, k, v, scale = _prepare_contiguous(q, k, v, kv_layout, sm_scale, lse_base)
     bsr = BSR(indptr, indices, (R, C), (q.shape[0], k.shape[0]))
     elem = _element_mask(mask, packed_mask, bsr.nnz_blocks, *bsr.block_shape)
     dense = block_sparse_dense_mask(bsr, elem)
