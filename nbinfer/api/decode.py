@@ -8,7 +8,6 @@ called once per layer with the same plan.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -333,4 +332,4 @@ def _reference_decode(q, cache, p, layout, return_lse):
     return res
 
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "SplitPlan", "split_kv_plan", "math"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "SplitPlan", "split_kv_plan"]

@@ -27,7 +27,6 @@ instructions per byte.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +35,7 @@ from numba.core.types import float16
 
 from ..variants import Variant
 from .hooks import device_hooks
-from .primitives import LN2, LOG2E, primitives, simulator
+from .primitives import LN2, LOG2E, primitives
 from .warp import slot_layout, warp_collectives
 
 NUM_WARPS = 4
@@ -386,11 +385,5 @@ def decode_launch_config(num_work_items: int):
     return (max(int(num_work_items), 1),), (NUM_THREADS,)
 
 
-def default_spec(**kw) -> DecodeSpec:
-    """A :class:`DecodeSpec` for the current target (simulator or GPU)."""
-    kw.setdefault("sim", simulator())
-    return DecodeSpec(**kw)
-
-
 __all__ = ["DecodeSpec", "build_decode_kernel", "decode_launch_config", "decode_signature",
-           "default_spec", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES", "math"]
+           "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]

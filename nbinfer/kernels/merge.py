@@ -119,9 +119,9 @@ def build_merge_two(spec: MergeSpec):
     """``merge_state``: ``(va, sa) + (vb, sb) -> (vo, so)``; ``mask[row]`` 0 keeps ``(va, sa)``.
 
     Arguments: ``va, sa, vb, sb, vo, so, mask (uint8 [rows] or size-0 for all), num_heads,
-    head_dim, total``. ``vo``/``so`` may alias ``va``/``sa`` (in place): each thread reads its
-    element before writing it, and the LSE is written by the ``d == 0`` thread after it has read
-    it... so in-place LSE uses a separate pass (see :func:`nbinfer.api.merge`).
+    head_dim, total``. ``vo`` may alias ``va`` (each thread reads its element before writing
+    it), but ``so`` must not alias ``sa``: the ``d == 0`` thread writes the row's LSE while the
+    other threads of that row may still be reading it.
     """
     sim = spec.sim
     prims = primitives(sim)
