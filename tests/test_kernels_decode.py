@@ -36,6 +36,7 @@ def _run(pt, cache, q, hkv, ps, layout, **plan_kw):
         ([5, 200], 4, 1, 64, 3, np.float16, "NHD", False),  # request 1 is split: merge kernel
         ([1, 17], 2, 2, 64, 1, np.float32, "HND", True),
         ([0, 9], 8, 2, 128, 16, np.float16, "NHD", False),  # an empty request
+        ([3, 9], 2, 2, 256, 7, np.float32, "HND", False),  # rows of 64 16-byte chunks
     ],
 )
 def test_decode_matches_reference(rng, kv_lens, hq, hkv, d, ps, dtype, layout, tuple_cache):
@@ -78,8 +79,20 @@ def test_split_plan_covers_every_token_once():
             covered = np.concatenate([np.arange(s, e) for s, e in items[:, 2:4]])
             assert np.array_equal(np.sort(covered), np.arange(n))
     split_rows = set(plan.merge_rows.tolist())
-    assert split_rows == {b for b, n in enumerate(lens) if n > plan.chunk}
+    pieces = np.bincount(plan.work[plan.work[:, 1] == 0, 0], minlength=lens.size)
+    assert split_rows == {b for b in range(lens.size) if pieces[b] > 1}
     assert np.all(plan.work[~np.isin(plan.work[:, 0], list(split_rows)), 4] == -1)
+    # chunks of one request are equal up to the last one (no long piece plus a sliver)
+    for b in split_rows:
+        sizes = np.diff(plan.work[(plan.work[:, 0] == b) & (plan.work[:, 1] == 0)][:, 2:4]).ravel()
+        assert np.all(sizes[:-1] == sizes[0]) and sizes[-1] > 0
+
+
+def test_split_plan_does_not_split_a_batch_that_fills_the_gpu():
+    plan = split_kv_plan(np.full(64, 4096), 8, target_ctas=528, granule=32)
+    assert plan.work.shape[0] == 512 and plan.merge_rows.size == 0
+    plan = split_kv_plan(np.full(16, 32768), 8, target_ctas=528, granule=32)
+    assert plan.work.shape[0] == 512 and plan.merge_rows.size == 16
 
 
 def test_run_errors(rng):

@@ -3,25 +3,31 @@
 One CTA handles one work item ``(request b, kv head hk, kv range [start, end))`` and all ``G``
 query heads of that KV head's GQA group, so each KV byte is read from HBM once per group.
 
-Layout (4 warps, 128 threads). Lane ``l`` owns head-dimension slice ``[l*NV, (l+1)*NV)``,
-``NV = D / 32``. A warp processes groups of ``TG`` tokens; warp ``w`` takes groups ``w, w+4, ...``
-so the four warps stream disjoint tokens and never wait for each other inside the loop:
+Four warps stream disjoint groups of ``TG`` tokens (warp ``w`` takes groups ``w, w+4, ...``),
+each through its own ``STAGES``-deep ring of shared-memory buffers, so warps never wait for each
+other inside the loop. Per group, a warp:
 
-1. gather: every lane ``cp.async``-copies its slice of the group's K and V rows from the pages the
-   page table names (sparse) or from a contiguous range (dense) into the warp's shared-memory stage.
-   Two stages per warp: the copy of group ``i+1`` is in flight while group ``i`` is computed.
-2. scores: a lane forms partial dot products for ``TG`` tokens x ``G`` heads from its slice; one
-   warp reduce-scatter turns the ``N = TG * G`` partials into whole logits, one per slot, where the
-   variant's logits transform and mask run once per (token, head).
-3. online softmax per head on the gathered logits, then ``acc += p * v`` on the lane's V slice.
-4. the four warps' states ``(m, l, acc)`` merge through shared memory (the merge operator again),
-   and the CTA writes either the final output (request not split) or a partial state ``(O, LSE)``
-   for the merge kernel.
+1. gathers: each lane ``cp.async``-copies four 16-byte chunks of K and four of V (a group's K is
+   always 2 KiB) from the pages the page table names (sparse) or a contiguous range (dense);
+   ``STAGES - 1`` groups are in flight while one is computed.
+2. scores: ``LPT`` lanes share a key row (``DPL = D / LPT`` dims each, one vector shared load);
+   a lane forms partial dot products for its ``TPL`` tokens x ``G`` heads, and a reduce-scatter
+   over the ``LPT`` lanes turns them into whole logits, one per lane, where the variant's logits
+   transform and mask run exactly once per (token, head).
+3. online softmax: the logits go through a warp-private shared buffer; every lane takes the new
+   per-head maximum from it (vector loads) and rescales its accumulator, the owner lane of each
+   logit turns it into ``p = exp2(s - m)`` and keeps the running sum ``l`` for its slot.
+4. ``acc += p * v``: lane ``l`` owns dims ``[l * NV, (l + 1) * NV)``, ``NV = D / 32``.
+
+At the end the four warps' states ``(m, l, acc)`` merge through shared memory (the merge operator
+again) and the CTA writes the final output (request not split) or a partial state ``(O, LSE)``.
 
 Bytes and FLOPs per token and KV head: ``2 * D * itemsize`` bytes (K and V) against
-``4 * G * D`` FLOPs, i.e. ``G`` FLOP/byte for fp16: decode is bound by HBM, so the kernel's job is
-to keep enough bytes in flight (4 warps x 2 stages x 2 * TG rows per CTA) and spend few
-instructions per byte.
+``4 * G * D`` FLOPs, i.e. ``G`` FLOP/byte for fp16. Decode is bound by HBM only if the SM issues
+few instructions per byte: at 4.2 TB/s an H200 SM receives ~16 B/cycle, so a 4 KiB group
+(K+V, fp16, D=128) must cost well under 1000 warp-instructions across its warp. The minimum is the
+FMAs (``2 * G * D * TG / 32`` = 256 for G=4) plus one conversion per element (64); every shared
+access therefore uses a 32-bit address plus an immediate and loads 8-16 bytes at once.
 """
 
 from __future__ import annotations
@@ -36,17 +42,17 @@ from numba.core.types import float16
 from ..variants import Variant
 from .hooks import device_hooks
 from .primitives import LN2, LOG2E, primitives
-from .warp import slot_layout, warp_collectives
+from .warp import warp_collectives
 
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
-STAGES = 2
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = ("float16", "bfloat16", "float32")
 # Numba storage type of each dtype: bf16 travels as its raw bits.
 STORAGE = {"float16": float16, "bfloat16": int16, "float32": float32}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 WORK_FIELDS = 5  # (request, kv_head, kv_start, kv_end, partial_row or -1)
+GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,10 @@ class DecodeSpec:
     variant: Variant
     sparse: bool = True
     sim: bool = False
+    stages: int = 2
+    # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
+    # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
+    max_registers: int | None = 128
 
     def __post_init__(self):
         if self.head_dim not in HEAD_DIMS:
@@ -76,15 +86,26 @@ class DecodeSpec:
                 raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
         if self.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+        if self.stages not in (2, 3, 4):
+            raise ValueError(f"stages must be 2, 3 or 4, got {self.stages}")
 
     @property
     def tokens_per_group(self) -> int:
-        # 4 KiB of K+V per warp and stage: 8 fp16 tokens at D=128.
-        return max(1, 2048 // (self.head_dim * ITEMSIZE[self.kv_dtype]))
+        """TG: tokens a warp gathers per stage (2 KiB of K: 8 fp16 tokens at D=128)."""
+        return GROUP_K_BYTES // (self.head_dim * ITEMSIZE[self.kv_dtype])
 
     @property
-    def slots(self) -> int:
-        return self.tokens_per_group * _next_pow2(self.group_size)
+    def lanes_per_token(self) -> int:
+        """LPT: lanes that share one key row in q.k (fewer lanes -> shorter reduce-scatter).
+
+        The smallest power of two whose slice keeps the lane's query registers (G * D / LPT)
+        at or below 32 and its slice at or below 16 elements.
+        """
+        g, d, tg = self.group_size, self.head_dim, self.tokens_per_group
+        for lpt in (4, 8, 16, 32):
+            if g * d // lpt <= 32 and d // lpt <= 16 and 32 // lpt <= tg:
+                return lpt
+        return 32
 
 
 def _next_pow2(n: int) -> int:
@@ -102,21 +123,33 @@ def decode_signature(spec: DecodeSpec):
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
     return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32,
-                      int32, int64, int64, int64, float32)
+                      int32, int32, int64, float32)
 
 
 @functools.cache
 def build_decode_kernel(spec: DecodeSpec):
     """Compile (once per spec) the decode kernel; returns the Numba kernel object.
 
-    Kernel arguments, all 1-D contiguous: ``q [B*Hq*D]``, ``k``, ``v`` (flat KV storage; for a
-    combined ``[P, 2, ...]`` cache both are the same buffer and ``v_off`` is the K->V distance),
-    ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32), ``work [W*5]`` (int32),
-    ``o [B*Hq*D]``, ``lse [B*Hq]`` (float32, natural log), ``tmp_o [P*Hq*D]``,
-    ``tmp_lse [P*Hq]`` (float32 partial states), then scalars ``num_kv_heads``, ``v_off``,
-    ``page_stride`` (elements between pages, paged only), ``head_stride`` (HND dense only),
-    ``sm_scale``.
+    Kernel arguments, all 1-D contiguous: ``q [B*Hq*D]``, ``k``, ``v`` (flat KV storage, each
+    starting at its first element: for a combined ``[P, 2, ...]`` cache, two views of one buffer
+    ``v_off`` elements apart), ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32),
+    ``work [W*5]`` (int32), ``o [B*Hq*D]``, ``lse [B*Hq]`` (float32, natural log),
+    ``tmp_o [P*Hq*D]``, ``tmp_lse [P*Hq]`` (float32 partial states), then scalars
+    ``num_kv_heads``, ``page_stride`` (int32: elements between pages, paged only),
+    ``head_stride`` (int64: HND dense only), ``sm_scale``. K/V base pointers and strides must be
+    16-byte aligned (cp.async).
     """
+    fn = decode_kernel_source(spec)
+    if spec.sim:
+        return cuda.jit(fn)
+    opts = {"fastmath": True}
+    if spec.max_registers:
+        opts["max_registers"] = spec.max_registers
+    return cuda.jit(decode_signature(spec), **opts)(fn)
+
+
+def decode_kernel_source(spec: DecodeSpec):
+    """The kernel as a Python function with every constant and device function captured."""
     sim = spec.sim
     prims = primitives(sim)
     hooks = device_hooks(spec.variant, sim)
@@ -125,30 +158,45 @@ def build_decode_kernel(spec: DecodeSpec):
     G = spec.group_size
     GP = _next_pow2(G)
     PS = spec.page_size
-    NV = D // 32
-    GNV = G * NV  # local-array sizes must be single captured constants, not expressions
+    IS = ITEMSIZE[spec.kv_dtype]
     TG = spec.tokens_per_group
-    N = TG * GP
-    R, REP, _ = slot_layout(N)
+    LPT = spec.lanes_per_token
+    DPL = D // LPT  # q.k: dims per lane
+    NH = 32 // LPT  # q.k: key rows a warp covers at once
+    TPL = TG // NH  # q.k: tokens per lane and group
+    NV = D // 32  # p.v: dims per lane
+    N = TPL * GP  # partial dot products per lane and group
+    GDPL = G * DPL  # local-array sizes must be single captured constants, not expressions
+    GNV = G * NV
+    GTG = G * TG
     NW = NUM_WARPS
     NT = NUM_THREADS
-    STAGE = TG * D  # storage elements of one K (or V) buffer of one warp and stage
-    WARP_SMEM = STAGES * 2 * STAGE
-    KV_SMEM = NW * WARP_SMEM
+    S = spec.stages
+    CE = 16 // IS  # elements per 16-byte chunk
+    CR = D // CE  # chunks per key row
+    CPL = GROUP_K_BYTES // 16 // 32  # K chunks per lane and group (and as many V chunks)
+    K_BYTES = TG * D * IS
+    STAGE_BYTES = 2 * K_BYTES
+    WARP_ELEMS = S * 2 * TG * D
+    KV_SMEM = NW * WARP_ELEMS
+    PB = GP * TG  # one probability buffer of one warp (float32)
+    P_SMEM = NW * 2 * PB
     MERGE_SMEM = NW * (D + 2)
-    coll = warp_collectives(N, NW, sim)
-    SCRATCH = coll.scratch_size
+    coll = warp_collectives(N, NW, sim, LPT)
+    R, REP, SCRATCH = coll.R, coll.REP, coll.scratch_size
     # Numba captures functions, not namespaces: bind every device function to a plain name.
-    reduce_scatter, gather_slots = coll.reduce_scatter, coll.gather_slots
+    reduce_scatter = coll.reduce_scatter
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
     hook_mask, hook_output = hooks.mask, hooks.output
     KV_T = STORAGE[spec.kv_dtype]
-    cp_async = prims.make_cp_async(NV, ITEMSIZE[spec.kv_dtype])
+    shared_addr, sts_f32, cp16 = prims.shared_addr, prims.sts_f32, prims.cp_async16_to
+    lds_k = prims.make_lds(spec.kv_dtype, DPL)
+    lds_v = prims.make_lds(spec.kv_dtype, NV)
+    lds_p = prims.make_lds("float32", TG)  # a head's TG logits or probabilities at once
     commit = prims.commit
-    wait_one = prims.wait(1)
+    wait_ready = prims.wait(S - 2)
     exp2, log2 = prims.exp2, prims.log2
-    kv_cvt = _converter(prims, spec.kv_dtype)
-    q_cvt = _converter(prims, spec.q_dtype)
+    q_to_f32 = _converter(prims, spec.q_dtype)
     to_bf16 = prims.from_f32_bf16
     Q_IS_BF16 = spec.q_dtype == "bfloat16"
     SOFTMAX = hooks.use_softmax
@@ -159,10 +207,13 @@ def build_decode_kernel(spec: DecodeSpec):
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
     ZERO = float32(0.0)
+    ONE = float32(1.0)
+    MASKED = NEG_INF if SOFTMAX else ZERO
     F_LN2 = float32(LN2)
     SPARSE = spec.sparse
     NHD = spec.kv_layout == "NHD"
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
     @jit_dev
     def syncwarp():
         # The simulator has no __syncwarp; every thread reaches this point, so a block barrier
@@ -172,7 +223,7 @@ def build_decode_kernel(spec: DecodeSpec):
         else:
             cuda.syncwarp()
 
-    to_f32, q_to_f32 = kv_cvt, q_cvt
+    U32 = types.uint32
 
     @jit_dev
     def request_kv_len(kv_indptr, kv_last, b):
@@ -182,30 +233,32 @@ def build_decode_kernel(spec: DecodeSpec):
         return kv_indptr[b + 1] - kv_indptr[b]
 
     @jit_dev
-    def token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride, head_stride):
+    def token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride):
         # The loading module: the only code that differs between sparse and dense addressing.
+        # ``pos`` is unsigned, so // and % by the constant page size are shifts and the index
+        # needs no negative-wraparound code; ``ib`` is kv_indptr[b] (paged) or the request's
+        # first token (dense); ``head_off`` folds the head and the lane's column.
         if SPARSE:
-            page = int64(kv_indices[kv_indptr[b] + pos // PS])
-            slot = pos % PS
-            if NHD:
-                return page * page_stride + (slot * hkv + hk) * D
-            return page * page_stride + (hk * PS + slot) * D
-        tok = int64(kv_indptr[b] + pos)
-        if NHD:
-            return (tok * hkv + hk) * D
-        return hk * head_stride + tok * D
+            page = int64(kv_indices[U32(ib + pos // PS)])
+            return page * int64(page_stride) + int64(pos % PS) * row_stride + head_off
+        return int64(ib + pos) * row_stride + head_off
 
     @jit_dev
-    def issue_group(smem, sbase, k, v, kv_indptr, kv_indices, b, hk, hkv, gstart, last, lane,
-                    v_off, page_stride, head_stride):
-        for t in range(TG):
-            # Tokens past the range re-read the last valid token; their logits are masked later.
-            pos = min(gstart + t, last)
-            off = token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride, head_stride)
-            off += lane * NV
-            cp_async(smem, sbase + t * D + lane * NV, k, off)
-            cp_async(smem, sbase + STAGE + t * D + lane * NV, v, off + v_off)
-        commit()
+    def issue_group(kvs, sbase, k, v, kv_indices, ib, gstart, last, lane, row_stride, head_off,
+                    page_stride):
+        # Chunk ci = lane + 32 j of the group's K is row ci // CR, column (ci % CR) * CE; rows
+        # are contiguous in shared memory, so its destination is simply sbase + 16 ci.
+        for j in range(CPL):
+            ci = lane + 32 * j
+            # Tokens past the range re-read the last valid token; their logits are masked.
+            pos = min(gstart + U32(ci // CR), last)
+            off = token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride)
+            # head_off holds column (lane % CR) * CE; rows wider than 32 chunks (fp32, D=256)
+            # continue at column (lane + 32 j) % CR = lane % CR + (32 j) % CR.
+            off += ((32 * j) % CR) * CE
+            dst = sbase + 16 * ci
+            cp16(kvs, dst, k, off)
+            cp16(kvs, dst + K_BYTES, v, off)
 
     @jit_dev
     def store(o, i, x):
@@ -215,22 +268,29 @@ def build_decode_kernel(spec: DecodeSpec):
             o[i] = x
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, work, o, lse, tmp_o, tmp_lse,
-                      hkv, v_off, page_stride, head_stride, sm_scale):
-        smem = cuda.shared.array(KV_SMEM, KV_T)
+                      hkv, page_stride, head_stride, sm_scale):
+        kvs = cuda.shared.array(KV_SMEM, KV_T)
+        pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
         part = cuda.local.array(N, float32)
         sc = cuda.local.array(R, float32)
-        s_all = cuda.local.array(N, float32)
-        qv = cuda.local.array(GNV, float32)
+        lpart = cuda.local.array(R, float32)
+        mref_r = cuda.local.array(R, float32)
+        alpha_r = cuda.local.array(R, float32)
+        slot_h = cuda.local.array(R, int32)
+        slot_t = cuda.local.array(R, int32)
+        qv = cuda.local.array(GDPL, float32)
+        kf = cuda.local.array(DPL, float32)
         acc = cuda.local.array(GNV, float32)
-        kf = cuda.local.array(NV, float32)
+        pl = cuda.local.array(GTG, float32)
         m = cuda.local.array(G, float32)
-        lsum = cuda.local.array(G, float32)
 
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
+        half = lane // LPT  # which of the NH key rows this lane reads in q.k
+        u = lane % LPT  # position within the row
         w0 = cuda.blockIdx.x * WORK_FIELDS
         b = work[w0]
         hk = work[w0 + 1]
@@ -240,107 +300,160 @@ def build_decode_kernel(spec: DecodeSpec):
         hq = hkv * G
         kv_len = request_kv_len(kv_indptr, kv_last, b)
         q_pos = kv_len - 1
-        d0 = lane * NV
         qscale = sm_scale * Q_LOG2E
 
         for h in range(G):
-            qo_head = hk * G + h
-            qbase = (b * hq + qo_head) * D
-            for e in range(NV):
-                x = q_to_f32(q[qbase + d0 + e])
+            qbase = (b * hq + hk * G + h) * D
+            for e in range(DPL):
+                d = u * DPL + e
+                x = q_to_f32(q[qbase + d])
                 if HAS_Q:
-                    xp = q_to_f32(q[qbase + (d0 + e + HALF) % D])
-                    x = float32(hook_query(x, xp, d0 + e, D, q_pos, qo_head))
-                qv[h * NV + e] = x * qscale
+                    xp = q_to_f32(q[qbase + (d + HALF) % D])
+                    x = float32(hook_query(x, xp, d, D, q_pos, hk * G + h))
+                qv[h * DPL + e] = x * qscale
+            for e in range(NV):
                 acc[h * NV + e] = ZERO
             m[h] = NEG_INF
-            lsum[h] = ZERO
+        for r in range(R):
+            slot = (u // REP) * R + r
+            slot_h[r] = slot // TPL
+            slot_t[r] = half + NH * (slot % TPL)
+            lpart[r] = ZERO
+            mref_r[r] = ZERO
+            alpha_r[r] = ONE
 
-        n_groups = (end - start + TG - 1) // TG
-        rounds = (n_groups + NW - 1) // NW
-        wbase = warp * WARP_SMEM
-        last = end - 1
-        if rounds > 0:
-            issue_group(smem, wbase, k, v, kv_indptr, kv_indices, b, hk, hkv,
-                        start + warp * TG, last, lane, v_off, page_stride, head_stride)
+        # Loop state is unsigned 32-bit and advanced incrementally: Numba's default int64
+        # arithmetic would otherwise put 64-bit index math into every group.
+        n_kv = U32(end - start)
+        rounds = (n_kv + U32(NW * TG - 1)) // U32(NW * TG)
+        last = U32(end - 1)
+        ib = U32(kv_indptr[b])  # first page (paged) or first token (dense) of the request
+        row_stride = int64(hkv * D) if NHD else int64(D)  # elements between consecutive tokens
+        if NHD:
+            head_off = int64(hk * D)
+        elif SPARSE:
+            head_off = int64(hk * PS * D)
+        else:
+            head_off = int64(hk) * head_stride
+        head_off += (lane % CR) * CE
+        kv_base = shared_addr(kvs, warp * WARP_ELEMS)
+        pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
+        pb = pa + U32(4 * PB)  # probabilities of the group
+        g0 = U32(start) + U32(warp * TG)
+        for g in range(S - 1):
+            if g < rounds:
+                issue_group(kvs, kv_base + U32(g * STAGE_BYTES), k, v, kv_indices, ib,
+                            g0 + U32(g * NW * TG), last, lane, row_stride, head_off, page_stride)
+            commit()  # possibly empty: keeps "wait until S-2 groups are pending" uniform
+        gstart = g0
+        sb = kv_base
         for r in range(rounds):
-            if r + 1 < rounds:
-                issue_group(smem, wbase + ((r + 1) % STAGES) * 2 * STAGE, k, v, kv_indptr,
-                            kv_indices, b, hk, hkv, start + ((r + 1) * NW + warp) * TG, last,
-                            lane, v_off, page_stride, head_stride)
-            else:
-                commit()  # an empty group keeps "wait for all but the newest" uniform
-            wait_one()
-            if HAS_K:
-                syncwarp()  # the key transform reads its partner element from another lane
-            sb = wbase + (r % STAGES) * 2 * STAGE
-            gstart = start + (r * NW + warp) * TG
+            wait_ready()
+            # Publishes every lane's copies of group r, and frees the stage read in round r-1.
+            syncwarp()
+            if r + U32(S - 1) < rounds:
+                nb = sb + U32((S - 1) * STAGE_BYTES)
+                if nb >= kv_base + U32(S * STAGE_BYTES):
+                    nb -= U32(S * STAGE_BYTES)
+                issue_group(kvs, nb, k, v, kv_indices, ib, gstart + U32((S - 1) * NW * TG),
+                            last, lane, row_stride, head_off, page_stride)
+            commit()
 
-            # Partial q.k over this lane's slice, for TG tokens x GP heads (padding heads are 0).
-            for t in range(TG):
-                for e in range(NV):
-                    x = to_f32(smem[sb + t * D + d0 + e])
+            # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
+            for i in range(TPL):
+                t = half + NH * i
+                kx = lds_k(kvs, sb + (t * D + u * DPL) * IS)
+                if HAS_K:
+                    kp = lds_k(kvs, sb + (t * D + (u * DPL + HALF) % D) * IS)
+                for e in range(DPL):
+                    x = kx[e]
                     if HAS_K:
-                        xp = to_f32(smem[sb + t * D + (d0 + e + HALF) % D])
-                        x = float32(hook_key(x, xp, d0 + e, D, gstart + t, hk))
+                        x = float32(hook_key(x, kp[e], u * DPL + e, D, gstart + t, hk))
                     kf[e] = x
                 for h in range(GP):
                     dot = ZERO
                     if h < G:
-                        for e in range(NV):
-                            dot += qv[h * NV + e] * kf[e]
-                    part[h * TG + t] = dot
+                        for e in range(DPL):
+                            dot += qv[h * DPL + e] * kf[e]
+                    part[h * TPL + i] = dot
             reduce_scatter(part, sc, lane, warp, scratch)
 
-            # Each slot now holds one whole logit: run the variant on it exactly once.
+            # Each lane now owns R whole logits: run the variant on each exactly once.
             for rr in range(R):
-                slot = (lane // REP) * R + rr
-                h = slot // TG
-                pos = gstart + slot % TG
+                h = slot_h[rr]
+                pos = gstart + slot_t[rr]
                 s = sc[rr]
-                keep = pos < end and h < G
+                keep = pos <= last and h < G
                 if HAS_LOGITS:
                     s = float32(hook_logits(s, q_pos, pos, hk * G + h)) * POST_LOG2E
                 if HAS_MASK:
                     keep = keep and hook_mask(q_pos, pos, hk * G + h)
-                if SOFTMAX:
-                    sc[rr] = s if keep else NEG_INF
-                else:
-                    sc[rr] = s if keep else ZERO
-            gather_slots(sc, s_all, lane, warp, scratch)
+                sc[rr] = s if keep else MASKED
 
             if SOFTMAX:
+                for rr in range(R):
+                    sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
+                syncwarp()
                 for h in range(G):
                     mt = m[h]
-                    for t in range(TG):
-                        mt = max(mt, s_all[h * TG + t])
-                    # An all-masked head keeps m = -inf; use 0 as the reference so no NaN appears.
+                    sv = lds_p(pbuf, pa + U32(4 * h * TG))
+                    for j in range(TG):
+                        mt = max(mt, sv[j])
+                    # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
                     mref = mt if mt > NEG_INF else ZERO
                     alpha = exp2(m[h] - mref)
-                    ls = lsum[h] * alpha
+                    m[h] = mt
                     for e in range(NV):
                         acc[h * NV + e] *= alpha
-                    for t in range(TG):
-                        p = exp2(s_all[h * TG + t] - mref)
-                        ls += p
-                        s_all[h * TG + t] = p
-                    m[h] = mt
-                    lsum[h] = ls
-            for t in range(TG):
-                for e in range(NV):
-                    kf[e] = to_f32(smem[sb + STAGE + t * D + d0 + e])
-                for h in range(G):
-                    p = s_all[h * TG + t]
-                    for e in range(NV):
-                        acc[h * NV + e] += p * kf[e]
+                    for rr in range(R):
+                        if slot_h[rr] == h:
+                            mref_r[rr] = mref
+                            alpha_r[rr] = alpha
+                for rr in range(R):
+                    p = exp2(sc[rr] - mref_r[rr])
+                    lpart[rr] = lpart[rr] * alpha_r[rr] + p
+                    sc[rr] = p
+            for rr in range(R):
+                sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
+            syncwarp()
 
-        # Merge the four warps' states, one head at a time (4 KiB of shared memory).
+            # acc += p * v on this lane's NV dims (all G x TG probabilities loaded first: one
+            # straight-line block, no inner loop left for the compiler to keep rolled).
+            for h in range(G):
+                pv = lds_p(pbuf, pb + U32(4 * h * TG))
+                for j in range(TG):
+                    pl[h * TG + j] = pv[j]
+            vb = sb + U32(K_BYTES + lane * NV * IS)
+            for t in range(TG):
+                vx = lds_v(kvs, vb + U32(t * D * IS))
+                for h in range(G):
+                    p = pl[h * TG + t]
+                    for e in range(NV):
+                        acc[h * NV + e] += p * vx[e]
+            gstart += U32(NW * TG)
+            sb += U32(STAGE_BYTES)
+            if sb >= kv_base + U32(S * STAGE_BYTES):
+                sb = kv_base
+
+        # Per-head sums of the owners' running l (slots shared by REP lanes are written once
+        # per address, so each slot counts once).
+        if SOFTMAX:
+            for rr in range(R):
+                sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), lpart[rr])
+        syncwarp()
+
+        # Merge the four warps' states, one head at a time.
         for h in range(G):
+            lsum = ZERO
+            if SOFTMAX:
+                sv = lds_p(pbuf, pa + U32(4 * h * TG))
+                for j in range(TG):
+                    lsum += sv[j]
             for e in range(NV):
-                msmem[warp * (D + 2) + d0 + e] = acc[h * NV + e]
+                msmem[warp * (D + 2) + lane * NV + e] = acc[h * NV + e]
             if lane == 0:
                 msmem[warp * (D + 2) + D] = m[h]
-                msmem[warp * (D + 2) + D + 1] = lsum[h]
+                msmem[warp * (D + 2) + D + 1] = lsum
             cuda.syncthreads()
             qo_head = hk * G + h
             for d in range(tid, D, NT):
@@ -375,9 +488,7 @@ def build_decode_kernel(spec: DecodeSpec):
                         tmp_lse[prow * hq + qo_head] = lse_val
             cuda.syncthreads()
 
-    if sim:
-        return cuda.jit(decode_kernel)
-    return cuda.jit(decode_signature(spec), fastmath=True)(decode_kernel)
+    return decode_kernel
 
 
 def decode_launch_config(num_work_items: int):
@@ -385,5 +496,5 @@ def decode_launch_config(num_work_items: int):
     return (max(int(num_work_items), 1),), (NUM_THREADS,)
 
 
-__all__ = ["DecodeSpec", "build_decode_kernel", "decode_launch_config", "decode_signature",
-           "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]
+__all__ = ["DecodeSpec", "build_decode_kernel", "decode_kernel_source", "decode_launch_config",
+           "decode_signature", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]

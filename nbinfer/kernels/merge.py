@@ -106,12 +106,16 @@ def build_merge_rows(spec: MergeSpec):
 
     if sim:
         return cuda.jit(merge_rows)
+    return cuda.jit(merge_rows_signature(spec), fastmath=True)(merge_rows)
+
+
+def merge_rows_signature(spec: MergeSpec):
+    """The explicit signature :func:`build_merge_rows` compiles with."""
     vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
     ot = types.Array(STORAGE[spec.out_dtype], 1, "C")
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
-    sig = types.void(vt, f32, i32, i32, i32, ot, f32, int32, int32, int32)
-    return cuda.jit(sig, fastmath=True)(merge_rows)
+    return types.void(vt, f32, i32, i32, i32, ot, f32, int32, int32, int32)
 
 
 @functools.cache

@@ -95,8 +95,108 @@ def _gpu_intrinsics():
 
         return op
 
+    i32 = ir.IntType(32)
+
+    @intrinsic
+    def shared_addr(typingctx, arr, idx):
+        # The 32-bit shared-window address of arr[idx]: computed once per stage, so every later
+        # access is "base register + immediate" instead of 64-bit index arithmetic per element.
+        sig = types.uint32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1])
+            fnty = ir.FunctionType(i32, [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "{.reg .u64 a; cvta.to.shared.u64 a, $1; cvt.u32.u64 $0, a;}",
+                               "=r,l")
+            return builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))])
+
+        return sig, codegen
+
+    def make_lds(kind, n):
+        # n consecutive storage elements at a shared address -> n float32, with the widest
+        # loads (ld.shared.v4/v2) and one conversion per element.
+        itemsize = 4 if kind == "f32" else 2
+        words = n * itemsize // 4
+        body, w = [], 0
+        while w < words:
+            width = 4 if words - w >= 4 else (2 if words - w >= 2 else 1)
+            regs = ",".join(f"w{w + i}" for i in range(width))
+            dst = f".v{width}.b32 {{{regs}}}" if width > 1 else f".b32 {regs}"
+            body.append(f"ld.shared{dst}, [${n}+{4 * w}];")
+            w += width
+        for i in range(n):
+            if kind == "f32":
+                body.append(f"mov.b32 ${i}, w{i};")
+            elif kind == "f16":
+                if i % 2 == 0:
+                    body.append(f"mov.b32 {{h{i}, h{i + 1}}}, w{i // 2};")
+                body.append(f"cvt.f32.f16 ${i}, h{i};")
+            else:  # bf16: the bits are the top half of a float32
+                op = f"shl.b32 ${i}, w{i // 2}, 16;" if i % 2 == 0 else \
+                    f"and.b32 ${i}, w{i // 2}, 0xFFFF0000;"
+                body.append(op)
+        decl = f".reg .b32 {','.join(f'w{i}' for i in range(words))};"
+        if kind == "f16":
+            decl += f" .reg .b16 {','.join(f'h{i}' for i in range(n))};"
+        text = "{" + decl + " " + " ".join(body) + "}"
+        ret = types.UniTuple(float32, n)
+
+        @intrinsic
+        def lds(typingctx, arr, addr):
+            sig = ret(arr, addr)
+
+            def codegen(context, builder, sig, args):
+                addr32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+                fnty = ir.FunctionType(ir.LiteralStructType([ir.FloatType()] * n), [i32])
+                # side_effect keeps the load below the barrier that publishes the data.
+                asm = ir.InlineAsm(fnty, text, ",".join(["=f"] * n + ["r"]), side_effect=True)
+                res = builder.call(asm, [addr32])
+                vals = [builder.extract_value(res, i) for i in range(n)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return sig, codegen
+
+        return lds
+
+    @intrinsic
+    def sts_f32(typingctx, arr, addr, val):
+        sig = types.void(arr, addr, float32)
+
+        def codegen(context, builder, sig, args):
+            addr32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+            fnty = ir.FunctionType(ir.VoidType(), [i32, ir.FloatType()])
+            # No memory clobber: ordering against the other shared-memory asm comes from
+            # side_effect (volatile asm keeps its order), and Numba's own loads may move freely.
+            asm = ir.InlineAsm(fnty, "st.shared.f32 [$0], $1;", "r,f", side_effect=True)
+            builder.call(asm, [addr32, args[2]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def cp_async16_to(typingctx, sarr, saddr, src, src_idx):
+        # 16 bytes global -> shared at a 32-bit shared address; .cg skips L1 (streamed once).
+        sig = types.void(sarr, saddr, src, src_idx)
+
+        def codegen(context, builder, sig, args):
+            addr32 = context.cast(builder, args[1], sig.args[1], types.uint32)
+            sptr = element_ptr(context, builder, sig.args[2], args[2], args[3])
+            i64 = ir.IntType(64)
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i64])
+            asm = ir.InlineAsm(
+                fnty, "{.reg .u64 g; cvta.to.global.u64 g, $1; cp.async.cg.shared.global [$0], [g], 16;}",
+                "r,l", side_effect=True)
+            builder.call(asm, [addr32, builder.ptrtoint(sptr, i64)])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     return SimpleNamespace(
         f16_bits_to_f32=f16_bits_to_f32,
+        shared_addr=shared_addr,
+        lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32") for n in (2, 4, 8, 16)},
+        sts_f32=sts_f32,
+        cp_async16_to=cp_async16_to,
         cp_async={n: make_cp_async(n) for n in (4, 8, 16)},
         commit=make_asm_void("cp.async.commit_group;"),
         wait={n: make_asm_void(f"cp.async.wait_group {n};") for n in range(4)},
@@ -111,8 +211,12 @@ def primitives(sim: bool):
 
     converters ``f16``, ``bf16``, ``f32`` (storage element -> float32),
     ``from_f32_bf16`` (float32 -> bf16 bits, round to nearest even),
-    ``exp2``, ``log2``, ``make_cp_async(n_elems, itemsize)``, ``commit``, ``wait(n)``,
-    ``shfl_xor(v, offset)``, ``shfl_idx(v, lane)``, ``syncwarp()``.
+    ``exp2``, ``log2``, ``make_cp_async(n_elems, itemsize)``, ``commit``, ``wait(n)``;
+    shared-memory access by 32-bit address: ``shared_addr(arr, idx)`` (bytes; in the simulator
+    an offset into ``arr``), ``make_lds(dtype, n)(arr, addr)`` (n storage elements -> tuple of
+    n float32, vector loads), ``sts_f32(arr, addr, x)``, ``cp_async16_to(sarr, addr, src, i)``
+    (16 bytes of ``src`` from element ``i``). Each takes the array it addresses, so the simulator
+    twin can index it; the GPU version only uses the address.
 
     The simulator's shuffles are not provided: kernels use the warp collectives built by
     :func:`warp_collectives`, which have their own shared-memory twins.
@@ -154,9 +258,32 @@ def primitives(sim: bool):
                 pass
             return w
 
+        # Shared "addresses" in the simulator are byte offsets into the array passed alongside.
+        def shared_addr(arr, idx):
+            return idx * arr.itemsize
+
+        def make_lds(dtype, n):
+            cvt = {"float16": f16_to_f32, "bfloat16": bf16_to_f32, "float32": f32_to_f32}[dtype]
+
+            def lds(arr, addr):
+                i = addr // arr.itemsize
+                return tuple(cvt(arr[i + e]) for e in range(n))
+            return lds
+
+        def sts_f32(arr, addr, val):
+            arr[addr // 4] = val
+
+        def cp_async16_to(sarr, saddr, src, src_idx):
+            n = 16 // src.itemsize
+            d = saddr // sarr.itemsize
+            for e in range(n):
+                sarr[d + e] = src[src_idx + e]
+
         ns.f16, ns.bf16, ns.f32, ns.from_f32_bf16 = f16_to_f32, bf16_to_f32, f32_to_f32, f32_to_bf16
         ns.exp2, ns.log2 = exp2, log2
         ns.make_cp_async, ns.commit, ns.wait = make_cp_async, commit, wait
+        ns.shared_addr, ns.make_lds, ns.sts_f32, ns.cp_async16_to = (
+            shared_addr, make_lds, sts_f32, cp_async16_to)
         return ns
 
     from numba.cuda import libdevice
@@ -211,4 +338,7 @@ def primitives(sim: bool):
     ns.exp2, ns.log2 = exp2, log2
     ns.make_cp_async, ns.commit = make_cp_async, intr.commit
     ns.wait = lambda n: intr.wait[n]
+    kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+    ns.shared_addr, ns.sts_f32, ns.cp_async16_to = intr.shared_addr, intr.sts_f32, intr.cp_async16_to
+    ns.make_lds = lambda dtype, n: intr.lds[(kinds[dtype], n)]
     return ns

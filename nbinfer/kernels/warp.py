@@ -1,19 +1,20 @@
-"""Warp collectives for the decode kernels, with shared-memory twins for the simulator.
+"""Warp reduce-scatter for the decode kernels, with a shared-memory twin for the simulator.
 
-The decode microkernel gives each lane of a warp a slice of the head dimension, so a dot product
-``q_h . k_t`` ends as 32 lane partials. Reducing every (token, head) pair with its own 5-step
-butterfly would cost 10 instructions per pair; a *reduce-scatter* instead halves a lane's list of
-N partials at each of 5 levels (send one half to the partner, keep and add the other), so N pairs
-cost about N shuffles in total, and lane ``l`` ends up owning whole dot products.
+The decode microkernel splits the head dimension of a key row across ``width`` lanes (32 or 16),
+so a dot product ``q_h . k_t`` ends as ``width`` lane partials. Reducing every (token, head) pair
+with its own butterfly would cost ``2 * log2(width)`` instructions per pair; a *reduce-scatter*
+instead halves a lane's list of ``N`` partials at each level (send one half to the partner, keep
+and add the other), so ``N`` pairs cost about ``N`` shuffles in total, and each lane ends up
+owning whole dot products.
 
-Slot layout after :func:`reduce_scatter` (N slots, ``R = max(N // 32, 1)`` per lane,
-``REP = max(32 // N, 1)`` lanes per slot): lane ``l`` holds slots ``(l // REP) * R + r``.
+Slot layout after :func:`reduce_scatter` (``N`` slots per group of ``width`` lanes,
+``R = max(N // width, 1)`` slots per lane, ``REP = max(width // N, 1)`` lanes per slot): lane
+``l`` (``u = l % width`` within its group) holds slots ``(u // REP) * R + r`` of its group.
 
-On the GPU the collectives are shuffles. The simulator has no shuffles, so each twin writes to a
-shared scratch buffer and meets the other threads at ``syncthreads`` (two barriers per collective,
-which is why the kernels call few, large collectives rather than many small ones). Every thread of
-a block must therefore reach each collective the same number of times: kernels keep their loops
-uniform across the block.
+On the GPU the collective is shuffles. The simulator has no shuffles, so the twin writes to a
+shared scratch buffer and meets the other threads at ``syncthreads`` (two barriers per call).
+Every thread of a block must therefore reach it the same number of times: kernels keep their
+loops uniform across the block.
 """
 
 from __future__ import annotations
@@ -26,38 +27,41 @@ from numba import cuda, float32
 FULL_MASK = 0xFFFFFFFF
 
 
-def slot_layout(n_slots: int):
-    """Return ``(R, REP, scatter_levels)`` for a reduce-scatter of ``n_slots`` (a power of two)."""
-    if n_slots < 1 or n_slots & (n_slots - 1):
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def slot_layout(n_slots: int, width: int = 32):
+    """Return ``(R, REP, scatter_levels)`` for a reduce-scatter of ``n_slots`` over ``width`` lanes."""
+    if not _is_pow2(n_slots):
         raise ValueError(f"n_slots must be a power of two, got {n_slots}")
-    r = max(n_slots // 32, 1)
-    rep = max(32 // n_slots, 1)
-    levels = min(n_slots.bit_length() - 1, 5)
+    if width not in (2, 4, 8, 16, 32):
+        raise ValueError(f"width must be a power of two in [2, 32], got {width}")
+    r = max(n_slots // width, 1)
+    rep = max(width // n_slots, 1)
+    levels = min(n_slots.bit_length(), width.bit_length()) - 1
     return r, rep, levels
 
 
 @functools.cache
-def warp_collectives(n_slots: int, num_warps: int, sim: bool):
-    """Build the collectives for ``n_slots`` partials per lane in a block of ``num_warps`` warps.
+def warp_collectives(n_slots: int, num_warps: int, sim: bool, width: int = 32):
+    """Build ``reduce_scatter`` for ``n_slots`` partials per lane over groups of ``width`` lanes.
 
-    Returns a namespace with
-
-    ``reduce_scatter(part, out, lane, warp, scratch)``
-        ``part`` local float32 [n_slots] -> ``out`` local float32 [R]: full sums of the lane's slots.
-    ``gather_slots(vals, out, lane, warp, scratch)``
-        Every lane receives every slot: ``out`` local [n_slots] from the owners' ``vals`` [R].
-    ``scratch_size``
-        float32 elements of shared scratch the simulator twins need (1 on the GPU).
+    Returns a namespace with ``reduce_scatter(part, out, lane, warp, scratch)`` (``part``: local
+    float32 [n_slots], destroyed; ``out``: local float32 [R], the full sums of the lane's slots),
+    ``scratch_size`` (float32 elements of shared scratch the simulator twin needs; 1 on the GPU),
+    ``R`` and ``REP``.
     """
-    R, REP, LEVELS = slot_layout(n_slots)
+    R, REP, LEVELS = slot_layout(n_slots, width)
     N = n_slots
     if sim:
-        return _sim_collectives(N, R, REP, num_warps)
+        return _sim_collectives(N, R, REP, num_warps, width)
+    FIRST = width // 2
 
     @cuda.jit(device=True, inline="always")
     def reduce_scatter(part, out, lane, warp, scratch):
         n = N
-        off = 16
+        off = FIRST
         for _ in range(LEVELS):
             half = n // 2
             upper = (lane & off) != 0
@@ -69,50 +73,34 @@ def warp_collectives(n_slots: int, num_warps: int, sim: bool):
                 part[i] = keep + cuda.shfl_xor_sync(FULL_MASK, send, off)
             n = half
             off //= 2
-        # Levels left over when N < 32: plain butterfly, the sum lands replicated in REP lanes.
+        # Levels left over when N < width: plain butterfly, the sum lands in REP lanes.
         while off >= 1:
             part[0] += cuda.shfl_xor_sync(FULL_MASK, part[0], off)
             off //= 2
         for r in range(R):
             out[r] = part[r]
 
-    @cuda.jit(device=True, inline="always")
-    def gather_slots(vals, out, lane, warp, scratch):
-        for i in range(N):
-            out[i] = cuda.shfl_sync(FULL_MASK, vals[i % R], (i // R) * REP)
-
-    return SimpleNamespace(reduce_scatter=reduce_scatter, gather_slots=gather_slots,
-                           scratch_size=1, R=R, REP=REP)
+    return SimpleNamespace(reduce_scatter=reduce_scatter, scratch_size=1, R=R, REP=REP)
 
 
-def _sim_collectives(N, R, REP, num_warps):
-    # Scratch layout: [warp][lane][slot], N slots per lane (enough for every collective below).
+def _sim_collectives(N, R, REP, num_warps, width):
+    # Scratch layout: [warp][lane][slot], N slots per lane.
     W = 32 * N
 
-    # Decorated so the simulator binds its fake ``cuda`` module (syncthreads) inside them.
+    # Decorated so the simulator binds its fake ``cuda`` module (syncthreads) inside it.
     @cuda.jit(device=True)
     def reduce_scatter(part, out, lane, warp, scratch):
         base = warp * W
         for i in range(N):
             scratch[base + lane * N + i] = part[i]
         cuda.syncthreads()
+        group = (lane // width) * width
         for r in range(R):
-            slot = (lane // REP) * R + r
+            slot = ((lane % width) // REP) * R + r
             acc = float32(0.0)
-            for src in range(32):
-                acc += scratch[base + src * N + slot]
+            for j in range(width):
+                acc += scratch[base + (group + j) * N + slot]
             out[r] = acc
         cuda.syncthreads()
 
-    @cuda.jit(device=True)
-    def gather_slots(vals, out, lane, warp, scratch):
-        base = warp * W
-        for r in range(R):
-            scratch[base + lane * N + r] = vals[r]
-        cuda.syncthreads()
-        for i in range(N):
-            out[i] = scratch[base + ((i // R) * REP) * N + i % R]
-        cuda.syncthreads()
-
-    return SimpleNamespace(reduce_scatter=reduce_scatter, gather_slots=gather_slots,
-                           scratch_size=num_warps * W, R=R, REP=REP)
+    return SimpleNamespace(reduce_scatter=reduce_scatter, scratch_size=num_warps * W, R=R, REP=REP)

@@ -1,0 +1,119 @@
+"""Compile a decode kernel for sm_90 without a GPU and count what its main loop costs.
+
+    python bench/sass_stats.py [--group 4] [--head-dim 128] [--dtype float16] [--variant standard]
+
+Needs the CUDA toolkit's ``ptxas`` (registers, spills, shared memory) and, for the instruction
+histogram of the hot loop, ``nvdisasm`` (``pip install nvidia-cuda-nvdisasm``; pass its path with
+``--nvdisasm`` if it is not on PATH). The loop is found as the largest backward branch region.
+
+Why: decode is HBM-bound only if a warp spends few instructions per byte. At 4.2 TB/s an H200 SM
+receives about 16 bytes per cycle and issues at most 4 warp-instructions per cycle, so a group of
+``TG`` tokens (``2 * TG * D * itemsize`` bytes of K and V) may cost at most ~``bytes / 4``
+warp-instructions in total before the issue rate, not HBM, is the limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _offline_numba():
+    # compile_ptx needs NVVM and libdevice (CUDA toolkit) but not NVRTC; numba-cuda asks NVRTC
+    # for the supported architectures, so answer that question ourselves.
+    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+    from numba.cuda import cuda_paths
+    from numba.cuda.cudadrv import nvrtc
+
+    nvrtc.get_arch_option = lambda *cc: "compute_90"
+    try:
+        cuda_paths._get_nvrtc_path()
+    except Exception:  # noqa: BLE001 - any failure to find NVRTC: skip it
+        cuda_paths._get_nvrtc_path = lambda: ("none", None)
+
+
+def compile_spec(spec):
+    from numba import cuda
+
+    from nbinfer.kernels.decode import decode_kernel_source, decode_signature
+
+    ptx, _ = cuda.compile_ptx(decode_kernel_source(spec), decode_signature(spec), cc=(9, 0),
+                              fastmath=True)
+    return ptx
+
+
+def loop_histogram(sass: str):
+    """Histogram of the SASS opcodes between the hottest loop's head and its back edge."""
+    lines = sass.splitlines()
+    addr = {}
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*\.(L_x_\d+):", line)
+        if m:
+            addr[m.group(1)] = i
+    best = (0, 0)
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", line)
+        if m and m.group(1) in addr and addr[m.group(1)] < i:
+            if i - addr[m.group(1)] > best[1] - best[0]:
+                best = (addr[m.group(1)], i)
+    ops = collections.Counter()
+    for line in lines[best[0]:best[1] + 1]:
+        m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m:
+            ops[m.group(2)] += 1
+    return ops
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--layout", default="NHD")
+    ap.add_argument("--variant", default="standard")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--max-registers", type=int, default=None)
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+    args = ap.parse_args()
+    _offline_numba()
+    from nbinfer.kernels.decode import DecodeSpec
+    from nbinfer.variants import builtins
+
+    variant = {"standard": builtins.standard(), "rope": builtins.rope_llama(),
+               "softcap": builtins.soft_cap(30.0), "sigmoid": builtins.sigmoid_attention(),
+               "window": builtins.sliding_window(256)}[args.variant]
+    spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, args.dtype,
+                      args.layout, variant, stages=args.stages, max_registers=args.max_registers)
+    ptx = compile_spec(spec)
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = ["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", cubin]
+        if args.max_registers:
+            cmd.insert(1, f"--maxrregcount={args.max_registers}")
+        info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        print(" ".join(line.split("info    : ")[-1] for line in info.splitlines()
+                       if "Used" in line or "spill" in line))
+        if args.nvdisasm:
+            sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True,
+                                  check=True).stdout
+            ops = loop_histogram(sass)
+            total = sum(ops.values())
+            kv_bytes = 2 * spec.tokens_per_group * spec.head_dim * (4 if args.dtype == "float32" else 2)
+            print(f"hot loop: {total} instructions per {kv_bytes}-byte group "
+                  f"({total / (kv_bytes / 1024):.0f} per KiB of K+V)")
+            print(", ".join(f"{k} {v}" for k, v in ops.most_common(20)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Batch decode kernels on a real GPU against the float64 reference (skipped without a GPU).
+
+The matrix covers head_dim 64/128/256, GQA group sizes 1/4/8, page sizes 1, 16 and odd ones,
+fp16/bf16/fp32, NHD/HND, every built-in variant, kv lengths from 1 to 16384 and batch 1 to 128,
+on fresh random data, chosen so that each value of each axis appears at least once without a
+full cross product. Plus the array kinds (torch, cupy, numba, numpy) and the errors that only a
+GPU can raise (devices, alignment).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer import reference
+from nbinfer import variants as V
+from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
+from nbinfer.formats import PageTable
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+TORCH_DTYPE = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32"}
+
+# (batch, max_len, hq, hkv, d, page_size, dtype, layout, plan keywords)
+MATRIX = [
+    (1, 1, 8, 8, 128, 16, "float16", "NHD", {}),
+    (1, 16384, 32, 8, 128, 16, "float16", "NHD", {}),
+    (128, 600, 32, 8, 128, 16, "float16", "HND", {}),
+    (7, 3000, 32, 4, 64, 1, "bfloat16", "NHD", {}),
+    (5, 2000, 16, 16, 256, 7, "float32", "HND", {}),
+    (9, 1500, 64, 8, 256, 16, "bfloat16", "NHD", {}),
+    (4, 5000, 8, 1, 64, 13, "float16", "HND", {}),  # group 8
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD", dict(logits_soft_cap=30.0)),
+    (3, 2500, 32, 8, 128, 5, "bfloat16", "NHD", dict(window_left=300)),
+    (3, 2500, 32, 8, 128, 16, "float16", "HND", dict(pos_encoding_mode="ROPE_LLAMA",
+                                                     rope_theta=5e5)),
+    (3, 2500, 32, 4, 64, 16, "float32", "NHD", dict(pos_encoding_mode="ALIBI")),
+    (3, 2500, 32, 8, 128, 1, "float16", "NHD", dict(variant=V.sigmoid_attention(0.5, -1.0))),
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD",
+     dict(variant=V.attention_sink(np.linspace(-1.0, 2.0, 32)))),
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD", dict(variant=V.causal())),
+]
+
+
+def _case(rng, batch, max_len, hkv, hq, d, ps, dtype, layout):
+    lens = rng.integers(1, max_len + 1, size=batch)
+    lens[0] = max_len
+    pt = PageTable.from_kv_lens(lens, ps, rng=rng)
+    shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+    tdt = getattr(torch, dtype)
+    cache = torch.randn(shape, device="cuda").to(tdt)
+    q = torch.randn(batch, hq, d, device="cuda").to(tdt)
+    return pt, cache, q
+
+
+def _reference(q, cache, pt, layout, **kw):
+    return reference.batch_decode_with_paged_kv_cache(
+        q.float().cpu().numpy(), cache.float().cpu().numpy(), pt.indptr, pt.indices,
+        pt.last_page_len, kv_layout=layout, return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("batch, max_len, hq, hkv, d, ps, dtype, layout, kw", MATRIX)
+def test_decode_matrix(rng, batch, max_len, hq, hkv, d, ps, dtype, layout, kw):
+    pt, cache, q = _case(rng, batch, max_len, hkv, hq, d, ps, dtype, layout)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), layout)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=q.dtype, **kw)
+    out, lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    assert isinstance(out, torch.Tensor) and out.dtype == q.dtype and out.is_cuda
+    ref, ref_lse = _reference(q, cache, pt, layout, **kw)
+    assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE[dtype]
+    if "variant" not in kw or kw["variant"].use_softmax:
+        np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=0, atol=5e-3)
+
+
+def test_plan_reused_across_layers_and_out_buffers(rng):
+    pt, cache, q = _case(rng, 6, 3000, 8, 32, 128, 16, "float16", "NHD")
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16, q_data_type="float16")
+    out = torch.empty_like(q)
+    lse = torch.empty(6, 32, device="cuda")
+    for _layer in range(3):  # a new cache and q per layer, one plan
+        cache = torch.randn_like(cache)
+        q = torch.randn_like(q)
+        res, res_lse = w.run(q, cache, out=out, lse=lse, return_lse=True)
+        assert res.data_ptr() == out.data_ptr() and res_lse.data_ptr() == lse.data_ptr()
+        ref, _ = _reference(q, cache, pt, "NHD")
+        assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE["float16"]
+
+
+def test_array_kinds_round_trip(rng):
+    cupy = pytest.importorskip("cupy")
+    from numba import cuda
+
+    pt, cache, q = _case(rng, 3, 700, 4, 16, 64, 8, "float16", "HND")
+    ref, _ = _reference(q, cache, pt, "HND")
+    k_t, v_t = cache[:, 0].contiguous(), cache[:, 1].contiguous()
+    kinds = {
+        "cupy": (cupy.asarray(q), cupy.asarray(cache)),
+        "numba": (cuda.as_cuda_array(q), (cuda.as_cuda_array(k_t), cuda.as_cuda_array(v_t))),
+        "numpy": (q.cpu().numpy(), cache.cpu().numpy()),
+    }
+    for name, (qq, cc) in kinds.items():
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8,
+                                                           device="cuda"), "HND")
+        if name == "numpy":
+            w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "HND",
+                                                   backend="cuda")
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 16, 4, 64, 8, q_data_type="float16")
+        out = w.run(qq, cc)
+        host = {"cupy": lambda a: a.get(), "numba": lambda a: a.copy_to_host(),
+                "numpy": np.asarray}[name](out)
+        assert type(out).__module__.split(".")[0] == type(qq).__module__.split(".")[0], name
+        assert rel_err(host.astype(np.float32), ref) <= TOLERANCE["float16"], name
+
+
+def test_gpu_errors(rng):
+    pt, cache, q = _case(rng, 2, 100, 2, 4, 64, 16, "float16", "NHD")
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(1 << 20, dtype=torch.uint8,
+                                                       device="cuda"), "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, 16, q_data_type="float16")
+    with pytest.raises(ValueError, match="different devices"):
+        w.run(q.cpu(), cache)
+    flat = torch.empty(cache.numel() + 1, dtype=torch.float16, device="cuda")
+    misaligned = flat[1:].view(cache.shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        w.run(q, misaligned)
+
+
+def test_fast_and_careful_paths_agree_bitwise(rng):
+    pt, cache, q = _case(rng, 5, 4000, 8, 32, 128, 16, "bfloat16", "NHD")
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16, q_data_type="bfloat16")
+    assert w._plan["fast"] is not None
+    fast_o, fast_lse = w.run(q, cache, return_lse=True)
+    tuple_o = w.run(q, (cache[:, 0].contiguous(), cache[:, 1].contiguous()))
+    w._plan["fast"] = None  # force the careful path
+    slow_o, slow_lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.equal(fast_o, slow_o) and torch.equal(fast_lse, slow_lse)
+    assert torch.equal(fast_o, tuple_o)
