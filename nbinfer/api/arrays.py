@@ -101,6 +101,55 @@ def to_kernel(x, backend: str):
     return cuda.to_device(arr)
 
 
+def device_pointer(x):
+    """``(address, nitems, itemsize)`` of a contiguous device array of any kind, without copying.
+
+    Only arrays already on the GPU qualify (torch/cupy CUDA tensors, Numba device arrays); the
+    caller falls back to :func:`to_kernel` for host arrays.
+    """
+    kind = array_kind(x)
+    if kind == "torch":
+        if not x.is_contiguous():
+            raise ValueError("torch tensors must be contiguous")
+        return x.data_ptr(), x.numel(), x.element_size()
+    cai = x.__cuda_array_interface__
+    if cai.get("strides") is not None and not _c_contiguous(cai):
+        raise ValueError("device arrays must be C-contiguous")
+    n = int(np.prod(cai["shape"]))
+    return cai["data"][0], n, np.dtype(cai["typestr"]).itemsize
+
+
+def _c_contiguous(cai) -> bool:
+    expect = np.dtype(cai["typestr"]).itemsize
+    for dim, stride in zip(reversed(cai["shape"]), reversed(cai["strides"]), strict=True):
+        if dim > 1 and stride != expect:
+            return False
+        expect *= dim
+    return True
+
+
+def on_device(x) -> bool:
+    """True when ``x`` is GPU memory (so its pointer can be passed straight to a kernel)."""
+    kind = array_kind(x)
+    if kind == "torch":
+        return x.device.type == "cuda"
+    return kind in ("cupy", "numba")
+
+
+def current_stream(x) -> int:
+    """The CUDA stream handle the caller's framework would launch on for ``x`` (0 otherwise)."""
+    kind = array_kind(x)
+    if kind == "torch" and x.device.type == "cuda":
+        import torch
+
+        return torch.cuda.current_stream(x.device).cuda_stream
+    if kind == "cupy":
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    return 0
+
+
 def host_int32(x, name: str) -> np.ndarray:
     """An index array (any kind) as a host int32 NumPy array."""
     kind = array_kind(x) if not isinstance(x, (list, tuple)) else "numpy"

@@ -24,11 +24,21 @@ from .._checks import (
     check_range,
     check_sm_scale,
 )
-from ..kernels.decode import WORK_FIELDS, DecodeSpec, build_decode_kernel, decode_launch_config
-from ..kernels.merge import MergeSpec, build_merge_rows, merge_launch_config
+from ..kernels.decode import (
+    WORK_FIELDS,
+    DecodeSpec,
+    build_decode_kernel,
+    decode_launch_config,
+    decode_signature,
+)
+from ..kernels.launch import PreparedLaunch
+from ..kernels.merge import MergeSpec, build_merge_rows, merge_launch_config, merge_rows_signature
 from ..variants import compose, from_flashinfer_args
-from . import arrays
+from . import arrays, binding
+from .decode_fast import TorchFastPath
 from .dtypes import normalize_dtype
+
+MIN_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -49,23 +59,27 @@ class SplitPlan:
 
 
 def split_kv_plan(kv_lens, num_kv_heads: int, *, target_ctas: int, granule: int) -> SplitPlan:
-    """Split every request's KV into equal chunks of at most ``chunk`` tokens.
+    """Split long requests' KV into near-equal chunks so that the batch fills ``target_ctas``.
 
-    ``chunk`` is the total KV work divided by ``target_ctas`` (rounded up to ``granule``, the
-    tokens a CTA consumes per round), so a batch of short requests is not split at all while one
-    long request is cut into enough pieces to fill the GPU.
+    The ideal chunk is the total KV work divided by ``target_ctas``; request ``b`` is cut into
+    ``round(len_b / ideal)`` pieces (at least one) of equal size rounded up to ``granule`` tokens
+    (what a CTA consumes per round). A batch that already fills the GPU is not split at all, and
+    a request is never cut into a long piece plus a sliver. (The LPT scheduler of
+    :mod:`nbinfer.scheduler` balances mixed lengths properly; this is the simple policy.)
     """
     kv_lens = np.asarray(kv_lens, dtype=np.int64)
     total = int(kv_lens.sum()) * num_kv_heads
-    chunk = max(granule, -(-max(total, 1) // max(target_ctas, 1)))
-    chunk = -(-chunk // granule) * granule
-    nchunks = np.maximum(1, -(-kv_lens // chunk))
+    # Below MIN_CHUNK tokens a piece costs more in merge traffic and launch than it saves.
+    ideal = max(granule, MIN_CHUNK, total / max(target_ctas, 1))
+    nchunks = np.maximum(1, np.rint(kv_lens / ideal)).astype(np.int64)
+    piece = _ceil_div(_ceil_div(kv_lens, nchunks), granule) * granule
+    nchunks = np.maximum(1, _ceil_div(kv_lens, np.maximum(piece, 1)))
     work, rows, indptr, indices = [], [], [0], []
     prow = 0
-    for b, (n, length) in enumerate(zip(nchunks, kv_lens, strict=True)):
+    for b, (n, length, size) in enumerate(zip(nchunks, kv_lens, piece, strict=True)):
         split = n > 1
         for c in range(n):
-            lo, hi = c * chunk, min((c + 1) * chunk, int(length))
+            lo, hi = c * size, min((c + 1) * size, int(length))
             for hk in range(num_kv_heads):
                 work.append((b, hk, lo, hi, prow + c if split else -1))
         if split:
@@ -79,8 +93,12 @@ def split_kv_plan(kv_lens, num_kv_heads: int, *, target_ctas: int, granule: int)
         merge_indptr=np.asarray(indptr, dtype=np.int32),
         merge_indices=np.asarray(indices, dtype=np.int32),
         num_partials=prow,
-        chunk=chunk,
+        chunk=int(piece.max()) if piece.size else granule,
     )
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
 
 
 def _target_ctas(backend: str) -> int:
@@ -162,13 +180,46 @@ class BatchDecodeWithPagedKVCacheWrapper:
             split = split_kv_plan(kv_lens, num_kv_heads, target_ctas=_target_ctas(self._backend),
                                   granule=spec.tokens_per_group * 4)
             need = split.num_partials * num_qo_heads * (head_dim + 1) * 4
-            have = _nbytes(self._workspace)
+            have = binding.nbytes(self._workspace)
             if need > have:
                 raise ValueError(f"float_workspace_buffer holds {have} bytes, this plan needs {need}")
-            plan.update(spec=spec, split=split, kernel=build_decode_kernel(spec),
-                        merge=build_merge_rows(MergeSpec("float32", q_dtype, var, spec.sim)),
-                        dev=_upload(self._backend, indptr, indices, last, split))
+            plan.update(spec=spec, split=split, **self._prepare_launches(spec, split, plan))
+            if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
+                plan["fast"] = TorchFastPath(plan, self._kv_layout, self._workspace.device)
         self._plan = plan
+
+    def _prepare_launches(self, spec, split, p):
+        """Bind everything a plan fixes (page table, work list, workspace, scalars) into the
+        decode and merge launches, so that run() only adds q, the cache and the outputs."""
+        be, sim = self._backend, self._backend == "sim"
+        dev = _upload(be, p["indptr"], p["indices"], p["last"], split)
+        ws = binding.workspace_f32(self._workspace, be)
+        hq, d = p["num_qo_heads"], p["head_dim"]
+        nt = split.num_partials * hq
+        tmp_o, tmp_lse = ws[: max(nt * d, 1)], ws[nt * d: nt * d + max(nt, 1)]
+        grid, block = decode_launch_config(split.work.shape[0])
+        dec = PreparedLaunch(build_decode_kernel(spec), decode_signature(spec), grid[0], block[0],
+                             sim=sim)
+        for i, arr in ((3, dev["indptr"]), (4, dev["indices"]), (5, dev["last"]),
+                       (6, dev["work"]), (9, tmp_o), (10, tmp_lse)):
+            dec.set_array(i, arr)
+        dec.set_scalar(11, p["num_kv_heads"])
+        dec.set_scalar(13, 0)
+        dec.set_scalar(14, p["sm_scale"])
+        merge = None
+        m = split.merge_rows.size
+        if m:
+            mspec = MergeSpec("float32", p["q_dtype"], p["variant"], sim)
+            total = m * hq * d
+            g, bl = merge_launch_config(total)
+            merge = PreparedLaunch(build_merge_rows(mspec), merge_rows_signature(mspec), g[0],
+                                   bl[0], sim=sim)
+            for i, arr in ((0, tmp_o), (1, tmp_lse), (2, dev["merge_indptr"]),
+                           (3, dev["merge_indices"]), (4, dev["merge_rows"])):
+                merge.set_array(i, arr)
+            for i, val in ((7, hq), (8, d), (9, total)):
+                merge.set_scalar(i, val)
+        return dict(launch=dec, merge_launch=merge, dev=dev)
 
     # ------------------------------------------------------------------------------------------
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
@@ -191,6 +242,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         p = self._plan
         if p is None:
             raise RuntimeError("run() called before plan()")
+        fast = p.get("fast")
+        if fast is not None:
+            res = fast(q, paged_kv_cache, out, lse)
+            if res is not None:
+                return res if return_lse else res[0]
         B, Hq, Hkv, D, PS = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], \
             p["page_size"]
         check_ndim("q", q, 3)
@@ -206,64 +262,38 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if p["indices"].size and int(p["indices"].max()) >= num_pages:
             raise ValueError(f"indices values must lie in [0, {num_pages}) (pages in the cache), "
                              f"got {int(p['indices'].max())}")
-        _same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
+        binding.same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
             return _reference_decode(q, (k_cache, v_cache), p, self._kv_layout, return_lse)
 
         be = self._backend
         kind = arrays.array_kind(q)
-        if out is None:
-            out_user, out_k = arrays.empty_like_kind(kind, q, (B, Hq, D), p["q_dtype"], be)
-        else:
-            out_user, out_k = out, arrays.to_kernel(out, be)
-        if lse is None:
-            lse_user, lse_k = arrays.empty_like_kind(kind, q, (B, Hq), "float32", be)
-        else:
-            lse_user, lse_k = lse, arrays.to_kernel(lse, be)
-        q_k = arrays.to_kernel(q, be)
+        out_user, out_k = binding.output(out, "out", kind, q, (B, Hq, D), p["q_dtype"], be)
+        lse_user, lse_k = binding.output(lse, "lse", kind, q, (B, Hq), "float32", be)
+        dec = p["launch"]
+        binding.bind(dec, 0, q, be)
         if combined:
-            kv_k = arrays.to_kernel(paged_kv_cache, be)
-            k_k = v_k = kv_k
-            v_off, page_stride = PS * Hkv * D, 2 * PS * Hkv * D
+            page_stride = 2 * PS * Hkv * D
+            binding.bind(dec, 1, paged_kv_cache, be)
+            binding.bind(dec, 2, paged_kv_cache, be, offset=PS * Hkv * D)
         else:
-            k_k, v_k = arrays.to_kernel(k_cache, be), arrays.to_kernel(v_cache, be)
-            v_off, page_stride = 0, PS * Hkv * D
-        split = p["split"]
-        ws = _workspace_f32(self._workspace, be)
-        nt = split.num_partials * Hq
-        tmp_o, tmp_lse = ws[: nt * D], ws[nt * D: nt * D + max(nt, 1)]
-        dev = p["dev"]
-        grid, block = decode_launch_config(split.work.shape[0])
-        if split.work.shape[0]:
-            p["kernel"][grid, block](q_k, k_k, v_k, dev["indptr"], dev["indices"], dev["last"],
-                                     dev["work"], out_k, lse_k, tmp_o, tmp_lse, np.int32(Hkv),
-                                     np.int64(v_off), np.int64(page_stride), np.int64(0),
-                                     np.float32(p["sm_scale"]))
-        m = split.merge_rows.size
-        if m:
-            total = m * Hq * D
-            g, bl = merge_launch_config(total)
-            p["merge"][g, bl](tmp_o, tmp_lse, dev["merge_indptr"], dev["merge_indices"],
-                              dev["merge_rows"], out_k, lse_k, np.int32(Hq), np.int32(D),
-                              np.int32(total))
+            page_stride = PS * Hkv * D
+            binding.bind(dec, 1, k_cache, be)
+            binding.bind(dec, 2, v_cache, be)
+        dec.set_scalar(12, page_stride)
+        binding.bind(dec, 7, out_k, be)
+        binding.bind(dec, 8, lse_k, be)
+        stream = arrays.current_stream(q)
+        if p["split"].work.shape[0]:
+            dec(stream)
+        if p["merge_launch"] is not None:
+            binding.bind(p["merge_launch"], 5, out_k, be)
+            binding.bind(p["merge_launch"], 6, lse_k, be)
+            p["merge_launch"](stream)
         out_user = arrays.finish(kind, out_user, out_k, be)
         if return_lse:
             return out_user, arrays.finish(kind, lse_user, lse_k, be)
         return out_user
-
-
-def _nbytes(buf) -> int:
-    kind = arrays.array_kind(buf)
-    if kind == "torch":
-        return buf.numel() * buf.element_size()
-    return int(np.prod(buf.shape)) * np.dtype(buf.dtype).itemsize
-
-
-def _workspace_f32(buf, backend):
-    flat = arrays.to_kernel(buf, backend)
-    n = (flat.size * flat.dtype.itemsize) // 4
-    byte_view = flat.view(np.uint8) if flat.dtype != np.uint8 else flat
-    return byte_view[: n * 4].view(np.float32)
 
 
 def _upload(backend, indptr, indices, last, split):
@@ -307,12 +337,6 @@ def _check_page_dims(name, a, first, layout, page_size, num_kv_heads, head_dim, 
     if arrays.storage_dtype(a) != kv_dtype:
         raise TypeError(f"{name} must have dtype {kv_dtype} (planned kv_data_type), "
                         f"got {arrays.storage_dtype(a)}")
-
-
-def _same_device(**named):
-    devices = {k: arrays.device_of(v) for k, v in named.items()}
-    if len(set(devices.values())) > 1:
-        raise ValueError(f"arrays are on different devices: {devices}")
 
 
 def _reference_decode(q, cache, p, layout, return_lse):

@@ -1,0 +1,93 @@
+"""The decode wrapper's fast run() for torch CUDA tensors.
+
+A careful run() validates each argument with descriptive errors and converts any array kind;
+in Python that costs ~75 us per call, more than the GPU needs for a small decode step. When the
+caller passes torch CUDA tensors that match the plan, all of those checks reduce to comparisons
+against values plan() fixed, and the launch to patching a few pointers in a prepared argument
+block.
+"""
+
+from __future__ import annotations
+
+
+class TorchFastPath:
+    """run() for torch CUDA tensors that match the plan exactly, in a few comparisons.
+
+    Every check of the careful path is here as a comparison against a value plan() fixed
+    (shapes, dtypes, device, contiguity, alignment, enough pages); on any mismatch the call
+    returns None and run() takes the careful path, which raises the descriptive error.
+    """
+
+    def __init__(self, p, layout, device):
+        import torch
+
+        if device.index is None:  # "cuda" and "cuda:0" must compare equal below
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.torch, self.p, self.device = torch, p, device
+        B, Hq, Hkv, D, PS = (p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"],
+                             p["page_size"])
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+        self.q_dtype, self.kv_dtype = tdt[p["q_dtype"]], tdt[p["kv_dtype"]]
+        self.q_shape, self.lse_shape = (B, Hq, D), (B, Hq)
+        tail = (PS, Hkv, D) if layout == "NHD" else (Hkv, PS, D)
+        self.combined_tail, self.tuple_tail = (2, *tail), tail
+        self.min_pages = int(p["indices"].max()) + 1 if p["indices"].size else 0
+        self.v_off = PS * Hkv * D
+        self.stride = {True: 2 * PS * Hkv * D, False: PS * Hkv * D}
+        try:
+            self.stream = torch._C._cuda_getCurrentRawStream  # one C call
+        except AttributeError:  # pragma: no cover - older torch
+            self.stream = lambda idx: torch.cuda.current_stream(idx).cuda_stream
+
+    def _ok(self, x, dtype):
+        return (type(x) is self.torch.Tensor and x.dtype == dtype and x.device == self.device
+                and x.is_contiguous())
+
+    def __call__(self, q, cache, out, lse):
+        if not (self._ok(q, self.q_dtype) and q.shape == self.q_shape):
+            return None
+        if type(cache) is tuple:
+            if len(cache) != 2:
+                return None
+            k, v = cache
+            if not (self._ok(k, self.kv_dtype) and self._ok(v, self.kv_dtype)
+                    and k.shape[1:] == self.tuple_tail and v.shape == k.shape):
+                return None
+            kp, vp, combined = k.data_ptr(), v.data_ptr(), False
+        else:
+            k = cache
+            if not (self._ok(k, self.kv_dtype) and k.shape[1:] == self.combined_tail):
+                return None
+            kp, combined = k.data_ptr(), True
+            vp = kp + self.v_off * k.element_size()
+        if k.shape[0] < self.min_pages or kp % 16 or vp % 16:
+            return None
+        if out is None:
+            out = self.torch.empty(self.q_shape, dtype=self.q_dtype, device=self.device)
+        elif not (self._ok(out, self.q_dtype) and out.shape == self.q_shape):
+            return None
+        if lse is None:
+            lse = self.torch.empty(self.lse_shape, dtype=self.torch.float32, device=self.device)
+        elif not (self._ok(lse, self.torch.float32) and lse.shape == self.lse_shape):
+            return None
+        p = self.p
+        dec = p["launch"]
+        n = k.numel()
+        dec.set_pointer(0, q.data_ptr(), q.numel())
+        dec.set_pointer(1, kp, n)
+        dec.set_pointer(2, vp, n)
+        dec.set_scalar(12, self.stride[combined])
+        dec.set_pointer(7, out.data_ptr(), out.numel())
+        dec.set_pointer(8, lse.data_ptr(), lse.numel())
+        stream = self.stream(self.device.index or 0)
+        if p["split"].work.shape[0]:
+            dec(stream)
+        merge = p["merge_launch"]
+        if merge is not None:
+            merge.set_pointer(5, out.data_ptr(), out.numel())
+            merge.set_pointer(6, lse.data_ptr(), lse.numel())
+            merge(stream)
+        return out, lse
+
+
+__all__ = ["TorchFastPath"]
