@@ -5,7 +5,7 @@ the GPU entry points), KV layouts in :mod:`nbinfer.formats`, attention variants 
 :mod:`nbinfer.variants`.
 """
 
-from . import formats, reference, variants
+from . import formats, reference, scheduler, variants
 from .api.decode import BatchDecodeWithPagedKVCacheWrapper
 from .formats import (
     BSR,
@@ -15,6 +15,7 @@ from .formats import (
     packbits,
     segment_packbits,
 )
+from .scheduler import Plan, PlanLayout
 from .variants import Variant, compose
 
 __version__ = "0.1.0"
@@ -23,6 +24,8 @@ __all__ = [
     "BSR",
     "BatchDecodeWithPagedKVCacheWrapper",
     "PageTable",
+    "Plan",
+    "PlanLayout",
     "Variant",
     "__version__",
     "bsr_from_mask",
@@ -31,6 +34,7 @@ __all__ = [
     "formats",
     "packbits",
     "reference",
+    "scheduler",
     "segment_packbits",
     "variants",
 ]
