@@ -43,7 +43,7 @@ def main():
         w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16, q_data_type=torch.float16)
         out, lse = torch.empty_like(q), torch.empty(batch, 32, device="cuda")
         w.run(q, cache, out=out, lse=lse)
-        base = w._plan["launch"]
+        base = w._plan["launch"].launch
         torch.cuda.synchronize()
         ref = out.clone()
         kv_bytes = batch * kv_len * 8 * 128 * 2 * 2
@@ -58,8 +58,6 @@ def main():
             out.zero_()
             stream = torch.cuda.current_stream().cuda_stream
             launch(stream)
-            if w._plan["merge_launch"] is not None:  # split requests: contract the partials
-                w._plan["merge_launch"](stream)
             torch.cuda.synchronize()
             diff = float((out.float() - ref.float()).abs().max())
             ms = float(np.median([launch_ms(launch) for _ in range(5)]))

@@ -8,7 +8,7 @@ from conftest import TOLERANCE, rel_err
 
 from nbinfer import reference
 from nbinfer import variants as V
-from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper, split_kv_plan
+from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
 from nbinfer.formats import PageTable
 
 
@@ -70,29 +70,40 @@ def test_decode_variants(rng, plan_kw):
     assert rel_err(out, ref) <= 1e-4
 
 
-def test_split_plan_covers_every_token_once():
-    lens = np.array([1, 1000, 37, 0, 513])
-    plan = split_kv_plan(lens, 2, target_ctas=16, granule=32)
-    for b, n in enumerate(lens):
-        for hk in range(2):
-            items = plan.work[(plan.work[:, 0] == b) & (plan.work[:, 1] == hk)]
-            covered = np.concatenate([np.arange(s, e) for s, e in items[:, 2:4]])
-            assert np.array_equal(np.sort(covered), np.arange(n))
-    split_rows = set(plan.merge_rows.tolist())
-    pieces = np.bincount(plan.work[plan.work[:, 1] == 0, 0], minlength=lens.size)
-    assert split_rows == {b for b in range(lens.size) if pieces[b] > 1}
-    assert np.all(plan.work[~np.isin(plan.work[:, 0], list(split_rows)), 4] == -1)
-    # chunks of one request are equal up to the last one (no long piece plus a sliver)
-    for b in split_rows:
-        sizes = np.diff(plan.work[(plan.work[:, 0] == b) & (plan.work[:, 1] == 0)][:, 2:4]).ravel()
-        assert np.all(sizes[:-1] == sizes[0]) and sizes[-1] > 0
+@pytest.mark.parametrize("variant", [None, V.sigmoid_attention(0.7, -0.5),
+                                     V.attention_sink([0.5, -1.0, 2.0, 0.0])],
+                         ids=["softmax", "sigmoid", "sink"])
+def test_persistent_grid_runs_many_items_per_cta_and_merges_in_kernel(rng, variant):
+    # Two CTAs in the simulator, a long request split into several chunks whose last CTA
+    # merges them: the fused merge must equal the reference (for a softmax variant, one without
+    # softmax, and one with an output hook), and leave every counter at zero.
+    pt, cache, q = _case(rng, [700, 3, 40], 4, 2, 64, 8, np.float16, "NHD")
+    w, (out, lse) = _run(pt, cache, q, 2, 8, "NHD", fixed_split_size=256, variant=variant)
+    sched = w._plan["schedule"]
+    assert sched.num_merge_rows >= 1 and sched.num_work > sched.num_ctas
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True, variant=variant)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    if variant is None or variant.use_softmax:
+        np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+    launch = w._plan["launch"]
+    words = launch.layout.words
+    assert not launch.ints[words["counters"]:words["kv_indptr"]].any()
 
 
-def test_split_plan_does_not_split_a_batch_that_fills_the_gpu():
-    plan = split_kv_plan(np.full(64, 4096), 8, target_ctas=528, granule=32)
-    assert plan.work.shape[0] == 512 and plan.merge_rows.size == 0
-    plan = split_kv_plan(np.full(16, 32768), 8, target_ctas=528, granule=32)
-    assert plan.work.shape[0] == 512 and plan.merge_rows.size == 16
+def test_fixed_split_size_is_batch_invariant(rng):
+    # The same request decoded alone and inside a batch gives the same bits.
+    pt, cache, q = _case(rng, [600, 50, 900], 2, 1, 64, 16, np.float32, "NHD")
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 2, 1, 64, 16, q_data_type=q.dtype,
+           fixed_split_size=256)
+    batch_out = w.run(q, cache)
+    one = PageTable(np.array([0, pt.indptr[3] - pt.indptr[2]]), pt.indices[pt.indptr[2]:],
+                    pt.last_page_len[2:], 16, pt.num_pages)
+    w.plan(one.indptr, one.indices, one.last_page_len, 2, 1, 64, 16, q_data_type=q.dtype,
+           fixed_split_size=256)
+    alone = w.run(q[2:], cache)
+    assert np.array_equal(alone[0], batch_out[2])
 
 
 def test_run_errors(rng):
@@ -115,3 +126,15 @@ def test_run_errors(rng):
         w.plan(pt.indptr, pt.indices, np.array([0, 9]), 4, 2, 64, 4)
     with pytest.raises(ValueError, match="kv_layout"):
         BatchDecodeWithPagedKVCacheWrapper(np.zeros(16, np.uint8), "NDH")
+
+
+def test_fused_merge_walks_more_partials_than_fit_in_shared_memory(rng):
+    # G=8, D=64: the merge block holds 26 partial rows; 300 tokens in chunks of 8 give 38, so
+    # the running (m, den) rescaling across blocks is exercised.
+    pt, cache, q = _case(rng, [300], 8, 1, 64, 4, np.float32, "HND")
+    w, (out, lse) = _run(pt, cache, q, 1, 4, "HND", fixed_split_size=8)
+    assert w._plan["schedule"].num_merge_nnz == 38
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout="HND", return_lse=True)
+    assert rel_err(out, ref) <= TOLERANCE["float32"]
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-5)

@@ -8,11 +8,9 @@ called once per layer with the same plan.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
-from .. import reference
+from .. import reference, scheduler
 from .._checks import (
     KV_LAYOUTS,
     check_choice,
@@ -24,90 +22,30 @@ from .._checks import (
     check_range,
     check_sm_scale,
 )
-from ..kernels.decode import (
-    WORK_FIELDS,
-    DecodeSpec,
-    build_decode_kernel,
-    decode_launch_config,
-    decode_signature,
-)
-from ..kernels.launch import PreparedLaunch
-from ..kernels.merge import MergeSpec, build_merge_rows, merge_launch_config, merge_rows_signature
+from ..kernels.decode import DecodeSpec
+from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
 from . import arrays, binding
 from .decode_fast import TorchFastPath
+from .decode_launch import ARG, DecodeLaunch
 from .dtypes import normalize_dtype
-
-MIN_CHUNK = 256
-
-
-@dataclass(frozen=True)
-class SplitPlan:
-    """Work items and merge map of one decode step (host arrays, int32).
-
-    ``work [W, 5]``: (request, kv_head, kv_start, kv_end, partial_row or -1 for a direct write).
-    ``merge_rows [M]``: output rows that were split; ``merge_indptr [M+1]`` / ``merge_indices``:
-    their partial rows, in KV order (the fixed reduction order).
-    """
-
-    work: np.ndarray
-    merge_rows: np.ndarray
-    merge_indptr: np.ndarray
-    merge_indices: np.ndarray
-    num_partials: int
-    chunk: int
+from .workspace import WorkspaceLayout, item_merge_lists
 
 
-def split_kv_plan(kv_lens, num_kv_heads: int, *, target_ctas: int, granule: int) -> SplitPlan:
-    """Split long requests' KV into near-equal chunks so that the batch fills ``target_ctas``.
-
-    The ideal chunk is the total KV work divided by ``target_ctas``; request ``b`` is cut into
-    ``round(len_b / ideal)`` pieces (at least one) of equal size rounded up to ``granule`` tokens
-    (what a CTA consumes per round). A batch that already fills the GPU is not split at all, and
-    a request is never cut into a long piece plus a sliver. (The LPT scheduler of
-    :mod:`nbinfer.scheduler` balances mixed lengths properly; this is the simple policy.)
-    """
-    kv_lens = np.asarray(kv_lens, dtype=np.int64)
-    total = int(kv_lens.sum()) * num_kv_heads
-    # Below MIN_CHUNK tokens a piece costs more in merge traffic and launch than it saves.
-    ideal = max(granule, MIN_CHUNK, total / max(target_ctas, 1))
-    nchunks = np.maximum(1, np.rint(kv_lens / ideal)).astype(np.int64)
-    piece = _ceil_div(_ceil_div(kv_lens, nchunks), granule) * granule
-    nchunks = np.maximum(1, _ceil_div(kv_lens, np.maximum(piece, 1)))
-    work, rows, indptr, indices = [], [], [0], []
-    prow = 0
-    for b, (n, length, size) in enumerate(zip(nchunks, kv_lens, piece, strict=True)):
-        split = n > 1
-        for c in range(n):
-            lo, hi = c * size, min((c + 1) * size, int(length))
-            for hk in range(num_kv_heads):
-                work.append((b, hk, lo, hi, prow + c if split else -1))
-        if split:
-            rows.append(b)
-            indices.extend(range(prow, prow + n))
-            indptr.append(len(indices))
-            prow += n
-    return SplitPlan(
-        work=np.asarray(work, dtype=np.int32).reshape(-1, WORK_FIELDS),
-        merge_rows=np.asarray(rows, dtype=np.int32),
-        merge_indptr=np.asarray(indptr, dtype=np.int32),
-        merge_indices=np.asarray(indices, dtype=np.int32),
-        num_partials=prow,
-        chunk=int(piece.max()) if piece.size else granule,
-    )
-
-
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
-def _target_ctas(backend: str) -> int:
+def persistent_ctas(backend: str) -> int:
+    """The fixed grid: four resident 128-thread CTAs per SM (the register cap allows four);
+    two in the simulator, where every CTA is a set of OS threads."""
     if backend != "cuda":
         return 2
     from numba import cuda
 
-    # Four resident 128-thread CTAs per SM keep enough loads in flight on Hopper.
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT * 4
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT * CTAS_PER_SM
+
+
+# A chunk shorter than this costs more in merge traffic than it gains in parallelism; chunk
+# boundaries are multiples of it (the scheduler's granule).
+MIN_CHUNK = 256
+CTAS_PER_SM = 4
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -122,13 +60,35 @@ class BatchDecodeWithPagedKVCacheWrapper:
         ``"auto"`` runs the CUDA kernels when a GPU is present, else the simulator.
     """
 
-    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", *, backend: str = "auto"):
+    def __init__(self, float_workspace_buffer, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None, *, backend: str = "auto"):
         check_choice("kv_layout", kv_layout, KV_LAYOUTS)
         self._backend = arrays.resolve_backend(backend)
         arrays.array_kind(float_workspace_buffer)
+        if use_tensor_cores:
+            raise NotImplementedError("use_tensor_cores: nbinfer's decode runs on CUDA cores only")
+        buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        if use_cuda_graph and any(b is None for b in buffers):
+            raise ValueError("use_cuda_graph=True needs paged_kv_indptr_buffer, "
+                             "paged_kv_indices_buffer and paged_kv_last_page_len_buffer (fixed "
+                             "addresses the captured kernel reads every step)")
+        if use_cuda_graph:
+            for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                                  "paged_kv_last_page_len_buffer"), buffers, strict=True):
+                check_ndim(name, buf, 1)
+                if arrays.dtype_name(buf) != "int32":
+                    raise TypeError(f"{name} must be int32, got {arrays.dtype_name(buf)}")
         self._workspace = float_workspace_buffer
         self._kv_layout = kv_layout
+        self._graph_buffers = buffers if use_cuda_graph else None
+        self._graph_layout = None
         self._plan = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph_buffers is not None
 
     # ------------------------------------------------------------------------------------------
     def plan(self, indptr, indices, last_page_len, num_qo_heads: int, num_kv_heads: int,
@@ -136,12 +96,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
              window_left: int = -1, logits_soft_cap: float | None = None,
              sm_scale: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, q_data_type="float16", kv_data_type=None,
-             variant=None) -> None:
+             fixed_split_size: int | None = None, variant=None) -> None:
         """Validate the page table and build the work list for this step (CPU only).
 
         ``indptr [B+1]``, ``indices [nnz_pages]``, ``last_page_len [B]`` are int32 page-table
         arrays as in FlashInfer; ``variant`` is an extra :class:`~nbinfer.variants.Variant`
-        composed after the one the keyword flags describe.
+        composed after the one the keyword flags describe. ``fixed_split_size`` cuts every
+        request's KV into chunks of exactly that many tokens, so a request's output bits do not
+        depend on the rest of the batch (batch invariance).
+
+        The work list comes from :func:`nbinfer.scheduler.plan` (LPT over a fixed persistent
+        grid); it is copied into the workspace with the page table in one transfer on the
+        current stream, and serves every run() until the next plan().
         """
         group = check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
@@ -177,49 +143,44 @@ class BatchDecodeWithPagedKVCacheWrapper:
             spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim")
-            split = split_kv_plan(kv_lens, num_kv_heads, target_ctas=_target_ctas(self._backend),
-                                  granule=spec.tokens_per_group * 4)
-            need = split.num_partials * num_qo_heads * (head_dim + 1) * 4
-            have = binding.nbytes(self._workspace)
-            if need > have:
-                raise ValueError(f"float_workspace_buffer holds {have} bytes, this plan needs {need}")
-            plan.update(spec=spec, split=split, **self._prepare_launches(spec, split, plan))
+            num_ctas = persistent_ctas(self._backend)
+            sched = scheduler.plan(np.arange(batch + 1), kv_lens, num_qo_heads, num_kv_heads,
+                                   num_ctas, granule=max(MIN_CHUNK, spec.tokens_per_group * 4),
+                                   fixed_split_size=fixed_split_size)
+            layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
+                                      head_dim, page_size, fixed_split_size)
+            launch = DecodeLaunch(spec, self._workspace, layout, self._backend, num_ctas,
+                                  sm_scale, self._graph_buffers)
+            table = (indptr, indices, last)
+            staged = layout.stage(sched, item_merge_lists(sched),
+                                  None if self._graph_buffers else table)
+            launch.upload(staged, table, _plan_stream(self._workspace))
+            plan.update(spec=spec, schedule=sched, layout=layout, launch=launch)
             if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
                 plan["fast"] = TorchFastPath(plan, self._kv_layout, self._workspace.device)
         self._plan = plan
 
-    def _prepare_launches(self, spec, split, p):
-        """Bind everything a plan fixes (page table, work list, workspace, scalars) into the
-        decode and merge launches, so that run() only adds q, the cache and the outputs."""
-        be, sim = self._backend, self._backend == "sim"
-        dev = _upload(be, p["indptr"], p["indices"], p["last"], split)
-        ws = binding.workspace_f32(self._workspace, be)
-        hq, d = p["num_qo_heads"], p["head_dim"]
-        nt = split.num_partials * hq
-        tmp_o, tmp_lse = ws[: max(nt * d, 1)], ws[nt * d: nt * d + max(nt, 1)]
-        grid, block = decode_launch_config(split.work.shape[0])
-        dec = PreparedLaunch(build_decode_kernel(spec), decode_signature(spec), grid[0], block[0],
-                             sim=sim)
-        for i, arr in ((3, dev["indptr"]), (4, dev["indices"]), (5, dev["last"]),
-                       (6, dev["work"]), (9, tmp_o), (10, tmp_lse)):
-            dec.set_array(i, arr)
-        dec.set_scalar(11, p["num_kv_heads"])
-        dec.set_scalar(13, 0)
-        dec.set_scalar(14, p["sm_scale"])
-        merge = None
-        m = split.merge_rows.size
-        if m:
-            mspec = MergeSpec("float32", p["q_dtype"], p["variant"], sim)
-            total = m * hq * d
-            g, bl = merge_launch_config(total)
-            merge = PreparedLaunch(build_merge_rows(mspec), merge_rows_signature(mspec), g[0],
-                                   bl[0], sim=sim)
-            for i, arr in ((0, tmp_o), (1, tmp_lse), (2, dev["merge_indptr"]),
-                           (3, dev["merge_indices"]), (4, dev["merge_rows"])):
-                merge.set_array(i, arr)
-            for i, val in ((7, hq), (8, d), (9, total)):
-                merge.set_scalar(i, val)
-        return dict(launch=dec, merge_launch=merge, dev=dev)
+    def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
+        """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
+        if self._graph_buffers is None:
+            return WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, batch, pages)
+        if self._graph_layout is None:
+            max_batch = int(self._graph_buffers[2].shape[0])
+            max_pages = int(self._graph_buffers[1].shape[0])
+            # With fixed chunks the item count grows with the KV: bound it by the page buffer.
+            max_kv = max_pages * page_size if fixed_split_size else None
+            plan_layout = PlanLayout.bound(sched.num_ctas, max_batch, hq, hkv, max_kv_len=max_kv,
+                                           fixed_split_size=fixed_split_size)
+            self._graph_layout = WorkspaceLayout(plan_layout, hkv, hq, d, max_batch, max_pages)
+        layout = self._graph_layout
+        if (layout.num_kv_heads, layout.num_qo_heads, layout.head_dim) != (hkv, hq, d):
+            raise ValueError("a CUDA-graph wrapper keeps its head counts and head_dim: planned "
+                             f"{(hq, hkv, d)}, first plan had "
+                             f"{(layout.num_qo_heads, layout.num_kv_heads, layout.head_dim)}")
+        if not layout.fits(sched, batch, pages):
+            raise ValueError(f"this step does not fit the CUDA-graph buffers: batch {batch} "
+                             f"(max {layout.max_batch}), {pages} pages (max {layout.max_pages})")
+        return layout
 
     # ------------------------------------------------------------------------------------------
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
@@ -244,7 +205,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             raise RuntimeError("run() called before plan()")
         fast = p.get("fast")
         if fast is not None:
-            res = fast(q, paged_kv_cache, out, lse)
+            res = fast(q, paged_kv_cache, out, lse, return_lse)
             if res is not None:
                 return res if return_lse else res[0]
         B, Hq, Hkv, D, PS = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], \
@@ -270,43 +231,32 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kind = arrays.array_kind(q)
         out_user, out_k = binding.output(out, "out", kind, q, (B, Hq, D), p["q_dtype"], be)
         lse_user, lse_k = binding.output(lse, "lse", kind, q, (B, Hq), "float32", be)
-        dec = p["launch"]
-        binding.bind(dec, 0, q, be)
+        dec = p["launch"].launch
+        binding.bind(dec, ARG["q"], q, be)
         if combined:
             page_stride = 2 * PS * Hkv * D
-            binding.bind(dec, 1, paged_kv_cache, be)
-            binding.bind(dec, 2, paged_kv_cache, be, offset=PS * Hkv * D)
+            binding.bind(dec, ARG["k"], paged_kv_cache, be)
+            binding.bind(dec, ARG["v"], paged_kv_cache, be, offset=PS * Hkv * D)
         else:
             page_stride = PS * Hkv * D
-            binding.bind(dec, 1, k_cache, be)
-            binding.bind(dec, 2, v_cache, be)
-        dec.set_scalar(12, page_stride)
-        binding.bind(dec, 7, out_k, be)
-        binding.bind(dec, 8, lse_k, be)
-        stream = arrays.current_stream(q)
-        if p["split"].work.shape[0]:
-            dec(stream)
-        if p["merge_launch"] is not None:
-            binding.bind(p["merge_launch"], 5, out_k, be)
-            binding.bind(p["merge_launch"], 6, lse_k, be)
-            p["merge_launch"](stream)
+            binding.bind(dec, ARG["k"], k_cache, be)
+            binding.bind(dec, ARG["v"], v_cache, be)
+        dec.set_scalar(ARG["page_stride"], page_stride)
+        binding.bind(dec, ARG["o"], out_k, be)
+        binding.bind(dec, ARG["lse"], lse_k, be)
+        dec(arrays.current_stream(q))
         out_user = arrays.finish(kind, out_user, out_k, be)
         if return_lse:
             return out_user, arrays.finish(kind, lse_user, lse_k, be)
         return out_user
 
 
-def _upload(backend, indptr, indices, last, split):
-    host = dict(indptr=indptr, indices=indices if indices.size else np.zeros(1, np.int32),
-                last=last if last.size else np.zeros(1, np.int32),
-                work=split.work.reshape(-1) if split.work.size else np.zeros(WORK_FIELDS, np.int32),
-                merge_rows=split.merge_rows, merge_indptr=split.merge_indptr,
-                merge_indices=split.merge_indices)
-    if backend == "sim":
-        return {k: np.array(v, dtype=np.int32) for k, v in host.items()}  # writable copies
-    from numba import cuda
-
-    return {k: cuda.to_device(np.ascontiguousarray(v, dtype=np.int32)) for k, v in host.items()}
+def _plan_stream(workspace) -> int:
+    """The stream plan() copies on: the caller's current stream for the workspace's kind."""
+    try:
+        return arrays.current_stream(workspace)
+    except TypeError:
+        return 0
 
 
 def _split_cache(paged_kv_cache, layout, page_size, num_kv_heads, head_dim, kv_dtype):
@@ -356,4 +306,4 @@ def _reference_decode(q, cache, p, layout, return_lse):
     return res
 
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "SplitPlan", "split_kv_plan"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "persistent_ctas"]

@@ -9,6 +9,8 @@ block.
 
 from __future__ import annotations
 
+from .decode_launch import ARG
+
 
 class TorchFastPath:
     """run() for torch CUDA tensors that match the plan exactly, in a few comparisons.
@@ -33,6 +35,7 @@ class TorchFastPath:
         self.combined_tail, self.tuple_tail = (2, *tail), tail
         self.min_pages = int(p["indices"].max()) + 1 if p["indices"].size else 0
         self.v_off = PS * Hkv * D
+        self.scratch_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         self.stride = {True: 2 * PS * Hkv * D, False: PS * Hkv * D}
         try:
             self.stream = torch._C._cuda_getCurrentRawStream  # one C call
@@ -43,7 +46,7 @@ class TorchFastPath:
         return (type(x) is self.torch.Tensor and x.dtype == dtype and x.device == self.device
                 and x.is_contiguous())
 
-    def __call__(self, q, cache, out, lse):
+    def __call__(self, q, cache, out, lse, want_lse):
         if not (self._ok(q, self.q_dtype) and q.shape == self.q_shape):
             return None
         if type(cache) is tuple:
@@ -67,26 +70,23 @@ class TorchFastPath:
         elif not (self._ok(out, self.q_dtype) and out.shape == self.q_shape):
             return None
         if lse is None:
-            lse = self.torch.empty(self.lse_shape, dtype=self.torch.float32, device=self.device)
+            if not want_lse:
+                # The kernels always write an LSE; nobody reads this one, so it is reused.
+                lse = self.scratch_lse
+            else:
+                lse = self.torch.empty(self.lse_shape, dtype=self.torch.float32,
+                                       device=self.device)
         elif not (self._ok(lse, self.torch.float32) and lse.shape == self.lse_shape):
             return None
-        p = self.p
-        dec = p["launch"]
+        dec = self.p["launch"].launch
         n = k.numel()
-        dec.set_pointer(0, q.data_ptr(), q.numel())
-        dec.set_pointer(1, kp, n)
-        dec.set_pointer(2, vp, n)
-        dec.set_scalar(12, self.stride[combined])
-        dec.set_pointer(7, out.data_ptr(), out.numel())
-        dec.set_pointer(8, lse.data_ptr(), lse.numel())
-        stream = self.stream(self.device.index or 0)
-        if p["split"].work.shape[0]:
-            dec(stream)
-        merge = p["merge_launch"]
-        if merge is not None:
-            merge.set_pointer(5, out.data_ptr(), out.numel())
-            merge.set_pointer(6, lse.data_ptr(), lse.numel())
-            merge(stream)
+        dec.set_pointer(ARG["q"], q.data_ptr(), q.numel())
+        dec.set_pointer(ARG["k"], kp, n)
+        dec.set_pointer(ARG["v"], vp, n)
+        dec.set_scalar(ARG["page_stride"], self.stride[combined])
+        dec.set_pointer(ARG["o"], out.data_ptr(), out.numel())
+        dec.set_pointer(ARG["lse"], lse.data_ptr(), lse.numel())
+        dec(self.stream(self.device.index or 0))
         return out, lse
 
 

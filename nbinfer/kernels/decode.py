@@ -51,7 +51,11 @@ KV_DTYPES = ("float16", "bfloat16", "float32")
 # Numba storage type of each dtype: bf16 travels as its raw bits.
 STORAGE = {"float16": float16, "bfloat16": int16, "float32": float32}
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-WORK_FIELDS = 5  # (request, kv_head, kv_start, kv_end, partial_row or -1)
+# The scheduler's work table (nbinfer.scheduler): request, kv_head, qo_start, qo_end, kv_start,
+# kv_end, partial_row (-1: write the output directly).
+WORK_FIELDS = 7
+PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
+                "item_merge")
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
 
 
@@ -122,8 +126,8 @@ def decode_signature(spec: DecodeSpec):
     qo = types.Array(STORAGE[spec.q_dtype], 1, "C")
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
-    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32,
-                      int32, int32, int64, float32)
+    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
+                      int32, int32, int64, float32, *([int32] * len(PLAN_OFFSETS)))
 
 
 @functools.cache
@@ -133,11 +137,19 @@ def build_decode_kernel(spec: DecodeSpec):
     Kernel arguments, all 1-D contiguous: ``q [B*Hq*D]``, ``k``, ``v`` (flat KV storage, each
     starting at its first element: for a combined ``[P, 2, ...]`` cache, two views of one buffer
     ``v_off`` elements apart), ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32),
-    ``work [W*5]`` (int32), ``o [B*Hq*D]``, ``lse [B*Hq]`` (float32, natural log),
-    ``tmp_o [P*Hq*D]``, ``tmp_lse [P*Hq]`` (float32 partial states), then scalars
-    ``num_kv_heads``, ``page_stride`` (int32: elements between pages, paged only),
-    ``head_stride`` (int64: HND dense only), ``sm_scale``. K/V base pointers and strides must be
-    16-byte aligned (cp.async).
+    ``plan`` (int32: the scheduler's packed plan plus ``item_merge``, the merge list of every
+    work item or -1), ``o [B*Hq*D]``, ``lse [B*Hq]`` (float32, natural log), ``tmp_o [P*Hq*D]``,
+    ``tmp_lse [P*Hq]`` (float32 partial states), ``counters [M*Hkv]`` (int32, zero between
+    launches: each launch leaves them zero), then scalars ``num_kv_heads``, ``page_stride``
+    (int32: elements between pages, paged only), ``head_stride`` (int64: HND dense only),
+    ``sm_scale`` and the word offsets in ``plan`` of the sections named in ``PLAN_OFFSETS``.
+    K/V base pointers and strides must be 16-byte aligned (cp.async).
+
+    The grid is fixed (any number of CTAs): CTA ``c`` runs the work items
+    ``cta_work[cta_indptr[c]:cta_indptr[c+1]]`` one after the other. An item that covers its
+    request's whole KV writes the output; a chunk writes a partial state, and the CTA that
+    completes the last chunk of a (merge list, kv head) contracts the list's partials in the
+    map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
     fn = decode_kernel_source(spec)
     if spec.sim:
@@ -210,6 +222,8 @@ def decode_kernel_source(spec: DecodeSpec):
     ONE = float32(1.0)
     MASKED = NEG_INF if SOFTMAX else ZERO
     F_LN2 = float32(LN2)
+    F_LOG2E = float32(LOG2E)
+    load_cg = prims.load_cg
     SPARSE = spec.sparse
     NHD = spec.kv_layout == "NHD"
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
@@ -267,8 +281,97 @@ def decode_kernel_source(spec: DecodeSpec):
         else:
             o[i] = x
 
-    def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, work, o, lse, tmp_o, tmp_lse,
-                      hkv, page_stride, head_stride, sm_scale):
+    # Fused merge: per block of NB partial rows, the G heads' weights exp2(lse - m) are computed
+    # once into shared memory (msmem is free after the warps' merge), then every output element
+    # sums NB independent L2 loads. The running (m, den) per head rescales across blocks, so any
+    # number of chunks fits. Block layout in msmem: [G*NB weights | NB partial rows | G m | G den
+    # | G scale].
+    NB = (MERGE_SMEM - 3 * GP) // (G + 1)
+    OUTS = -(-G * D // NT)  # output elements per thread
+    W_ROWS = G * NB
+    W_M = W_ROWS + NB
+    W_DEN = W_M + G
+    W_SCALE = W_DEN + G
+
+    @jit_dev
+    def merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, merge_rows_off,
+                   merge_indptr_off, merge_indices_off, msmem, num):
+        # The merge operator over list ml's partial rows, in the map's order (so the result does
+        # not depend on which CTA finished last), for the G heads of kv head hk. Partial states
+        # written by other CTAs are read through L2 (ld.global.cg), never a stale L1 line.
+        row = plan[merge_rows_off + ml]
+        lo = plan[merge_indptr_off + ml]
+        hi = plan[merge_indptr_off + ml + 1]
+        for i in range(OUTS):
+            num[i] = ZERO
+        if tid < G:
+            msmem[W_M + tid] = NEG_INF
+            msmem[W_DEN + tid] = ZERO
+        for blk in range(lo, hi, NB):
+            nb = min(NB, hi - blk)
+            for j in range(tid, nb, NT):
+                msmem[W_ROWS + j] = float32(plan[merge_indices_off + blk + j])
+            cuda.syncthreads()
+            for idx in range(tid, G * nb, NT):
+                h = idx // nb
+                pr = int32(msmem[W_ROWS + idx % nb])
+                x = load_cg(tmp_lse, pr * hq + hk * G + h)
+                msmem[idx] = x * F_LOG2E if SOFTMAX else ONE
+            cuda.syncthreads()
+            if tid < G and SOFTMAX:
+                mold = msmem[W_M + tid]
+                mt = mold
+                for j in range(nb):
+                    mt = max(mt, msmem[tid * nb + j])
+                mref = mt if mt > NEG_INF else ZERO
+                msmem[W_SCALE + tid] = exp2(mold - mref)
+                msmem[W_M + tid] = mt
+            cuda.syncthreads()
+            if SOFTMAX:
+                for idx in range(tid, G * nb, NT):
+                    mt = msmem[W_M + idx // nb]
+                    msmem[idx] = exp2(msmem[idx] - (mt if mt > NEG_INF else ZERO))
+                cuda.syncthreads()
+                if tid < G:
+                    den = msmem[W_DEN + tid] * msmem[W_SCALE + tid]
+                    for j in range(nb):
+                        den += msmem[tid * nb + j]
+                    msmem[W_DEN + tid] = den
+            for i in range(OUTS):
+                idx = tid + i * NT
+                if idx < G * D:
+                    h = idx // D
+                    acc_o = num[i] * msmem[W_SCALE + h] if SOFTMAX else num[i]
+                    base = (hk * G + h) * D + idx % D
+                    for j in range(nb):
+                        pr = int32(msmem[W_ROWS + j])
+                        acc_o += msmem[h * nb + j] * load_cg(tmp_o, pr * hq * D + base)
+                    num[i] = acc_o
+            cuda.syncthreads()
+        for i in range(OUTS):
+            idx = tid + i * NT
+            if idx < G * D:
+                h = idx // D
+                d = idx % D
+                qo_head = hk * G + h
+                if SOFTMAX:
+                    den = msmem[W_DEN + h]
+                    mt = msmem[W_M + h]
+                    out = num[i] / den if den > ZERO else ZERO
+                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
+                else:
+                    out = num[i]
+                    lse_val = ZERO
+                if HAS_OUT:
+                    out = float32(hook_output(out, lse_val, qo_head))
+                store(o, (row * hq + qo_head) * D + d, out)
+                if d == 0:
+                    lse[row * hq + qo_head] = lse_val
+
+    def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
+                      counters, hkv, page_stride, head_stride, sm_scale, work_off, cta_indptr_off,
+                      cta_work_off, merge_rows_off, merge_indptr_off, merge_indices_off,
+                      item_merge_off):
         kvs = cuda.shared.array(KV_SMEM, KV_T)
         pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
@@ -285,208 +388,233 @@ def decode_kernel_source(spec: DecodeSpec):
         acc = cuda.local.array(GNV, float32)
         pl = cuda.local.array(GTG, float32)
         m = cuda.local.array(G, float32)
+        last_flag = cuda.shared.array(1, int32)
+        mnum = cuda.local.array(OUTS, float32)
 
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
         half = lane // LPT  # which of the NH key rows this lane reads in q.k
         u = lane % LPT  # position within the row
-        w0 = cuda.blockIdx.x * WORK_FIELDS
-        b = work[w0]
-        hk = work[w0 + 1]
-        start = work[w0 + 2]
-        end = work[w0 + 3]
-        prow = work[w0 + 4]
         hq = hkv * G
-        kv_len = request_kv_len(kv_indptr, kv_last, b)
-        q_pos = kv_len - 1
-        qscale = sm_scale * Q_LOG2E
+        c = cuda.blockIdx.x
+        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+            item = plan[cta_work_off + wi]
+            w0 = work_off + item * WORK_FIELDS
+            b = plan[w0]
+            hk = plan[w0 + 1]
+            start = plan[w0 + 4]
+            end = plan[w0 + 5]
+            prow = plan[w0 + 6]
+            kv_len = request_kv_len(kv_indptr, kv_last, b)
+            q_pos = kv_len - 1
+            qscale = sm_scale * Q_LOG2E
 
-        for h in range(G):
-            qbase = (b * hq + hk * G + h) * D
-            for e in range(DPL):
-                d = u * DPL + e
-                x = q_to_f32(q[qbase + d])
-                if HAS_Q:
-                    xp = q_to_f32(q[qbase + (d + HALF) % D])
-                    x = float32(hook_query(x, xp, d, D, q_pos, hk * G + h))
-                qv[h * DPL + e] = x * qscale
-            for e in range(NV):
-                acc[h * NV + e] = ZERO
-            m[h] = NEG_INF
-        for r in range(R):
-            slot = (u // REP) * R + r
-            slot_h[r] = slot // TPL
-            slot_t[r] = half + NH * (slot % TPL)
-            lpart[r] = ZERO
-            mref_r[r] = ZERO
-            alpha_r[r] = ONE
-
-        # Loop state is unsigned 32-bit and advanced incrementally: Numba's default int64
-        # arithmetic would otherwise put 64-bit index math into every group.
-        n_kv = U32(end - start)
-        rounds = (n_kv + U32(NW * TG - 1)) // U32(NW * TG)
-        last = U32(end - 1)
-        ib = U32(kv_indptr[b])  # first page (paged) or first token (dense) of the request
-        row_stride = int64(hkv * D) if NHD else int64(D)  # elements between consecutive tokens
-        if NHD:
-            head_off = int64(hk * D)
-        elif SPARSE:
-            head_off = int64(hk * PS * D)
-        else:
-            head_off = int64(hk) * head_stride
-        head_off += (lane % CR) * CE
-        kv_base = shared_addr(kvs, warp * WARP_ELEMS)
-        pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
-        pb = pa + U32(4 * PB)  # probabilities of the group
-        g0 = U32(start) + U32(warp * TG)
-        for g in range(S - 1):
-            if g < rounds:
-                issue_group(kvs, kv_base + U32(g * STAGE_BYTES), k, v, kv_indices, ib,
-                            g0 + U32(g * NW * TG), last, lane, row_stride, head_off, page_stride)
-            commit()  # possibly empty: keeps "wait until S-2 groups are pending" uniform
-        gstart = g0
-        sb = kv_base
-        for r in range(rounds):
-            wait_ready()
-            # Publishes every lane's copies of group r, and frees the stage read in round r-1.
-            syncwarp()
-            if r + U32(S - 1) < rounds:
-                nb = sb + U32((S - 1) * STAGE_BYTES)
-                if nb >= kv_base + U32(S * STAGE_BYTES):
-                    nb -= U32(S * STAGE_BYTES)
-                issue_group(kvs, nb, k, v, kv_indices, ib, gstart + U32((S - 1) * NW * TG),
-                            last, lane, row_stride, head_off, page_stride)
-            commit()
-
-            # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
-            for i in range(TPL):
-                t = half + NH * i
-                kx = lds_k(kvs, sb + (t * D + u * DPL) * IS)
-                if HAS_K:
-                    kp = lds_k(kvs, sb + (t * D + (u * DPL + HALF) % D) * IS)
+            for h in range(G):
+                qbase = (b * hq + hk * G + h) * D
                 for e in range(DPL):
-                    x = kx[e]
+                    d = u * DPL + e
+                    x = q_to_f32(q[qbase + d])
+                    if HAS_Q:
+                        xp = q_to_f32(q[qbase + (d + HALF) % D])
+                        x = float32(hook_query(x, xp, d, D, q_pos, hk * G + h))
+                    qv[h * DPL + e] = x * qscale
+                for e in range(NV):
+                    acc[h * NV + e] = ZERO
+                m[h] = NEG_INF
+            for r in range(R):
+                slot = (u // REP) * R + r
+                slot_h[r] = slot // TPL
+                slot_t[r] = half + NH * (slot % TPL)
+                lpart[r] = ZERO
+                mref_r[r] = ZERO
+                alpha_r[r] = ONE
+
+            # Loop state is unsigned 32-bit and advanced incrementally: Numba's default int64
+            # arithmetic would otherwise put 64-bit index math into every group.
+            n_kv = U32(end - start)
+            rounds = (n_kv + U32(NW * TG - 1)) // U32(NW * TG)
+            last = U32(end - 1)
+            ib = U32(kv_indptr[b])  # first page (paged) or first token (dense) of the request
+            row_stride = int64(hkv * D) if NHD else int64(D)  # elements between consecutive tokens
+            if NHD:
+                head_off = int64(hk * D)
+            elif SPARSE:
+                head_off = int64(hk * PS * D)
+            else:
+                head_off = int64(hk) * head_stride
+            head_off += (lane % CR) * CE
+            kv_base = shared_addr(kvs, warp * WARP_ELEMS)
+            pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
+            pb = pa + U32(4 * PB)  # probabilities of the group
+            g0 = U32(start) + U32(warp * TG)
+            for g in range(S - 1):
+                if g < rounds:
+                    issue_group(kvs, kv_base + U32(g * STAGE_BYTES), k, v, kv_indices, ib,
+                                g0 + U32(g * NW * TG), last, lane, row_stride, head_off, page_stride)
+                commit()  # possibly empty: keeps "wait until S-2 groups are pending" uniform
+            gstart = g0
+            sb = kv_base
+            for r in range(rounds):
+                wait_ready()
+                # Publishes every lane's copies of group r, and frees the stage read in round r-1.
+                syncwarp()
+                if r + U32(S - 1) < rounds:
+                    nb = sb + U32((S - 1) * STAGE_BYTES)
+                    if nb >= kv_base + U32(S * STAGE_BYTES):
+                        nb -= U32(S * STAGE_BYTES)
+                    issue_group(kvs, nb, k, v, kv_indices, ib, gstart + U32((S - 1) * NW * TG),
+                                last, lane, row_stride, head_off, page_stride)
+                commit()
+
+                # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
+                for i in range(TPL):
+                    t = half + NH * i
+                    kx = lds_k(kvs, sb + (t * D + u * DPL) * IS)
                     if HAS_K:
-                        x = float32(hook_key(x, kp[e], u * DPL + e, D, gstart + t, hk))
-                    kf[e] = x
-                for h in range(GP):
-                    dot = ZERO
-                    if h < G:
-                        for e in range(DPL):
-                            dot += qv[h * DPL + e] * kf[e]
-                    part[h * TPL + i] = dot
-            reduce_scatter(part, sc, lane, warp, scratch)
+                        kp = lds_k(kvs, sb + (t * D + (u * DPL + HALF) % D) * IS)
+                    for e in range(DPL):
+                        x = kx[e]
+                        if HAS_K:
+                            x = float32(hook_key(x, kp[e], u * DPL + e, D, gstart + t, hk))
+                        kf[e] = x
+                    for h in range(GP):
+                        dot = ZERO
+                        if h < G:
+                            for e in range(DPL):
+                                dot += qv[h * DPL + e] * kf[e]
+                        part[h * TPL + i] = dot
+                reduce_scatter(part, sc, lane, warp, scratch)
 
-            # Each lane now owns R whole logits: run the variant on each exactly once.
-            for rr in range(R):
-                h = slot_h[rr]
-                pos = gstart + slot_t[rr]
-                s = sc[rr]
-                keep = pos <= last and h < G
-                if HAS_LOGITS:
-                    s = float32(hook_logits(s, q_pos, pos, hk * G + h)) * POST_LOG2E
-                if HAS_MASK:
-                    keep = keep and hook_mask(q_pos, pos, hk * G + h)
-                sc[rr] = s if keep else MASKED
+                # Each lane now owns R whole logits: run the variant on each exactly once.
+                for rr in range(R):
+                    h = slot_h[rr]
+                    pos = gstart + slot_t[rr]
+                    s = sc[rr]
+                    keep = pos <= last and h < G
+                    if HAS_LOGITS:
+                        s = float32(hook_logits(s, q_pos, pos, hk * G + h)) * POST_LOG2E
+                    if HAS_MASK:
+                        keep = keep and hook_mask(q_pos, pos, hk * G + h)
+                    sc[rr] = s if keep else MASKED
 
+                if SOFTMAX:
+                    for rr in range(R):
+                        sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
+                    syncwarp()
+                    for h in range(G):
+                        mt = m[h]
+                        sv = lds_p(pbuf, pa + U32(4 * h * TG))
+                        for j in range(TG):
+                            mt = max(mt, sv[j])
+                        # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
+                        mref = mt if mt > NEG_INF else ZERO
+                        alpha = exp2(m[h] - mref)
+                        m[h] = mt
+                        for e in range(NV):
+                            acc[h * NV + e] *= alpha
+                        for rr in range(R):
+                            if slot_h[rr] == h:
+                                mref_r[rr] = mref
+                                alpha_r[rr] = alpha
+                    for rr in range(R):
+                        p = exp2(sc[rr] - mref_r[rr])
+                        lpart[rr] = lpart[rr] * alpha_r[rr] + p
+                        sc[rr] = p
+                for rr in range(R):
+                    sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
+                syncwarp()
+
+                # acc += p * v on this lane's NV dims (all G x TG probabilities loaded first: one
+                # straight-line block, no inner loop left for the compiler to keep rolled).
+                for h in range(G):
+                    pv = lds_p(pbuf, pb + U32(4 * h * TG))
+                    for j in range(TG):
+                        pl[h * TG + j] = pv[j]
+                vb = sb + U32(K_BYTES + lane * NV * IS)
+                for t in range(TG):
+                    vx = lds_v(kvs, vb + U32(t * D * IS))
+                    for h in range(G):
+                        p = pl[h * TG + t]
+                        for e in range(NV):
+                            acc[h * NV + e] += p * vx[e]
+                gstart += U32(NW * TG)
+                sb += U32(STAGE_BYTES)
+                if sb >= kv_base + U32(S * STAGE_BYTES):
+                    sb = kv_base
+
+            # Per-head sums of the owners' running l (slots shared by REP lanes are written once
+            # per address, so each slot counts once).
             if SOFTMAX:
                 for rr in range(R):
-                    sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
-                syncwarp()
-                for h in range(G):
-                    mt = m[h]
+                    sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), lpart[rr])
+            syncwarp()
+
+            # Merge the four warps' states, one head at a time.
+            for h in range(G):
+                lsum = ZERO
+                if SOFTMAX:
                     sv = lds_p(pbuf, pa + U32(4 * h * TG))
                     for j in range(TG):
-                        mt = max(mt, sv[j])
-                    # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
-                    mref = mt if mt > NEG_INF else ZERO
-                    alpha = exp2(m[h] - mref)
-                    m[h] = mt
-                    for e in range(NV):
-                        acc[h * NV + e] *= alpha
-                    for rr in range(R):
-                        if slot_h[rr] == h:
-                            mref_r[rr] = mref
-                            alpha_r[rr] = alpha
-                for rr in range(R):
-                    p = exp2(sc[rr] - mref_r[rr])
-                    lpart[rr] = lpart[rr] * alpha_r[rr] + p
-                    sc[rr] = p
-            for rr in range(R):
-                sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
-            syncwarp()
-
-            # acc += p * v on this lane's NV dims (all G x TG probabilities loaded first: one
-            # straight-line block, no inner loop left for the compiler to keep rolled).
-            for h in range(G):
-                pv = lds_p(pbuf, pb + U32(4 * h * TG))
-                for j in range(TG):
-                    pl[h * TG + j] = pv[j]
-            vb = sb + U32(K_BYTES + lane * NV * IS)
-            for t in range(TG):
-                vx = lds_v(kvs, vb + U32(t * D * IS))
-                for h in range(G):
-                    p = pl[h * TG + t]
-                    for e in range(NV):
-                        acc[h * NV + e] += p * vx[e]
-            gstart += U32(NW * TG)
-            sb += U32(STAGE_BYTES)
-            if sb >= kv_base + U32(S * STAGE_BYTES):
-                sb = kv_base
-
-        # Per-head sums of the owners' running l (slots shared by REP lanes are written once
-        # per address, so each slot counts once).
-        if SOFTMAX:
-            for rr in range(R):
-                sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), lpart[rr])
-        syncwarp()
-
-        # Merge the four warps' states, one head at a time.
-        for h in range(G):
-            lsum = ZERO
-            if SOFTMAX:
-                sv = lds_p(pbuf, pa + U32(4 * h * TG))
-                for j in range(TG):
-                    lsum += sv[j]
-            for e in range(NV):
-                msmem[warp * (D + 2) + lane * NV + e] = acc[h * NV + e]
-            if lane == 0:
-                msmem[warp * (D + 2) + D] = m[h]
-                msmem[warp * (D + 2) + D + 1] = lsum
-            cuda.syncthreads()
-            qo_head = hk * G + h
-            for d in range(tid, D, NT):
-                mmax = NEG_INF
-                for w in range(NW):
-                    mmax = max(mmax, msmem[w * (D + 2) + D])
-                mref = mmax if mmax > NEG_INF else ZERO
-                total = ZERO
-                num = ZERO
-                for w in range(NW):
+                        lsum += sv[j]
+                for e in range(NV):
+                    msmem[warp * (D + 2) + lane * NV + e] = acc[h * NV + e]
+                if lane == 0:
+                    msmem[warp * (D + 2) + D] = m[h]
+                    msmem[warp * (D + 2) + D + 1] = lsum
+                cuda.syncthreads()
+                qo_head = hk * G + h
+                for d in range(tid, D, NT):
+                    mmax = NEG_INF
+                    for w in range(NW):
+                        mmax = max(mmax, msmem[w * (D + 2) + D])
+                    mref = mmax if mmax > NEG_INF else ZERO
+                    total = ZERO
+                    num = ZERO
+                    for w in range(NW):
+                        if SOFTMAX:
+                            scale = exp2(msmem[w * (D + 2) + D] - mref)
+                            total += msmem[w * (D + 2) + D + 1] * scale
+                            num += msmem[w * (D + 2) + d] * scale
+                        else:
+                            num += msmem[w * (D + 2) + d]
                     if SOFTMAX:
-                        scale = exp2(msmem[w * (D + 2) + D] - mref)
-                        total += msmem[w * (D + 2) + D + 1] * scale
-                        num += msmem[w * (D + 2) + d] * scale
+                        out = num / total if total > ZERO else ZERO
+                        lse_val = (mmax + log2(total)) * F_LN2 if total > ZERO else NEG_INF
                     else:
-                        num += msmem[w * (D + 2) + d]
-                if SOFTMAX:
-                    out = num / total if total > ZERO else ZERO
-                    lse_val = (mmax + log2(total)) * F_LN2 if total > ZERO else NEG_INF
-                else:
-                    out = num
-                    lse_val = ZERO
-                if prow < 0:
-                    if HAS_OUT:
-                        out = float32(hook_output(out, lse_val, qo_head))
-                    store(o, (b * hq + qo_head) * D + d, out)
-                    if d == 0:
-                        lse[b * hq + qo_head] = lse_val
-                else:
-                    tmp_o[(prow * hq + qo_head) * D + d] = out
-                    if d == 0:
-                        tmp_lse[prow * hq + qo_head] = lse_val
-            cuda.syncthreads()
+                        out = num
+                        lse_val = ZERO
+                    if prow < 0:
+                        if HAS_OUT:
+                            out = float32(hook_output(out, lse_val, qo_head))
+                        store(o, (b * hq + qo_head) * D + d, out)
+                        if d == 0:
+                            lse[b * hq + qo_head] = lse_val
+                    else:
+                        tmp_o[(prow * hq + qo_head) * D + d] = out
+                        if d == 0:
+                            tmp_lse[prow * hq + qo_head] = lse_val
+                cuda.syncthreads()
+
+            if prow >= 0:
+                # Publish this chunk's partial state, then count it; the CTA that counts the
+                # last chunk of (merge list, kv head) merges the list.
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    ml = plan[item_merge_off + item]
+                    n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+                    done = cuda.atomic.add(counters, ml * hkv + hk, 1)
+                    last_flag[0] = ml if done == n - 1 else -1
+                cuda.syncthreads()
+                ml = last_flag[0]
+                if ml >= 0:
+                    cuda.threadfence()
+                    merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, merge_rows_off,
+                               merge_indptr_off, merge_indices_off, msmem, mnum)
+                    if tid == 0:
+                        counters[ml * hkv + hk] = 0  # ready for the next launch
+                cuda.syncthreads()
 
     return decode_kernel
 

@@ -6,7 +6,7 @@ small batch. :class:`PreparedLaunch` does that work once. It lays out the kernel
 the way Numba's ABI expects it (a 1-D array is seven 8-byte fields: meminfo, parent, nitems,
 itemsize, data, shape, stride; a scalar is one field), keeps it in a NumPy buffer, and per call only
 patches the fields that changed (data pointers of q, the cache, the outputs) before a single
-``cuLaunchKernel`` through cuda.bindings.
+``cuLaunchKernel`` (the driver's, through ctypes).
 
 Under the simulator there are no pointers: the same object stores the argument arrays and calls
 the kernel the ordinary way, so callers have one code path.
@@ -49,19 +49,14 @@ class PreparedLaunch:
         if sim:
             self._args = [None] * len(self._types)
             return
-        from cuda.bindings import driver
-
-        self._driver = driver
         overload = kernel.overloads[self._types]
-        cufunc = overload._codelibrary.get_cufunc()
-        self._func = cufunc.handle
+        self._func = _function_pointer(overload)
         # One 8-byte cell per field; cuLaunchKernel reads each through its own pointer, so
         # 4-byte scalars sit in the low half of their cell (little endian).
         self._vals = np.zeros(max(n, 1), dtype=np.int64)
         base = self._vals.ctypes.data
         self._ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
         self._params = self._ptrs.ctypes.data
-        self._streams = {}
         self._keep = {}
         for i, ty in enumerate(self._types):
             if isinstance(ty, types.Array):
@@ -82,7 +77,7 @@ class PreparedLaunch:
         base = twin._vals.ctypes.data
         twin._ptrs = np.array([base + 8 * i for i in range(self._ptrs.size)], dtype=np.uint64)
         twin._params = twin._ptrs.ctypes.data
-        twin._func = kernel.overloads[self._types]._codelibrary.get_cufunc().handle
+        twin._func = _function_pointer(kernel.overloads[self._types])
         twin._keep = dict(self._keep)
         return twin
 
@@ -118,13 +113,34 @@ class PreparedLaunch:
         if self.sim:
             self.kernel[self.grid, self.block](*self._args)
             return
-        hstream = self._streams.get(stream)
-        if hstream is None:
-            hstream = self._streams[stream] = self._driver.CUstream(stream)
-        (err,) = self._driver.cuLaunchKernel(self._func, self.grid, 1, 1, self.block, 1, 1, 0,
-                                             hstream, self._params, 0)
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+        err = _cu_launch_kernel()(self._func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
+                                  self._params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
+
+
+def _function_pointer(overload) -> int:
+    """The raw CUfunction handle of a compiled Numba kernel (loaded in the current context)."""
+    handle = overload._codelibrary.get_cufunc().handle
+    return int(getattr(handle, "value", None) or int(handle))
+
+
+_LAUNCH = []
+
+
+def _cu_launch_kernel():
+    # The driver's cuLaunchKernel through ctypes: one foreign call (~1 us) instead of the
+    # cuda.bindings wrapper's argument objects and result enum.
+    if not _LAUNCH:
+        import ctypes
+
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = lib.cuLaunchKernel
+        u32, ptr = ctypes.c_uint, ctypes.c_void_p
+        fn.argtypes = [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr]
+        fn.restype = ctypes.c_int
+        _LAUNCH.append(fn)
+    return _LAUNCH[0]
 
 
 __all__ = ["PreparedLaunch", "ARRAY_FIELDS"]

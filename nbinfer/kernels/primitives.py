@@ -191,8 +191,23 @@ def _gpu_intrinsics():
 
         return sig, codegen
 
+    @intrinsic
+    def load_cg(typingctx, arr, idx):
+        # A float32 global load cached in L2 only: data another CTA wrote during this launch
+        # (after its threadfence) is read from L2, never from a stale line in this SM's L1.
+        sig = float32(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1])
+            fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "ld.global.cg.f32 $0, [$1];", "=f,l", side_effect=True)
+            return builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))])
+
+        return sig, codegen
+
     return SimpleNamespace(
         f16_bits_to_f32=f16_bits_to_f32,
+        load_cg=load_cg,
         shared_addr=shared_addr,
         lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32") for n in (2, 4, 8, 16)},
         sts_f32=sts_f32,
@@ -214,7 +229,8 @@ def primitives(sim: bool):
     ``exp2``, ``log2``, ``make_cp_async(n_elems, itemsize)``, ``commit``, ``wait(n)``;
     shared-memory access by 32-bit address: ``shared_addr(arr, idx)`` (bytes; in the simulator
     an offset into ``arr``), ``make_lds(dtype, n)(arr, addr)`` (n storage elements -> tuple of
-    n float32, vector loads), ``sts_f32(arr, addr, x)``, ``cp_async16_to(sarr, addr, src, i)``
+    n float32, vector loads), ``sts_f32(arr, addr, x)``, ``cp_async16_to(sarr, addr, src, i)``,
+    ``load_cg(arr, i)`` (a float32 global load that bypasses L1)
     (16 bytes of ``src`` from element ``i``). Each takes the array it addresses, so the simulator
     twin can index it; the GPU version only uses the address.
 
@@ -273,6 +289,9 @@ def primitives(sim: bool):
         def sts_f32(arr, addr, val):
             arr[addr // 4] = val
 
+        def load_cg(arr, idx):
+            return arr[idx]
+
         def cp_async16_to(sarr, saddr, src, src_idx):
             n = 16 // src.itemsize
             d = saddr // sarr.itemsize
@@ -284,6 +303,7 @@ def primitives(sim: bool):
         ns.make_cp_async, ns.commit, ns.wait = make_cp_async, commit, wait
         ns.shared_addr, ns.make_lds, ns.sts_f32, ns.cp_async16_to = (
             shared_addr, make_lds, sts_f32, cp_async16_to)
+        ns.load_cg = load_cg
         return ns
 
     from numba.cuda import libdevice
@@ -340,5 +360,6 @@ def primitives(sim: bool):
     ns.wait = lambda n: intr.wait[n]
     kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
     ns.shared_addr, ns.sts_f32, ns.cp_async16_to = intr.shared_addr, intr.sts_f32, intr.cp_async16_to
+    ns.load_cg = intr.load_cg
     ns.make_lds = lambda dtype, n: intr.lds[(kinds[dtype], n)]
     return ns

@@ -1,0 +1,103 @@
+"""Where a step's plan and partial states live inside the caller's workspace buffer.
+
+One byte buffer (FlashInfer's ``float_workspace_buffer``) holds, from its start::
+
+    int32 words  [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len]
+    float32      [tmp_o: partials x Hq x D | tmp_lse: partials x Hq]
+
+``plan()`` fills the int32 part on the host (a staging array), and copies it to the device in one
+transfer on the caller's stream, so a step costs one H2D copy however many layers reuse it. The
+counters (one per merge list and KV head) must be zero before a launch; the staging copy writes
+zeros and every decode launch leaves them zero again. The page-table sections are empty when the
+caller provides its own buffers (CUDA-graph mode).
+
+With fixed capacities (a CUDA graph), every offset is the same for every step: the graph's kernel
+arguments stay valid and only the bytes they point to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..scheduler import Plan, PlanLayout
+
+__all__ = ["WorkspaceLayout", "item_merge_lists"]
+
+
+def _align4(n: int) -> int:
+    return -(-int(n) // 4) * 4
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Capacities and offsets (int32 words, then float32 elements) of one workspace layout."""
+
+    plan: PlanLayout
+    num_kv_heads: int
+    num_qo_heads: int
+    head_dim: int
+    max_batch: int
+    max_pages: int
+
+    @property
+    def words(self) -> dict[str, int]:
+        """Word offsets of the int32 sections and ``"end"`` (16-byte aligned)."""
+        sizes = (("plan", self.plan.size), ("item_merge", self.plan.max_work),
+                 ("counters", self.plan.max_merge_rows * self.num_kv_heads),
+                 ("kv_indptr", self.max_batch + 1), ("kv_indices", self.max_pages),
+                 ("kv_last_page_len", self.max_batch))
+        out, pos = {}, 0
+        for name, n in sizes:
+            out[name] = pos
+            pos += _align4(max(n, 1))
+        out["end"] = pos
+        return out
+
+    @property
+    def partial_elems(self) -> tuple[int, int]:
+        """(tmp_o, tmp_lse) float32 element counts: every partial row holds all Hq heads."""
+        rows = self.plan.max_merge_nnz
+        return rows * self.num_qo_heads * self.head_dim, rows * self.num_qo_heads
+
+    @property
+    def nbytes(self) -> int:
+        o, s = self.partial_elems
+        return 4 * (self.words["end"] + _align4(max(o, 1)) + max(s, 1))
+
+    def float_offsets(self) -> tuple[int, int]:
+        """float32 element offsets of tmp_o and tmp_lse in the workspace."""
+        start = self.words["end"]
+        o, _ = self.partial_elems
+        return start, start + _align4(max(o, 1))
+
+    def fits(self, plan: Plan, batch: int, pages: int) -> bool:
+        return self.plan.fits(plan) and batch <= self.max_batch and pages <= self.max_pages
+
+    def stage(self, plan: Plan, item_merge: np.ndarray, page_table=None,
+              out: np.ndarray | None = None) -> np.ndarray:
+        """The int32 part of the workspace for ``plan`` (counters zero), ready to copy."""
+        w = self.words
+        buf = np.zeros(w["end"], dtype=np.int32) if out is None else out
+        if out is not None:
+            buf[w["item_merge"]:w["kv_indptr"]] = 0
+        self.plan.pack(plan, out=buf[:self.plan.size])
+        buf[w["item_merge"]:w["item_merge"] + item_merge.size] = item_merge
+        if page_table is not None:
+            for name, arr in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), page_table,
+                                 strict=True):
+                buf[w[name]:w[name] + arr.size] = arr
+        return buf
+
+
+def item_merge_lists(plan: Plan) -> np.ndarray:
+    """For every work item, the merge list its partial rows belong to (-1: direct write).
+
+    Decode items cover one query row, so an item's partial row lies in exactly one list.
+    """
+    prow = plan.work[:, 6]
+    owner = np.full(max(plan.num_partials, 1), -1, dtype=np.int32)
+    counts = np.diff(plan.merge_indptr)
+    owner[plan.merge_indices] = np.repeat(np.arange(counts.size, dtype=np.int32), counts)
+    return np.where(prow >= 0, owner[np.maximum(prow, 0)], -1).astype(np.int32)
