@@ -6,7 +6,9 @@ the GPU entry points), KV layouts in :mod:`nbinfer.formats`, attention variants 
 """
 
 from . import formats, reference, scheduler, variants
+from .api.append import append_paged_kv_cache, get_batch_indices_positions
 from .api.decode import BatchDecodeWithPagedKVCacheWrapper
+from .api.state import merge_state, merge_state_in_place, merge_states
 from .formats import (
     BSR,
     PageTable,
@@ -28,10 +30,15 @@ __all__ = [
     "PlanLayout",
     "Variant",
     "__version__",
+    "append_paged_kv_cache",
     "bsr_from_mask",
     "bsr_from_ragged",
     "compose",
     "formats",
+    "get_batch_indices_positions",
+    "merge_state",
+    "merge_state_in_place",
+    "merge_states",
     "packbits",
     "reference",
     "scheduler",

@@ -1,0 +1,229 @@
+"""FlashInfer-compatible KV-cache append: ``append_paged_kv_cache`` and
+``get_batch_indices_positions``.
+
+A decode or prefill step first grows the page table (allocates pages, updates
+``kv_last_page_len``), then writes the step's new keys and values into their slots with
+:func:`append_paged_kv_cache`. :func:`get_batch_indices_positions` turns the ragged
+``append_indptr`` into the per-token request and position that the append takes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference
+from .._checks import KV_LAYOUTS, check_choice, check_dim, check_ndim, check_range, dtype_name
+from ..kernels.append import (
+    WORD_DTYPES,
+    AppendSpec,
+    append_launch_config,
+    build_append_kernel,
+    choose_word_bytes,
+)
+from . import arrays
+from .state import check_contiguous, check_placement, check_writable, is_contiguous, named_dtype
+
+__all__ = ["append_paged_kv_cache", "get_batch_indices_positions"]
+
+
+def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
+    """Request and position of every appended token.
+
+    Parameters
+    ----------
+    append_indptr : int array [batch_size + 1]
+        Request ``b`` appends tokens ``append_indptr[b]:append_indptr[b + 1]``.
+    seq_lens : int array [batch_size]
+        KV length of each request *after* the append.
+    nnz : int
+        Total appended tokens, ``append_indptr[-1]``.
+
+    Returns
+    -------
+    batch_indices, positions : int32 arrays [nnz], of ``append_indptr``'s kind and device
+        ``positions[i] = seq_lens[b] - append_len_b + j`` for the ``j``-th new token of ``b``.
+        Computed on the host (a few integers per token) by the reference engine.
+    """
+    bi, pos = reference.get_batch_indices_positions(
+        arrays.host_int32(append_indptr, "append_indptr"), arrays.host_int32(seq_lens, "seq_lens"),
+        nnz)
+    return _like(append_indptr, bi), _like(append_indptr, pos)
+
+
+def append_paged_kv_cache(append_key, append_value, batch_indices, positions, paged_kv_cache,
+                          kv_indices, kv_indptr, kv_last_page_len, kv_layout: str = "NHD", *,
+                          backend: str = "auto") -> None:
+    """Write new keys and values into their page slots, in place.
+
+    The page table must already describe the requests *after* the append.
+
+    Parameters
+    ----------
+    append_key, append_value : array [nnz, num_kv_heads, head_dim], the cache's dtype
+        New keys and values (float16, bfloat16 or float32).
+    batch_indices, positions : int array [nnz]
+        Request and position (within the request's KV) of each new token, see
+        :func:`get_batch_indices_positions`.
+    paged_kv_cache : array or (array, array), contiguous
+        NHD ``[num_pages, 2, page_size, Hkv, D]`` / HND ``[num_pages, 2, Hkv, page_size, D]``, or
+        a ``(k_cache, v_cache)`` pair of ``[num_pages, page_size, Hkv, D]`` /
+        ``[num_pages, Hkv, page_size, D]``. Updated in place.
+    kv_indices : int array [nnz_pages]
+        Physical pages of every request, in logical order; values in ``[0, num_pages)``.
+    kv_indptr : int array [batch_size + 1]
+        Request ``b`` owns ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
+    kv_last_page_len : int array [batch_size]
+        Filled slots of each request's last page, in ``[1, page_size]``.
+    kv_layout : {"NHD", "HND"}
+    backend : {"auto", "cuda", "sim", "reference"}, keyword-only
+
+    Returns
+    -------
+    None
+
+    Notes
+    -----
+    The index arrays are copied to the host and checked there (every token's slot must lie in a
+    page its request owns) before the launch, so device index arrays cost a synchronising copy
+    per call. The kernel then reads contiguous int32 device index arrays in place and uploads
+    the checked host copies of any others.
+    """
+    be = arrays.resolve_backend(backend)
+    check_choice("kv_layout", kv_layout, KV_LAYOUTS)
+    k_cache, v_cache, combined = _split_cache(paged_kv_cache)
+    num_pages = int(k_cache.shape[0])
+    ps_axis, h_axis = (1, 2) if kv_layout == "NHD" else (2, 1)
+    page_size, heads, dim = (int(k_cache.shape[a]) for a in (ps_axis, h_axis, 3))
+    kv_dtype = named_dtype("paged_kv_cache", k_cache)
+    for name, a in (("append_key", append_key), ("append_value", append_value)):
+        check_ndim(name, a, 3)
+        check_dim(name, a, 1, heads, "num_kv_heads of paged_kv_cache")
+        check_dim(name, a, 2, dim, "head_dim of paged_kv_cache")
+        if named_dtype(name, a) != kv_dtype:
+            raise TypeError(f"{name} must have the cache's dtype {kv_dtype}, "
+                            f"got {arrays.storage_dtype(a)}")
+    nnz = int(append_key.shape[0])
+    check_dim("append_value", append_value, 0, nnz, "nnz of append_key")
+    caches = dict(paged_kv_cache=paged_kv_cache) if combined else dict(k_cache=k_cache,
+                                                                        v_cache=v_cache)
+    kind = check_placement(be, append_key=append_key, append_value=append_value, **caches)
+    for name, a in caches.items():
+        check_writable(name, a)
+    if kind != "numpy":
+        check_contiguous("append_key", append_key)
+        check_contiguous("append_value", append_value)
+    table = _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
+                           nnz, num_pages, page_size)
+    if be == "reference":
+        reference.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
+                                        paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len,
+                                        kv_layout=kv_layout)
+        return None
+    if nnz == 0 or heads * dim == 0:
+        return None
+
+    itemsize = 4 if kv_dtype == "float32" else 2
+    src = [arrays.to_kernel(a, be) for a in (append_key, append_value)]
+    flat = {name: arrays.to_kernel(a, be) for name, a in caches.items()}
+    word = choose_word_bytes(dim * itemsize, [_address(a) for a in (*src, *flat.values())])
+    rw = dim * itemsize // word
+    k_src, v_src = (a.view(WORD_DTYPES[word]) for a in src)
+    words = [a.view(WORD_DTYPES[word]) for a in flat.values()]
+    if combined:
+        # One page holds K then V: [2, page_size * H * D] elements; V starts half a page in.
+        # The kernel ignores v_cache then; k_src stands in (never written, so the simulator's
+        # copy-back of it is harmless, and nothing is allocated).
+        k_words, v_words = words[0], k_src
+        v_offset, page_stride = page_size * heads * rw, 2 * page_size * heads * rw
+    else:
+        k_words, v_words = words
+        v_offset, page_stride = 0, page_size * heads * rw
+    users = (batch_indices, positions, kv_indptr, kv_indices)
+    idx = [_index_arg(u, h, be) for u, h in zip(users, table, strict=True)]
+    kernel = build_append_kernel(AppendSpec(word, rw, page_size, kv_layout, combined,
+                                            be == "sim"))
+    grid, block = append_launch_config(nnz, heads * rw)
+    kernel[grid, block](k_src, v_src, *idx, k_words, v_words, np.int32(heads),
+                        np.int64(v_offset), np.int64(page_stride))
+    for user, view in zip(caches.values(), flat.values(), strict=True):
+        arrays.finish(kind, user, view, be)
+    return None
+
+
+def _split_cache(paged_kv_cache):
+    """``(k, v, combined)``: 4-D K and V views of a combined cache or a validated pair."""
+    if isinstance(paged_kv_cache, (tuple, list)):
+        if len(paged_kv_cache) != 2:
+            raise ValueError(f"paged_kv_cache as a tuple must be (k_cache, v_cache), "
+                             f"got {len(paged_kv_cache)} items")
+        k, v = paged_kv_cache
+        check_ndim("k_cache", k, 4)
+        check_ndim("v_cache", v, 4)
+        if tuple(k.shape) != tuple(v.shape):
+            raise ValueError(f"v_cache.shape must equal k_cache.shape {tuple(k.shape)}, "
+                             f"got {tuple(v.shape)}")
+        if named_dtype("k_cache", k) != named_dtype("v_cache", v):
+            raise TypeError(f"v_cache must have k_cache's dtype {arrays.storage_dtype(k)}, "
+                            f"got {arrays.storage_dtype(v)}")
+        return k, v, False
+    check_ndim("paged_kv_cache", paged_kv_cache, 5)
+    check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
+    return paged_kv_cache[:, 0], paged_kv_cache[:, 1], True
+
+
+def _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, nnz,
+                   num_pages, page_size):
+    """Validate on the host; return the int32 arrays the kernel reads (same order as its args)."""
+    bi = arrays.host_int32(batch_indices, "batch_indices")
+    pos = arrays.host_int32(positions, "positions")
+    for name, a in (("batch_indices", bi), ("positions", pos)):
+        check_ndim(name, a, 1)
+        check_dim(name, a, 0, nnz, "nnz of append_key")
+    indptr, indices, last = reference.check_page_table(
+        arrays.host_int32(kv_indptr, "kv_indptr"), arrays.host_int32(kv_indices, "kv_indices"),
+        arrays.host_int32(kv_last_page_len, "kv_last_page_len"), num_pages, page_size)
+    check_range("batch_indices", bi, 0, indptr.size - 1)
+    kv_len = reference.kv_lengths(indptr, last, page_size)
+    beyond = (pos < 0) | (pos >= kv_len[bi])
+    if np.any(beyond):
+        t = int(np.argmax(beyond))
+        raise ValueError(f"positions[{t}]={pos[t]} must lie in [0, kv_len) of request {bi[t]} "
+                         f"(kv_len {kv_len[bi[t]]} from the page table)")
+    # The kernel indexes kv_indices, so an empty table still needs one element to pass.
+    return bi, pos, indptr, indices if indices.size else np.zeros(1, np.int32)
+
+
+def _index_arg(user, host: np.ndarray, backend: str):
+    """Kernel view of a validated index array: the caller's own device memory when it already
+    is contiguous int32 (no allocation, no upload: each costs more than this kernel's launch),
+    else the checked host copy."""
+    on_device = not isinstance(user, (list, tuple, np.ndarray)) and arrays.device_of(user) != "host"
+    if backend == "cuda" and on_device and dtype_name(user) == "int32" and is_contiguous(user) \
+            and host.size == int(np.prod(user.shape)):
+        return arrays.to_kernel(user, backend)
+    return arrays.to_kernel(host, backend)
+
+
+def _address(a) -> int:
+    """Base address of a kernel argument (device or host)."""
+    iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return int(iface["data"][0])
+
+
+def _like(template, host: np.ndarray):
+    """``host`` as an array of ``template``'s kind and device."""
+    kind = "numpy" if isinstance(template, (list, tuple)) else arrays.array_kind(template)
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(host).to(template.device)
+    if kind == "cupy":
+        import cupy
+
+        with template.device:
+            return cupy.asarray(host)
+    if kind == "numba":
+        from numba import cuda
+
+        return cuda.to_device(host)
+    return host

@@ -1,0 +1,213 @@
+"""State-merge kernels behind the public ``merge_state`` family, with the LSE base in the spec.
+
+FlashInfer's public merge functions take and return base-2 LSEs (``s = log2 sum 2^x``), while
+nbinfer's attention kernels produce natural-log LSEs. The spec carries ``lse_base`` so each base
+is compiled in, not converted in extra passes: the exponent is always taken base 2, so a base-2
+LSE is used as is and a natural one is multiplied by ``log2(e)`` on the way in and ``ln(2)`` on
+the way out. (``kernels.merge`` has the same operator fixed to natural logs, for the decode
+contraction; see its ``build_merge_two`` / ``build_merge_rows``.)
+
+Both kernels run one thread per ``VEC`` consecutive outputs of one (row, head) (16 bytes: 8
+fp16/bf16 or 4 fp32 elements) on a 2-D grid: block ``x`` is the row, block ``y`` a chunk of the
+row's ``H * D`` elements, so a thread finds its head by dividing by the compile-time ``head_dim``
+(a shift) rather than by 64-bit divisions by run-time sizes. Each thread walks its states in
+index order, so results are bitwise reproducible.
+
+Bytes per output element: ``num_states`` values read (2 B fp16/bf16, 4 B fp32) plus the LSEs
+(4 B per (row, head, state), shared through the cache by the ``D / VEC`` threads of the head),
+one value written: a pure bandwidth kernel. One element (2 B) per thread left the H200 at about
+1 TB/s: with at most 2048 threads per SM that is ~8 KiB of loads in flight per SM, far below
+what 4.8 TB/s at ~600 ns latency needs (~3 MB over 132 SMs); ``VEC`` independent loads per
+thread multiply the bytes in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, types
+
+from .decode import ITEMSIZE, KV_DTYPES, STORAGE
+from .primitives import LN2, LOG2E, primitives
+
+STATE_THREADS = 128
+LSE_BASES = (2.0, math.e)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What a state-merge kernel is compiled for: value dtype (in = out), head_dim, LSE base."""
+
+    v_dtype: str = "float16"
+    head_dim: int = 128
+    lse_base: float = 2.0
+    sim: bool = False
+
+    def __post_init__(self):
+        if self.v_dtype not in KV_DTYPES:
+            raise ValueError(f"v_dtype must be one of {KV_DTYPES}, got {self.v_dtype!r}")
+        if float(self.lse_base) not in LSE_BASES:
+            raise ValueError(f"lse_base must be 2 or math.e, got {self.lse_base!r}")
+        if self.head_dim < 1:
+            raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
+
+    @property
+    def vec(self) -> int:
+        """Elements per thread: 16 bytes (8 fp16/bf16, 4 fp32) when ``head_dim`` allows."""
+        most = 16 // ITEMSIZE[self.v_dtype]
+        return next(n for n in (8, 4, 2, 1) if n <= most and self.head_dim % n == 0)
+
+
+def _codecs(spec: StateSpec):
+    """(load, store, to_log2, from_log2) device functions for one spec."""
+    prims = primitives(spec.sim)
+    load = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}[spec.v_dtype]
+    to_bf16 = prims.from_f32_bf16
+    OUT_BF16 = spec.v_dtype == "bfloat16"
+    NATURAL = float(spec.lse_base) != 2.0
+    F_LOG2E = float32(LOG2E)
+    F_LN2 = float32(LN2)
+
+    def store(out, i, x):
+        if OUT_BF16:
+            out[i] = to_bf16(x)
+        else:
+            out[i] = x
+
+    def to_log2(s):
+        # float32 constants only: a Python float literal would promote the math to float64.
+        return s * F_LOG2E if NATURAL else s
+
+    def from_log2(s):
+        return s * F_LN2 if NATURAL else s
+
+    if not spec.sim:
+        device = cuda.jit(device=True, inline="always")
+        store, to_log2, from_log2 = device(store), device(to_log2), device(from_log2)
+    return load, store, to_log2, from_log2
+
+
+def _compile(spec: StateSpec, fn, sig):
+    return cuda.jit(fn) if spec.sim else cuda.jit(sig, fastmath=True)(fn)
+
+
+@functools.cache
+def build_merge_pair(spec: StateSpec):
+    """``merge_state``: ``(va, sa) + (vb, sb) -> (vo, so)``; ``mask[row] == 0`` keeps ``(va, sa)``.
+
+    Arguments: ``va, sa, vb, sb, vo, so, mask (uint8 [rows], or size 0 to merge every row),
+    num_heads`` with ``v* [rows * H * D]`` in ``v_dtype`` and ``s* [rows * H]`` float32 in
+    ``lse_base``; launch with :func:`state_launch_config`. ``vo`` may alias ``va`` (each thread
+    reads its elements before writing them) but ``so`` must not alias ``sa``: the first thread
+    of a (row, head) writes its LSE while the head's other threads may still be reading ``sa``.
+    """
+    load, store, to_log2, from_log2 = _codecs(spec)
+    exp2, log2 = primitives(spec.sim).exp2, primitives(spec.sim).log2
+    D, VEC = spec.head_dim, spec.vec
+    NEG_INF = float32(-np.inf)
+    ZERO = float32(0.0)
+    ONE = float32(1.0)
+
+    def merge_pair(va, sa, vb, sb, vo, so, mask, num_heads):
+        row = cuda.blockIdx.x
+        e = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * VEC  # element of the row
+        if e >= num_heads * D:
+            return
+        row_head = row * num_heads + e // D
+        t = row * num_heads * D + e
+        keep = mask.size > 0 and mask[row] == 0
+        a = cuda.local.array(VEC, float32)
+        b = cuda.local.array(VEC, float32)
+        # Every load before any store: vo may alias va, so the compiler could not move a later
+        # load above an earlier store, and VEC loads in flight per thread is the whole point.
+        for k in range(VEC):
+            a[k] = load(va[t + k])
+            if not keep:
+                b[k] = load(vb[t + k])
+        la = sa[row_head]
+        wa, wb, lse = ONE, ZERO, la
+        if not keep:
+            ma = to_log2(la)
+            mb = to_log2(sb[row_head])
+            mmax = max(ma, mb)
+            # Two empty states (both -inf): shift by 0 so the weights are 0, not NaN.
+            mref = mmax if mmax > NEG_INF else ZERO
+            wa = exp2(ma - mref)
+            wb = exp2(mb - mref)
+            den = wa + wb
+            inv = ONE / den if den > ZERO else ZERO
+            wa, wb = wa * inv, wb * inv
+            lse = from_log2(mmax + log2(den)) if den > ZERO else NEG_INF
+        for k in range(VEC):
+            store(vo, t + k, a[k] if keep else wa * a[k] + wb * b[k])
+        if e % D == 0:
+            so[row_head] = lse
+
+    vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
+    f32 = types.Array(float32, 1, "C")
+    u8 = types.Array(types.uint8, 1, "C")
+    return _compile(spec, merge_pair, types.void(vt, f32, vt, f32, vt, f32, u8, int32))
+
+
+@functools.cache
+def build_merge_stack(spec: StateSpec):
+    """``merge_states``: ``v [rows, S, H, D]``, ``s [rows, S, H]`` -> ``vo [rows, H, D]``, ``so``.
+
+    Arguments: ``v, s, vo, so, num_states, num_heads`` (flat arrays); launch with
+    :func:`state_launch_config`. Two passes over the ``S`` LSEs (max, then weights) keep every
+    exponent <= 0; with ``S == 0`` a row is empty: ``vo = 0``, ``so = -inf``.
+    """
+    load, store, to_log2, from_log2 = _codecs(spec)
+    exp2, log2 = primitives(spec.sim).exp2, primitives(spec.sim).log2
+    D, VEC = spec.head_dim, spec.vec
+    NEG_INF = float32(-np.inf)
+    ZERO = float32(0.0)
+    ONE = float32(1.0)
+
+    def merge_stack(v, s, vo, so, num_states, num_heads):
+        row = cuda.blockIdx.x
+        e = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * VEC  # element of the row
+        if e >= num_heads * D:
+            return
+        h = e // D
+        d = e - h * D
+        first = row * num_states  # state j of this row is partial row first + j
+        mmax = NEG_INF
+        for j in range(num_states):
+            mmax = max(mmax, to_log2(s[(first + j) * num_heads + h]))
+        mref = mmax if mmax > NEG_INF else ZERO
+        acc = cuda.local.array(VEC, float32)
+        for k in range(VEC):
+            acc[k] = ZERO
+        den = ZERO
+        for j in range(num_states):
+            p = (first + j) * num_heads + h
+            w = exp2(to_log2(s[p]) - mref)
+            for k in range(VEC):  # VEC independent loads in flight per state
+                acc[k] += w * load(v[p * D + d + k])
+            den += w
+        inv = ONE / den if den > ZERO else ZERO
+        out = row * num_heads * D + e
+        for k in range(VEC):
+            store(vo, out + k, acc[k] * inv)
+        if d == 0:
+            so[row * num_heads + h] = from_log2(mmax + log2(den)) if den > ZERO else NEG_INF
+
+    vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
+    f32 = types.Array(float32, 1, "C")
+    return _compile(spec, merge_stack, types.void(vt, f32, vt, f32, int32, int32))
+
+
+def state_launch_config(spec: StateSpec, rows: int, num_heads: int):
+    """(grid, block) for ``rows`` rows of ``H * D`` outputs: grid ``(rows, chunks)``.
+
+    Rows go on grid x (up to 2^31 - 1 blocks; y stops at 65535). A thread covers ``spec.vec``
+    elements; a block covers up to 128 threads of one row, fewer (a multiple of 32) when the
+    row is shorter.
+    """
+    threads = int(num_heads) * spec.head_dim // spec.vec
+    block = min(STATE_THREADS, -(-threads // 32) * 32)
+    return (max(int(rows), 1), max(-(-threads // block), 1)), (block,)
