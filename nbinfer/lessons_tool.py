@@ -62,9 +62,12 @@ def lesson_scripts(names=None) -> list[Path]:
 
 
 def script_env(extra=None) -> dict:
-    """Environment for running a lesson: Agg backend, the repo importable."""
+    """Environment for running a lesson: Agg backend, the repo importable, and Numba's CUDA
+    simulator (lessons run their kernels at tiny shapes so every step can be inspected, on any
+    machine, GPU or not)."""
     env = dict(os.environ)
     env["MPLBACKEND"] = "Agg"
+    env["NUMBA_ENABLE_CUDASIM"] = "1"
     root = str(repo_root())
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if extra:

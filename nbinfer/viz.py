@@ -10,6 +10,7 @@ Sections
 - output: :func:`figures_dir`, :func:`save_figure`, :func:`show`, :func:`subplots`
 - formats: :func:`plot_bsr`, :func:`plot_page_table`
 - attention states: :func:`plot_chunk_weights`, :func:`plot_states_merge`
+- performance: :func:`plot_roofline`
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "plot_bsr",
     "plot_chunk_weights",
     "plot_page_table",
+    "plot_roofline",
     "plot_states_merge",
     "request_colors",
     "save_figure",
@@ -510,4 +512,80 @@ def plot_states_merge(outputs, lses, merged, ax=None, *, labels=None, exact=None
     ax.set_ylabel("attention output")
     ax.set_ylim(0, max(heights + ([float(exact)] if exact is not None else [])) * 1.25)
     ax.set_title(title or "partial states, their merge and a naive average", fontsize=10)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------------
+# performance
+# ----------------------------------------------------------------------------------------------
+def plot_roofline(points, *, memory_ceilings, compute_ceilings, ax=None, ai_range=(0.25, 1024.0),
+                  title=None, figsize=None):
+    """Roofline chart: attainable FLOP/s against arithmetic intensity, with measured points.
+
+    Each memory ceiling ``B`` (bytes/s) is the line ``FLOP/s = B * AI``, each compute ceiling
+    ``P`` (FLOP/s) the horizontal line ``FLOP/s = P``; a kernel at intensity ``AI`` cannot run
+    above ``min(B * AI, P)``. Both axes are logarithmic, in FLOP/byte and TFLOP/s.
+
+    Parameters
+    ----------
+    points : sequence of dict
+        One dict per measured point: ``ai`` (FLOP/byte), ``flops`` (FLOP/s), ``label`` (str;
+        points sharing a label share one legend entry), optional ``color``, ``marker``,
+        ``annotate`` (text written next to the point).
+    memory_ceilings : sequence of (str, float)
+        ``(label, bytes_per_second)``.
+    compute_ceilings : sequence of (str, float)
+        ``(label, flop_per_second)``.
+    ax : matplotlib.axes.Axes, optional
+        Axes to draw on; a new figure is made when omitted.
+    ai_range : (float, float)
+        Range of the x axis (FLOP/byte).
+    title : str, optional
+        Axes title.
+    figsize : (float, float), optional
+        Size of a new figure.
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        The measured points are drawn with one ``scatter`` per label, in the order the labels
+        first appear, so ``ax.collections[i].get_offsets()`` gives them back in TFLOP/s.
+    """
+    fig, ax = _fig_ax(ax, figsize or (7.0, 4.6))
+    lo, hi = (float(x) for x in ai_range)
+    x = np.geomspace(lo, hi, 256)
+    peak = max(p for _, p in compute_ceilings)
+    styles = ["-", "--", ":", "-."]
+    for i, (label, bw) in enumerate(memory_ceilings):
+        y = np.minimum(bw * x, peak) / 1e12
+        ax.plot(x, y, color="k", ls=styles[i % len(styles)], lw=1.2,
+                label=f"{label}: {bw / 1e12:.2f} TB/s")
+    for i, (label, p) in enumerate(compute_ceilings):
+        ridge = p / max(bw for _, bw in memory_ceilings)
+        xs = x[x >= ridge]
+        ax.plot(xs, np.full(xs.size, p / 1e12), color=f"C{3 + i}", lw=1.2, ls=styles[i % 4],
+                label=f"{label}: {p / 1e12:.0f} TFLOP/s (ridge {ridge:.0f} FLOP/B)")
+        ax.axvline(ridge, color=f"C{3 + i}", lw=0.6, ls=":", alpha=0.6)
+    labels = []
+    for pt in points:
+        if pt["label"] not in labels:
+            labels.append(pt["label"])
+    for i, label in enumerate(labels):
+        group = [pt for pt in points if pt["label"] == label]
+        ax.scatter([pt["ai"] for pt in group], [pt["flops"] / 1e12 for pt in group],
+                   s=42, zorder=3, color=group[0].get("color", f"C{i}"),
+                   marker=group[0].get("marker", "o"), label=label, edgecolors="k",
+                   linewidths=0.5)
+        for pt in group:
+            if pt.get("annotate"):
+                ax.annotate(pt["annotate"], (pt["ai"], pt["flops"] / 1e12), fontsize=7,
+                            xytext=(6, 0), textcoords="offset points", va="center")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of HBM traffic)")
+    ax.set_ylabel("TFLOP/s")
+    ax.grid(True, which="major", lw=0.4, alpha=0.5)
+    ax.legend(fontsize=7, loc="lower right", frameon=True, framealpha=0.9)
+    ax.set_title(title or "roofline", fontsize=10)
     return fig

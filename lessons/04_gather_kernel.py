@@ -1,0 +1,762 @@
+# %% [markdown]
+# # Lesson 04: the gather kernel and online softmax
+#
+# Lessons 01 and 02 gave us the two halves of FlashInfer's design: attention *states* that merge
+# exactly, and a page table that *is* a block-sparse matrix. This lesson puts them together in a
+# GPU kernel. We climb a ladder of four decode kernels, each a small change to the one before,
+# each run in Numba's CUDA simulator and checked against the float64 reference engine:
+#
+# * **v0**, the walkthrough's toy: one thread per (request, query head) walks the page table,
+#   with a two-pass softmax. Reads K twice and V once, per query head.
+# * **v1**, online softmax: one pass with a running state `(m, l, acc)`. Reads K and V once per
+#   query head.
+# * **v2**, shared-memory gather: a block per (request, KV head) copies each page into shared
+#   memory once and uses it for the whole GQA group. Reads K and V once per KV head.
+# * **v3**, nbinfer's real kernel through `BatchDecodeWithPagedKVCacheWrapper`: warp pipelines,
+#   a persistent grid, a long request split into chunks whose states merge with ⊕.
+#
+# **You will learn**
+#
+# 1. how a kernel turns the page table's BSR indices into physical addresses
+#    (`kv_indices[first + t // page_size]`), and that the loop bound *is* the sparsity;
+# 2. why the online softmax is exact, not an approximation: each step is lesson 01's merge ⊕ of
+#    the running state with a one-key state;
+# 3. how much memory traffic each version causes, *measured* by counting the loads in the
+#    simulator, and that gathering a page once per GQA group divides the KV bytes by the group
+#    size `G`;
+# 4. what the production kernel adds on top (asynchronous copies, warp-private pipelines,
+#    reduce-scatter, owner-lane softmax) and why decode is about instructions per byte;
+# 5. where the measured H200 kernels sit on a roofline drawn from the benchmark JSON.
+#
+# The simulator runs every CUDA thread as an OS thread, so shapes stay tiny: a few pages,
+# head_dim 16 and blocks of at most 16 threads for the ladder, two CTAs of 128 threads for the
+# real kernel.
+
+# %%
+import json
+import math
+import os
+import re
+import time
+
+import numpy as np
+from numba import config, cuda, float32
+
+from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, reference
+from nbinfer.kernels.decode import NUM_THREADS, NUM_WARPS, DecodeSpec
+from nbinfer.lessons_tool import repo_root
+from nbinfer.scheduler import WORK_COLUMNS
+from nbinfer.variants import standard
+from nbinfer.viz import plot_roofline, save_figure, show, subplots
+
+assert config.ENABLE_CUDASIM, "run this lesson with NUMBA_ENABLE_CUDASIM=1 (bash dev.sh notebooks)"
+np.set_printoptions(precision=4, suppress=True, linewidth=100)
+T_START = time.perf_counter()
+# Fresh random data on every run; set NBINFER_SEED to replay one.
+SEED = int(os.environ.get("NBINFER_SEED", np.random.SeedSequence().entropy % 2**32))
+rng = np.random.default_rng(SEED)
+print("seed", SEED)
+TOL_F32 = 2e-5  # relative error allowed for float32 inputs (the test suite's tolerance table)
+
+
+def rel_err(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+# %% [markdown]
+# ## 1. A tiny paged batch
+#
+# Two requests with 13 and 6 tokens of KV, pages of 4 slots scattered over a pool of 8 pages,
+# 2 KV heads, GQA group size `G = 2` (so 4 query heads), head dimension 16. The cache uses
+# FlashInfer's NHD layout `[num_pages, 2 (K, V), page_size, num_kv_heads, head_dim]`, stored in
+# float32 here so that the kernels can be checked to float32 rounding.
+
+# %%
+PAGE, D, HKV = 4, 16, 2
+
+
+def make_batch(group, kv_lens=(13, 6), num_pages=8):
+    """Fresh random queries, cache and page table; the reference output and LSE."""
+    pt = PageTable.from_kv_lens(list(kv_lens), PAGE, num_pages=num_pages, rng=rng)
+    cache = rng.standard_normal((num_pages, 2, PAGE, HKV, D)).astype(np.float32)
+    q = rng.standard_normal((len(kv_lens), HKV * group, D)).astype(np.float32)
+    o_ref, lse_ref = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True)
+    return pt, cache, q, o_ref, lse_ref
+
+
+G = 2
+pt, cache, q, o_ref, lse_ref = make_batch(G)
+SM_SCALE = 1.0 / math.sqrt(D)
+B, HQ = q.shape[:2]
+print(pt)
+print("kv_indptr =", pt.indptr, " kv_indices =", pt.indices, " kv_last_page_len =",
+      pt.last_page_len)
+assert (B, HQ, G) == (2, 4, 2) and list(pt.kv_lens()) == [13, 6]
+assert (pt.page_size, pt.num_pages) == (4, 8)
+
+# %% [markdown]
+# ## 2. v0: the toy kernel
+#
+# The walkthrough's toy kernel (section V.2) gives each query its own thread and walks the BSR
+# row: for logical token `t` of request `b`, the physical page is
+# `kv_indices[kv_indptr[b] + t // page_size]` and the slot inside it `t % page_size`. That one
+# line is where the block-sparse format becomes an address; pages that belong to nobody are
+# never touched, because the loop runs over the row's stored blocks only.
+#
+# The walkthrough's toy exponentiates raw logits; lesson 01 showed that overflows. The safe way
+# without new ideas is two passes: first the maximum logit `m`, then `p = exp(s - m)`, the sum
+# `l` and `sum p v`. The price is reading K twice.
+#
+# Kernels are built by small factories that capture the sizes (`D`, `G`, page size) as
+# compile-time constants, the same way nbinfer builds its real kernels (lesson 05). Every load
+# from the KV cache is followed by `reads[...] += n` on a per-thread counter, so the simulator
+# run itself tells us how many elements each thread read.
+
+# %%
+def make_v0(head_dim, group, page_size):
+    @cuda.jit
+    def decode_v0(q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale, reads):
+        b = cuda.blockIdx.x  # one block per request
+        h = cuda.threadIdx.x  # one thread per query head
+        hk = h // group  # the KV head of this query head's GQA group
+        first = kv_indptr[b]
+        n = (kv_indptr[b + 1] - first - 1) * page_size + kv_last[b]  # tokens of request b
+        m = -math.inf
+        for t in range(n):  # pass 1: the largest logit
+            page = kv_indices[first + t // page_size]  # BSR column index -> physical page
+            s = 0.0
+            for d in range(head_dim):
+                s += q[b, h, d] * kv[page, 0, t % page_size, hk, d]
+            reads[b, h] += head_dim
+            m = max(m, s * sm_scale)
+        acc = cuda.local.array(head_dim, float32)
+        for d in range(head_dim):
+            acc[d] = 0.0
+        l = 0.0
+        for t in range(n):  # pass 2: re-read K for the logit, then weight V
+            page = kv_indices[first + t // page_size]
+            s = 0.0
+            for d in range(head_dim):
+                s += q[b, h, d] * kv[page, 0, t % page_size, hk, d]
+            p = math.exp(s * sm_scale - m)
+            l += p
+            for d in range(head_dim):
+                acc[d] += p * kv[page, 1, t % page_size, hk, d]
+            reads[b, h] += 2 * head_dim
+        for d in range(head_dim):
+            o[b, h, d] = acc[d] / l
+        lse[b, h] = m + math.log(l)
+
+    return decode_v0
+
+
+def page_table_args(pt):
+    """The page table's arrays as writable int32 copies (the simulator copies every array back)."""
+    return [np.array(a, dtype=np.int32) for a in (pt.indptr, pt.indices, pt.last_page_len)]
+
+
+def run_thread_per_head(kernel, q, cache, pt):
+    """Launch a v0/v1 kernel: grid = requests, block = query heads. Returns o, lse, reads."""
+    b, hq, d = q.shape
+    o = np.zeros((b, hq, d), np.float32)
+    lse = np.zeros((b, hq), np.float32)
+    reads = np.zeros((b, hq), np.int64)  # elements of K/V loaded, per thread
+    kernel[b, hq](q, cache, *page_table_args(pt), o, lse, np.float32(1.0 / math.sqrt(d)), reads)
+    return o, lse, reads
+
+
+o0, lse0, reads0 = run_thread_per_head(make_v0(D, G, PAGE), q, cache, pt)
+print(f"v0 vs reference: relative error {rel_err(o0, o_ref):.1e}, "
+      f"max |LSE error| {np.abs(lse0 - lse_ref).max():.1e}")
+print("K/V elements read per thread [request, query head]:\n", reads0)
+assert rel_err(o0, o_ref) < TOL_F32 and np.abs(lse0 - lse_ref).max() < 1e-5
+
+# %% [markdown]
+# Thread `(b, h)` read `3 * kv_len[b] * D` elements: K twice, V once. Query heads 0 and 1 share
+# KV head 0, so the same K and V bytes were fetched by two threads independently: in the
+# walkthrough's words (V.3), re-reading a page per query throws away exactly the reuse that the
+# block format was chosen to enable.
+
+# %%
+kv_lens = pt.kv_lens()
+assert np.array_equal(reads0, np.repeat(3 * kv_lens[:, None] * D, HQ, axis=1))
+
+# %% [markdown]
+# ## 3. v1: online softmax, and why it is exact
+#
+# Keep a running state per query head: the largest logit so far `m`, the sum
+# `l = sum exp(s_j - m)`, and the unnormalised output `acc = sum exp(s_j - m) v_j`. A new key
+# with logit `s` and value `v` updates it as
+#
+# $$m' = \max(m, s),\quad \alpha = e^{m - m'},\quad p = e^{s - m'},\quad
+#   l' = \alpha\, l + p,\quad acc' = \alpha\, acc + p\, v .$$
+#
+# This is lesson 01's merge operator ⊕ in `(m, l)` form, applied to the running state and the
+# state of a *single* key (`m = s`, `l = 1`, `O = v`). ⊕ is exact and associative, so folding
+# the keys in one at a time gives attention over all of them; nothing is approximated, the
+# earlier terms are only rescaled when a larger logit appears. We check the claim on the host
+# first: fold `reference.merge_state` over one-key states of request 0, query head 0.
+
+# %%
+b0, h0 = 0, 0
+slots = pt.token_slots(b0)
+keys = cache[:, 0].reshape(-1, HKV, D)[slots, h0 // G]  # request 0's keys, in token order
+vals = cache[:, 1].reshape(-1, HKV, D)[slots, h0 // G]
+logits = keys.astype(np.float64) @ q[b0, h0] * SM_SCALE
+run_o, run_lse = np.zeros((1, 1, D)), np.full((1, 1), -np.inf)  # the empty state
+for s_j, v_j in zip(logits, vals, strict=True):
+    run_o, run_lse = reference.merge_state(run_o, run_lse, v_j[None, None], np.full((1, 1), s_j))
+print(f"fold of {len(logits)} one-key states: |O - reference| = "
+      f"{np.abs(run_o[0, 0] - o_ref[b0, h0]).max():.1e}, "
+      f"|LSE - reference| = {abs(run_lse[0, 0] - lse_ref[b0, h0]):.1e}")
+np.testing.assert_allclose(run_o[0, 0], o_ref[b0, h0], rtol=1e-12, atol=1e-12)
+assert abs(run_lse[0, 0] - lse_ref[b0, h0]) < 1e-12
+
+# %% [markdown]
+# The kernel keeps the same state in registers and reads each key and value once.
+
+# %%
+def make_v1(head_dim, group, page_size):
+    @cuda.jit
+    def decode_v1(q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale, reads):
+        b = cuda.blockIdx.x
+        h = cuda.threadIdx.x
+        hk = h // group
+        first = kv_indptr[b]
+        n = (kv_indptr[b + 1] - first - 1) * page_size + kv_last[b]
+        acc = cuda.local.array(head_dim, float32)
+        for d in range(head_dim):
+            acc[d] = 0.0
+        m = -math.inf  # the empty state: m = -inf, l = 0, acc = 0
+        l = 0.0
+        for t in range(n):  # one pass
+            page = kv_indices[first + t // page_size]
+            s = 0.0
+            for d in range(head_dim):
+                s += q[b, h, d] * kv[page, 0, t % page_size, hk, d]
+            s *= sm_scale
+            m_new = max(m, s)
+            alpha = math.exp(m - m_new)  # rescales the old state (0 for the empty state)
+            p = math.exp(s - m_new)
+            l = l * alpha + p
+            for d in range(head_dim):
+                acc[d] = acc[d] * alpha + p * kv[page, 1, t % page_size, hk, d]
+            m = m_new
+            reads[b, h] += 2 * head_dim
+        for d in range(head_dim):
+            o[b, h, d] = acc[d] / l
+        lse[b, h] = m + math.log(l)
+
+    return decode_v1
+
+
+o1, lse1, reads1 = run_thread_per_head(make_v1(D, G, PAGE), q, cache, pt)
+print(f"v1 vs reference: relative error {rel_err(o1, o_ref):.1e}, "
+      f"max |LSE error| {np.abs(lse1 - lse_ref).max():.1e}; v1 vs v0: {rel_err(o1, o0):.1e}")
+print("K/V elements read per thread:\n", reads1)
+assert rel_err(o1, o_ref) < TOL_F32 and np.abs(lse1 - lse_ref).max() < 1e-5
+assert np.array_equal(reads1, np.repeat(2 * kv_lens[:, None] * D, HQ, axis=1))
+assert 2 * reads0.sum() == 3 * reads1.sum()  # v0 reads 1.5 times what v1 reads
+
+# %% [markdown]
+# The picture below replays v1 for request 0, head 0: the running maximum `m` (it only ever
+# moves up), the rescale factor `alpha` (1 whenever the maximum did not move, below 1 when a
+# larger logit arrived), and the running output, which converges to the two-pass answer of v0
+# with no correction step at the end.
+
+# %%
+m_run, l_run, acc_run = -np.inf, 0.0, np.zeros(D)
+trace_m, trace_alpha, trace_o = [], [], []
+for s_j, v_j in zip(logits, vals, strict=True):
+    m_new = max(m_run, s_j)
+    alpha = math.exp(m_run - m_new)
+    p = math.exp(s_j - m_new)
+    l_run, acc_run, m_run = l_run * alpha + p, acc_run * alpha + p * v_j, m_new
+    trace_m.append(m_run)
+    trace_alpha.append(alpha)
+    trace_o.append(acc_run[0] / l_run)
+np.testing.assert_allclose(trace_o[-1], o0[b0, h0, 0], rtol=1e-5)
+assert np.all(np.diff(trace_m) >= 0) and all(0 <= a <= 1 for a in trace_alpha)
+
+fig, (ax_s, ax_o) = subplots(1, 2, figsize=(11, 3.5))
+steps = np.arange(1, len(logits) + 1)
+ax_s.plot(steps, logits, "o", color="0.6", ms=4, label="logit s_j of key j")
+ax_s.step(steps, trace_m, where="post", color="C0", label="running max m")
+ax_a = ax_s.twinx()
+ax_a.bar(steps, trace_alpha, color="C1", alpha=0.3, width=0.6)
+ax_a.set_ylim(0, 1.6)
+ax_a.set_ylabel("rescale factor alpha = exp(m_old - m_new)", color="C1", fontsize=8)
+ax_s.set_xlabel("key j (one online-softmax step each)")
+ax_s.set_ylabel("logit")
+ax_s.legend(fontsize=8, loc="upper left", frameon=False)
+ax_s.set_title("m moves up only; alpha < 1 rescales the old state", fontsize=10)
+ax_o.plot(steps, trace_o, "o-", ms=3, color="C2", label="running output acc/l (v1, dim 0)")
+ax_o.axhline(o0[b0, h0, 0], color="k", ls="--", lw=1, label="two-pass output (v0)")
+ax_o.axhline(o_ref[b0, h0, 0], color="crimson", ls=":", lw=1.5, label="float64 reference")
+ax_o.set_xlabel("keys seen")
+ax_o.set_ylabel("output, dimension 0")
+ax_o.legend(fontsize=8, frameon=False)
+ax_o.set_title("after the last key the online state is the exact answer", fontsize=10)
+fig.suptitle("online softmax, request 0, query head 0", fontsize=11)
+save_figure(fig, "04_online_softmax.png")
+show(fig)
+
+# %% [markdown]
+# ## 4. v2: gather a page into shared memory once per GQA group
+#
+# In v0 and v1 the `G` query heads of a group fetch the same K and V rows independently. v2
+# makes one block responsible for one (request, KV head) pair and all `G` query heads on it.
+# Per page, every thread of the block copies a share of the page's valid rows into shared
+# memory (the *gather*: scattered pages in global memory become one contiguous tile), the block
+# meets at a barrier, and then each of the first `G` threads runs v1's online softmax for its
+# query head, reading K and V from shared memory. A second barrier lets the next page
+# overwrite the tile. This is the walkthrough's section V.4 structure, and nbinfer's real
+# kernel has the same outer shape.
+
+# %%
+NT = 16  # threads per block in v2
+
+
+def make_v2(head_dim, group, page_size, num_threads):
+    @cuda.jit
+    def decode_v2(q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale, reads):
+        k_tile = cuda.shared.array((page_size, head_dim), float32)
+        v_tile = cuda.shared.array((page_size, head_dim), float32)
+        hkv = kv.shape[3]
+        b = cuda.blockIdx.x // hkv  # one block per (request, KV head)
+        hk = cuda.blockIdx.x % hkv
+        tid = cuda.threadIdx.x
+        h = hk * group + tid  # query head of threads tid < group
+        first = kv_indptr[b]
+        num_pages = kv_indptr[b + 1] - first
+        acc = cuda.local.array(head_dim, float32)
+        for d in range(head_dim):
+            acc[d] = 0.0
+        m = -math.inf
+        l = 0.0
+        for j in range(num_pages):
+            page = kv_indices[first + j]
+            rows = page_size if j < num_pages - 1 else kv_last[b]
+            for i in range(tid, rows * head_dim, num_threads):  # the gather: each element once
+                k_tile[i // head_dim, i % head_dim] = kv[page, 0, i // head_dim, hk, i % head_dim]
+                v_tile[i // head_dim, i % head_dim] = kv[page, 1, i // head_dim, hk, i % head_dim]
+                reads[cuda.blockIdx.x, tid] += 2
+            cuda.syncthreads()  # the tile is complete
+            if tid < group:
+                for r in range(rows):
+                    s = 0.0
+                    for d in range(head_dim):
+                        s += q[b, h, d] * k_tile[r, d]
+                    s *= sm_scale
+                    m_new = max(m, s)
+                    alpha = math.exp(m - m_new)
+                    p = math.exp(s - m_new)
+                    l = l * alpha + p
+                    for d in range(head_dim):
+                        acc[d] = acc[d] * alpha + p * v_tile[r, d]
+                    m = m_new
+            cuda.syncthreads()  # everyone is done with the tile
+        if tid < group:
+            for d in range(head_dim):
+                o[b, h, d] = acc[d] / l
+            lse[b, h] = m + math.log(l)
+
+    return decode_v2
+
+
+def run_block_per_group(kernel, q, cache, pt, num_threads=NT):
+    """Launch v2: grid = requests x KV heads, block = num_threads. Returns o, lse, reads."""
+    b, hq, d = q.shape
+    hkv = cache.shape[3]
+    o = np.zeros((b, hq, d), np.float32)
+    lse = np.zeros((b, hq), np.float32)
+    reads = np.zeros((b * hkv, num_threads), np.int64)
+    kernel[b * hkv, num_threads](q, cache, *page_table_args(pt), o, lse, np.float32(1.0 / math.sqrt(d)),
+                                 reads)
+    return o, lse, reads
+
+
+o2, lse2, reads2 = run_block_per_group(make_v2(D, G, PAGE, NT), q, cache, pt)
+print(f"v2 vs reference: relative error {rel_err(o2, o_ref):.1e}, "
+      f"max |LSE error| {np.abs(lse2 - lse_ref).max():.1e}")
+print("K/V elements read per thread [block = (request, KV head), thread]:\n", reads2)
+assert rel_err(o2, o_ref) < TOL_F32 and np.abs(lse2 - lse_ref).max() < 1e-5
+
+# %% [markdown]
+# ### Counting bytes
+#
+# The KV *footprint* of the batch is what must come from memory at least once: every valid
+# token's K and V row of every KV head, `sum(kv_len) * Hkv * 2 * D * itemsize` bytes. The
+# counters give each version's actual traffic; v2 reads exactly the footprint, v1 reads it once
+# per query head (`G` times), v0 reads K once more on top (`1.5 G` times).
+
+# %%
+ITEM = cache.itemsize
+
+
+def footprint(pt):
+    return int(pt.kv_lens().sum()) * HKV * 2 * D * ITEM
+
+
+def ladder_bytes(group):
+    """Run v0, v1, v2 on a fresh batch with GQA group `group`; check each; return bytes read."""
+    ptg, cacheg, qg, og_ref, lseg_ref = make_batch(group)
+    runs = {
+        "v0 toy, two-pass": run_thread_per_head(make_v0(D, group, PAGE), qg, cacheg, ptg),
+        "v1 online softmax": run_thread_per_head(make_v1(D, group, PAGE), qg, cacheg, ptg),
+        "v2 shared-memory gather": run_block_per_group(make_v2(D, group, PAGE, NT), qg, cacheg,
+                                                       ptg),
+    }
+    out = {}
+    for name, (o_v, lse_v, reads_v) in runs.items():
+        assert rel_err(o_v, og_ref) < TOL_F32, (group, name)
+        assert np.abs(lse_v - lseg_ref).max() < 1e-5, (group, name)
+        out[name] = int(reads_v.sum()) * ITEM
+    return out, footprint(ptg)
+
+
+traffic = {}
+for group in (2, 4):
+    traffic[group], fp = ladder_bytes(group)
+    print(f"G = {group}: footprint {fp} B; " + ", ".join(
+        f"{name}: {nbytes} B ({nbytes / fp:g} x)" for name, nbytes in traffic[group].items()))
+    v0b, v1b, v2b = traffic[group].values()
+    assert v2b == fp  # v2 reads every KV byte exactly once
+    assert v1b == group * v2b  # G times fewer bytes than v1 ...
+    assert 2 * v0b == 3 * v1b  # ... and 1.5 G times fewer than v0
+    assert v0b >= group * v2b
+
+# %%
+fig, ax = subplots(figsize=(8, 3.4))
+names = list(traffic[2])
+width = 0.38
+for i, group in enumerate(traffic):
+    vals_g = [traffic[group][n] for n in names]
+    bars = ax.bar(np.arange(len(names)) + (i - 0.5) * width, vals_g, width,
+                  color=f"C{i}", label=f"GQA group G = {group}")
+    for rect, v in zip(bars, vals_g, strict=True):  # label: multiple of the footprint
+        ax.text(rect.get_x() + rect.get_width() / 2, v, f"{v / fp:g}x", ha="center",
+                va="bottom", fontsize=8)
+ax.axhline(fp, color="k", ls="--", lw=1, label=f"KV footprint ({fp} B)")
+ax.set_xticks(range(len(names)), labels=names, fontsize=9)
+ax.set_ylabel("K/V bytes loaded from global memory")
+ax.set_title(f"measured in the simulator: loads counted per thread ({' + '.join(map(str, kv_lens))} "
+             f"tokens, {HKV} KV heads, D = {D}, fp32)", fontsize=9)
+ax.legend(fontsize=8, frameon=False)
+save_figure(fig, "04_ladder_bytes.png")
+show(fig)
+
+# %% [markdown]
+# The factor `G` is the whole point of GQA for decode: `G` query heads attend over one KV head,
+# so a kernel that reads each KV row once per group does `G` times the arithmetic per byte.
+# With `Hq = 32`, `Hkv = 8` (the benchmark model below) that is 4 FLOP per byte of fp16 KV
+# (section 7).
+#
+# ## 5. v3: the real kernel
+#
+# nbinfer's decode kernel (`nbinfer/kernels/decode.py`) is v2 grown up, run here through the
+# FlashInfer-style wrapper with `backend="sim"`. Its `plan()` asks the CPU scheduler
+# (`nbinfer.scheduler.plan`) to cut long requests into KV chunks so that every CTA of a fixed
+# (persistent) grid has about the same work. Each chunk is a *work item*
+# `(request, KV head, query rows, KV range, partial row)`; a CTA runs its queue of items one
+# after the other, an item that covers a whole request writes the output, a chunk writes a
+# partial state `(O, LSE)`, and the partial states of a split request are merged with ⊕ in the
+# plan's fixed order. The simulator's grid has two CTAs; a long request next to a short one
+# gets split.
+
+# %%
+D3, G3, HKV3, PAGE3 = 64, 4, 1, 16  # the real kernel supports head_dim 64 / 128 / 256
+lens3 = [37, 600]
+pt3 = PageTable.from_kv_lens(lens3, PAGE3, num_pages=sum(-(-n // PAGE3) for n in lens3) + 3,
+                             rng=rng)
+cache3 = rng.standard_normal((pt3.num_pages, 2, PAGE3, HKV3, D3)).astype(np.float16)
+q3 = rng.standard_normal((len(lens3), HKV3 * G3, D3)).astype(np.float16)
+wrapper = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", backend="sim")
+wrapper.plan(pt3.indptr, pt3.indices, pt3.last_page_len, HKV3 * G3, HKV3, D3, PAGE3,
+             q_data_type="float16")
+sched = wrapper._plan["schedule"]  # the scheduler's Plan that run() executes (read for display)
+col = {name: i for i, name in enumerate(WORK_COLUMNS)}
+work = sched.work.astype(np.int64)
+print(sched)
+print("work items:\n" + " ".join(f"{c:>11s}" for c in WORK_COLUMNS + ("CTA",)))
+for row, cta in zip(work, sched.item_cta(), strict=True):
+    print(" ".join(f"{x:11d}" for x in (*row, cta)))
+print("merged output rows:", sched.merge_rows, "<- partial rows",
+      [sched.merge_indices[sched.merge_indptr[i]:sched.merge_indptr[i + 1]].tolist()
+       for i in range(sched.merge_rows.size)])
+t0 = time.perf_counter()
+o3, lse3 = wrapper.run(q3, cache3, return_lse=True)
+t_v3 = time.perf_counter() - t0
+o3_ref, lse3_ref = reference.batch_decode_with_paged_kv_cache(
+    q3, cache3, pt3.indptr, pt3.indices, pt3.last_page_len, return_lse=True)
+print(f"v3 (simulator, {sched.num_ctas} CTAs of {NUM_THREADS} threads, {t_v3:.1f} s) vs "
+      f"reference: relative error {rel_err(o3, o3_ref):.1e}, "
+      f"max |LSE error| {np.abs(lse3 - lse3_ref).max():.1e}")
+split = work[:, col["partial_row"]] >= 0
+assert sched.num_ctas == 2
+assert sched.merge_rows.tolist() == [1]  # the long request was split ...
+assert set(work[split, col["request"]].tolist()) == {1} and split.sum() >= 2  # ... into chunks
+assert np.all(work[work[:, col["request"]] == 0, col["partial_row"]] == -1)  # short: direct
+assert o3.dtype == np.float16 and rel_err(o3, o3_ref) < 2e-3  # fp16 tolerance
+assert np.abs(lse3 - lse3_ref).max() < 1e-3
+
+# %% [markdown]
+# Like v2, the real kernel reads each KV byte once per GQA group: the work list covers every
+# (request, KV head, token) exactly once, so the KV bytes it asks for are the footprint.
+
+# %%
+covered = np.zeros((len(lens3), HKV3, max(lens3)), np.int64)
+for row in work:
+    covered[row[col["request"]], row[col["kv_head"]], row[col["kv_start"]]:row[col["kv_end"]]] += 1
+for b, n in enumerate(lens3):
+    assert np.all(covered[b, :, :n] == 1) and np.all(covered[b, :, n:] == 0)
+kv_row_bytes = 2 * D3 * cache3.itemsize  # K and V of one token and KV head
+work_bytes = int((work[:, col["kv_end"]] - work[:, col["kv_start"]]).sum()) * kv_row_bytes
+assert work_bytes == sum(lens3) * HKV3 * kv_row_bytes
+print(f"KV bytes named by the work list: {work_bytes} = footprint")
+
+# %% [markdown]
+# ## 6. What the real kernel adds
+#
+# v2 is correct but would be slow on a GPU: its threads wait for every load, most of them idle
+# while `G` threads compute, and it spends many instructions per byte. Decode does about `G`
+# FLOP per byte, so the SM must keep up with HBM using very few instructions per byte.
+# `DecodeSpec` (the kernel's compile-time configuration) shows the production choices for the
+# benchmark model (fp16, `D = 128`, `G = 4`):
+#
+# * **Token groups and `cp.async` pipelining.** Each warp streams groups of `TG` tokens (2 KiB of
+#   K and as much V) with asynchronous global-to-shared copies (`cp.async`, no register round
+#   trip) into a `stages`-deep ring of buffers: while it computes group `i`, the copies of the
+#   next groups are in flight.
+# * **Warp-private stages.** The four warps take groups `w, w + 4, ...` and each owns its ring,
+#   so inside the loop a warp only synchronises with itself (`__syncwarp`), never with the
+#   block; the four warp states are merged with ⊕ once at the end.
+# * **Reduce-scatter of partial dot products.** `LPT` lanes share a key row, each holding
+#   `D / LPT` dimensions; the partial sums of all (token, head) pairs are reduced with a
+#   shuffle reduce-scatter that leaves every lane owning whole logits (no per-pair butterfly).
+# * **Owner-lane softmax.** The lane that owns a logit runs the variant's hooks and `exp2` on it
+#   once; the running maxima travel through a small warp-private shared buffer.
+# * **`acc += p v`** with each lane owning `D / 32` output dimensions, and 32-bit shared
+#   addresses with vector loads so that each shared access is one instruction.
+
+# %%
+bench_spec = DecodeSpec(head_dim=128, group_size=4, page_size=16, kv_dtype="float16",
+                        q_dtype="float16", kv_layout="NHD", variant=standard())
+tg, lpt = bench_spec.tokens_per_group, bench_spec.lanes_per_token
+group_bytes = 2 * tg * bench_spec.head_dim * 2  # K and V of one token group, fp16
+min_fma = 2 * bench_spec.group_size * bench_spec.head_dim * tg // 32  # q.k and p.v, per warp
+min_cvt = 2 * tg * bench_spec.head_dim // 32  # one fp16 -> fp32 conversion per element
+print(f"TG = {tg} tokens per group, {group_bytes} bytes of K+V per group; LPT = {lpt} lanes "
+      f"per key row ({bench_spec.head_dim // lpt} dims each); {NUM_WARPS} warps x "
+      f"{bench_spec.stages} stages")
+print(f"floor: {min_fma} FMA + {min_cvt} conversion warp-instructions per group")
+assert group_bytes == 4096 and tg == 8
+
+# %% [markdown]
+# **The instruction budget.** Spread the measured copy bandwidth over the chip: with the H200's
+# documented 132 SMs at a 1.98 GHz boost clock, each SM receives `bandwidth / (132 * 1.98e9)`
+# bytes per cycle and can issue at most 4 warp-instructions per cycle (one per scheduler). A
+# 4 KiB group therefore arrives in `4096 / (bytes per cycle)` cycles, during which the SM can
+# issue 4 times as many warp-instructions, for *everything* (address math, loads, conversions,
+# FMAs, softmax, synchronisation). The floor above (FMAs and conversions alone) already takes a
+# large share of that budget.
+
+# %%
+results = sorted((repo_root() / "bench" / "results").glob("decode_h200*.json"),
+                 key=lambda p: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", p.stem)])
+assert results, "no bench/results/decode_h200*.json"
+bench_path = results[-1]
+bench = json.loads(bench_path.read_text())
+COPY_BW = float(bench["copy_ceiling"])  # bytes/s, measured device copy on the H200
+H200_SMS, H200_CLOCK, ISSUE_PER_CYCLE = 132, 1.98e9, 4  # documented figures
+bytes_per_cycle = COPY_BW / (H200_SMS * H200_CLOCK)
+budget = group_bytes / bytes_per_cycle * ISSUE_PER_CYCLE
+print(f"{bench_path.name}: copy ceiling {COPY_BW / 1e12:.2f} TB/s -> {bytes_per_cycle:.1f} B per "
+      f"SM-cycle -> at most {budget:.0f} warp-instructions per {group_bytes}-byte group per SM")
+print(f"the FMA + conversion floor is {(min_fma + min_cvt) / budget:.0%} of that budget")
+assert 0.25 < (min_fma + min_cvt) / budget < 1
+
+# %% [markdown]
+# How close does the compiled kernel come to that floor? `bench/sass_stats.py` compiles the
+# kernel for sm_90 without a GPU and counts the SASS (machine) instructions of its hot loop;
+# `bench/NOTES.md` records the counts per optimisation step in a table. The cell below reads
+# that table: the first kernel version was over the budget (it was issue-bound, not
+# memory-bound), the current one is under it. The benchmark JSON adds the register and
+# shared-memory use of the compiled kernel.
+
+# %%
+def sass_table(text):
+    """(change, count) rows of the first markdown table in `text` whose header mentions SASS."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|") and "SASS" in line:
+            rows = []
+            for row in lines[i + 2:]:
+                if not row.startswith("|"):
+                    break
+                cells = [c.strip() for c in row.strip().strip("|").split("|")]
+                count = re.match(r"\d+", cells[-1])
+                if count:
+                    rows.append((cells[0], int(count.group())))
+            return rows
+    return []
+
+
+notes = (repo_root() / "bench" / "NOTES.md").read_text()
+sass = sass_table(notes)
+for change, count in sass:
+    print(f"{count:5d} SASS instructions per {group_bytes} B group  <- {change[:80]}")
+assert len(sass) >= 2, "bench/NOTES.md has no hot-loop SASS table"
+first, last = sass[0][1], sass[-1][1]
+print(f"hot loop: {first} -> {last} instructions per 4 KiB group; budget {budget:.0f}; "
+      f"floor {min_fma + min_cvt}")
+assert min_fma + min_cvt < last < budget < first
+for case in bench["decode"]:
+    if "regs" in case:
+        print(f"  (batch {case['batch']}, kv_len {case['kv_len']}): {case['regs']} registers, "
+              f"{case.get('local_bytes', 0)} B local memory, {case.get('shared_bytes', 0)} B "
+              f"shared memory per CTA -> {65536 // (case['regs'] * NUM_THREADS)} CTAs per SM "
+              f"by registers")
+
+# %% [markdown]
+# ## 7. The roofline, from the benchmark JSON
+#
+# A roofline plots achieved FLOP/s against arithmetic intensity (FLOP per byte of memory
+# traffic). A kernel cannot beat `bandwidth x intensity` (the slanted roof) nor the compute peak
+# (the flat roof); where the roofs meet is the *ridge point*. Decode attention does
+# `4 * Hq * D` FLOP per token (a multiply and an add for `q.k` and for `p v`, per query head) and
+# moves `2 * Hkv * D * 2` bytes (K and V, fp16), so its intensity is `Hq / Hkv = G` FLOP/byte
+# whatever the batch or length.
+#
+# Ceilings: the measured HBM copy bandwidth (from the JSON), and two documented H200 peaks, fp16
+# tensor cores (989 TFLOP/s dense) and fp32 CUDA cores (67 TFLOP/s). Points: every case of
+# the newest benchmark file, nbinfer's kernel time (`kernel_only`), nbinfer's full `run()`
+# (host overhead included), and torch SDPA's cuDNN decode on contiguous KV.
+
+# %%
+HQ_B, D_B, KV_ITEM = 32, 128, 2  # the benchmark model: Hq = 32, D = 128, fp16
+PEAK_TC, PEAK_FP32 = 989e12, 67e12  # documented H200 dense peaks, FLOP/s
+series = {"nbinfer kernel": ("kernel_only", "C0", "o"), "nbinfer run() incl. host": ("nbinfer", "C9", "s"),
+          "torch SDPA cuDNN (contiguous KV)": ("sdpa_cudnn", "C2", "D")}
+
+
+def seconds(case, key):
+    """A case's time for `key`: `<key>_ms`, or bytes / `<key>_tbps` when only that is stored."""
+    if f"{key}_ms" in case:
+        return case[f"{key}_ms"] * 1e-3
+    return case["kv_bytes"] / (case[f"{key}_tbps"] * 1e12)
+
+
+points, table = [], []
+for case in bench["decode"]:
+    flops = 4 * HQ_B * D_B * case["batch"] * case["kv_len"]
+    hkv_b = case["kv_bytes"] // (case["batch"] * case["kv_len"] * 2 * D_B * KV_ITEM)
+    assert case["kv_bytes"] == case["batch"] * case["kv_len"] * hkv_b * 2 * D_B * KV_ITEM
+    ai = flops / case["kv_bytes"]
+    assert ai == HQ_B / hkv_b  # intensity = GQA group size
+    for label, (key, color, marker) in series.items():
+        if f"{key}_ms" not in case and f"{key}_tbps" not in case:
+            continue
+        t = seconds(case, key)
+        if f"{key}_tbps" in case:  # the JSON's own TB/s agrees with bytes / time
+            assert math.isclose(case["kv_bytes"] / t / 1e12, case[f"{key}_tbps"], rel_tol=1e-6)
+        points.append(dict(label=label, ai=ai, flops=flops / t, color=color, marker=marker,
+                           case=(case["batch"], case["kv_len"])))
+        table.append((case["batch"], case["kv_len"], label, flops / t / 1e12,
+                      case["kv_bytes"] / t / 1e12))
+print(f"{bench_path.name}: {len(bench['decode'])} cases, intensity {ai:g} FLOP/byte")
+print(f"{'batch':>6} {'kv_len':>7}  {'':34s} {'TFLOP/s':>8} {'TB/s':>6} {'% copy':>7}")
+for batch, kv_len, label, tf, tb in table:
+    print(f"{batch:6d} {kv_len:7d}  {label:34s} {tf:8.2f} {tb:6.2f} {tb * 1e12 / COPY_BW:7.0%}")
+
+above = [(b_, n_, lab) for b_, n_, lab, _, tb in table if tb * 1e12 > COPY_BW]
+print("points above the copy ceiling:", above or "none")
+for case in bench["decode"]:
+    if "nbinfer_ms" in case and "kernel_only_ms" in case:
+        assert case["nbinfer_ms"] >= case["kernel_only_ms"]  # run() = kernel + host work
+
+ridge_tc, ridge_fp32 = PEAK_TC / COPY_BW, PEAK_FP32 / COPY_BW
+print(f"ridge points: fp16 tensor cores {ridge_tc:.0f} FLOP/B, fp32 CUDA cores "
+      f"{ridge_fp32:.1f} FLOP/B")
+assert all(p["ai"] < ridge_fp32 < ridge_tc for p in points)  # decode is memory-bound
+assert all(p["flops"] < PEAK_FP32 / 2 for p in points)  # far below either compute roof
+
+# %%
+fig, (ax_r, ax_b) = subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.25, 1]})
+plot_roofline(points, memory_ceilings=[("HBM copy, measured", COPY_BW)],
+              compute_ceilings=[("fp16 tensor cores", PEAK_TC), ("fp32 CUDA cores", PEAK_FP32)],
+              ax=ax_r, ai_range=(0.5, 1024),
+              title=f"H200 roofline, decode Hq = {HQ_B}, Hkv = {hkv_b}, D = {D_B}, fp16 "
+                    f"({bench_path.name})")
+ax_r.annotate(f"decode: {ai:g} FLOP/B\n(= GQA group)", (ai, COPY_BW * ai / 1e12),
+              xytext=(30, -40), textcoords="offset points", fontsize=8,
+              arrowprops={"arrowstyle": "->", "lw": 0.8})
+# Inset: the same points on a linear scale, one column per series, against the roof's height
+# at the decode intensity.
+ins = ax_r.inset_axes([0.06, 0.56, 0.3, 0.38])
+labels = list(dict.fromkeys(p["label"] for p in points))
+for i, label in enumerate(labels):
+    grp = [p for p in points if p["label"] == label]
+    ins.scatter([i] * len(grp), [p["flops"] / 1e12 for p in grp], s=22, color=grp[0]["color"],
+                marker=grp[0]["marker"], edgecolors="k", linewidths=0.4)
+ins.axhline(COPY_BW * ai / 1e12, color="k", lw=1)
+ins.set_xlim(-0.6, len(labels) - 0.4)
+ins.set_ylim(min(p["flops"] for p in points) / 1e12 * 0.95,
+             max(max(p["flops"] for p in points), COPY_BW * ai) / 1e12 * 1.04)
+ins.set_xticks(range(len(labels)), labels=[lab.split(" (")[0].replace("torch SDPA ", "")
+                                           .replace(" incl. host", "") for lab in labels],
+               fontsize=6)
+ins.tick_params(labelsize=6)
+ins.set_title(f"zoom at {ai:g} FLOP/B (line: copy roof)", fontsize=7)
+cases = [(c["batch"], c["kv_len"]) for c in bench["decode"]]
+width = 0.8 / len(series)
+for i, label in enumerate(series):
+    tbs = [next((r[4] for r in table if (r[0], r[1]) == cs and r[2] == label), np.nan)
+           for cs in cases]
+    ax_b.bar(np.arange(len(cases)) + (i - (len(series) - 1) / 2) * width, tbs, width,
+             color=series[label][1], label=label)
+ax_b.axhline(COPY_BW / 1e12, color="k", ls="--", lw=1, label="HBM copy ceiling (measured)")
+ax_b.set_xticks(range(len(cases)), labels=[f"batch {b}\nkv_len {n}" for b, n in cases], fontsize=8)
+ax_b.set_ylabel("effective TB/s (KV bytes / time)")
+ax_b.set_title("the same points as bandwidth", fontsize=10)
+ax_b.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2)
+save_figure(fig, "04_roofline.png")
+show(fig)
+
+# The plotted points are exactly the JSON's, series by series.
+for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
+    drawn = ax_r.collections[i].get_offsets()
+    want = np.array([(p["ai"], p["flops"] / 1e12) for p in points if p["label"] == label])
+    assert ax_r.collections[i].get_label() == label
+    np.testing.assert_allclose(np.asarray(drawn), want, rtol=1e-12)
+
+# %% [markdown]
+# Every point sits at the same intensity (the GQA group), far left of both ridge points: decode
+# is memory-bound, and tensor cores would not help it (the production kernel uses CUDA cores).
+# The vertical distance to the slanted roof is the whole story of decode performance, and the
+# table above gives it per case as a fraction of the copy ceiling. A point can sit slightly
+# *above* that roof: the copy ceiling was measured with a kernel that reads and writes, decode
+# only reads. The right panel shows the same measurements as bandwidth; `run()` is never faster
+# than the kernel alone, the difference being the host work of a call (argument binding and
+# launch), which weighs most on small steps.
+#
+# ## Summary
+#
+# * A decode kernel walks the page table's BSR row: `kv_indices[first + t // page_size]` turns a
+#   logical token into a physical page, and only stored pages are ever read.
+# * Online softmax (v1) is lesson 01's ⊕ applied one key at a time: exact, one pass, K read once.
+# * Gathering each page into shared memory once per (request, KV head) and using it for all `G`
+#   query heads (v2) cuts KV traffic by exactly `G` (measured: v1 / v2 = G, v0 / v2 = 1.5 G).
+# * The real kernel (v3) keeps v2's shape and adds what the hardware needs: asynchronous copies
+#   in warp-private pipelines, reduce-scatter and owner-lane softmax, few instructions per byte;
+#   long requests are split into chunks whose partial states merge with ⊕.
+# * Decode's arithmetic intensity is the GQA group size, so the roofline says: bandwidth, not
+#   FLOPs.
+#
+# Lesson 05 shows how the same kernel source becomes a different attention variant.
+
+# %%
+elapsed = time.perf_counter() - T_START
+print(f"lesson ran in {elapsed:.1f} s (simulator)")
