@@ -2,9 +2,9 @@
 
 ``merge_rows`` contracts variable-length lists of partial states, driven by an index map
 (``indptr``/``indices`` over partial rows, ``rows`` naming the output row each list produces).
-It serves three callers: the decode/prefill contraction (partials of split requests -> output rows),
-``merge_states`` (every row merges its ``S`` states) and the reduction maps of the scheduler.
-``merge_two`` is ``merge_state`` / ``merge_state_in_place``.
+It contracts a scheduler's reduction map as a separate launch (the decode kernel fuses the same
+contraction into its last CTA per split row; prefill-sized partials use this kernel).
+``merge_state`` / ``merge_states`` live in :mod:`nbinfer.kernels.state`.
 
 One thread per (row, head, d); it walks its partials in index order, so the result is bitwise
 reproducible. Bytes: each partial element is read once (4 B) plus its LSE (cached), each output
@@ -116,65 +116,6 @@ def merge_rows_signature(spec: MergeSpec):
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
     return types.void(vt, f32, i32, i32, i32, ot, f32, int32, int32, int32)
-
-
-@functools.cache
-def build_merge_two(spec: MergeSpec):
-    """``merge_state``: ``(va, sa) + (vb, sb) -> (vo, so)``; ``mask[row]`` 0 keeps ``(va, sa)``.
-
-    Arguments: ``va, sa, vb, sb, vo, so, mask (uint8 [rows] or size-0 for all), num_heads,
-    head_dim, total``. ``vo`` may alias ``va`` (each thread reads its element before writing
-    it), but ``so`` must not alias ``sa``: the ``d == 0`` thread writes the row's LSE while the
-    other threads of that row may still be reading it.
-    """
-    sim = spec.sim
-    prims = primitives(sim)
-    value = _loader(prims, spec.v_dtype)
-    OUT_BF16 = spec.out_dtype == "bfloat16"
-    exp2, log2, to_bf16 = prims.exp2, prims.log2, prims.from_f32_bf16
-    NEG_INF = float32(-np.inf)
-    ZERO = float32(0.0)
-    F_LOG2E = float32(LOG2E)
-    F_LN2 = float32(LN2)
-
-    def merge_two(va, sa, vb, sb, vo, so_new, mask, num_heads, head_dim, total):
-        t = cuda.grid(1)
-        if t >= total:
-            return
-        row_head = t // head_dim
-        row = row_head // num_heads
-        a = value(va[t])
-        la = sa[row_head]
-        if mask.size > 0 and mask[row] == 0:
-            out = a
-            lse_val = la
-        else:
-            b = value(vb[t])
-            lb = sb[row_head]
-            ma = la * F_LOG2E
-            mb = lb * F_LOG2E
-            mmax = max(ma, mb)
-            mref = mmax if mmax > NEG_INF else ZERO
-            wa = exp2(ma - mref)
-            wb = exp2(mb - mref)
-            den = wa + wb
-            out = (wa * a + wb * b) / den if den > ZERO else ZERO
-            lse_val = (mmax + log2(den)) * F_LN2 if den > ZERO else NEG_INF
-        if OUT_BF16:
-            vo[t] = to_bf16(out)
-        else:
-            vo[t] = out
-        if t % head_dim == 0:
-            so_new[row_head] = lse_val
-
-    if sim:
-        return cuda.jit(merge_two)
-    vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
-    ot = types.Array(STORAGE[spec.out_dtype], 1, "C")
-    f32 = types.Array(float32, 1, "C")
-    u8 = types.Array(types.uint8, 1, "C")
-    sig = types.void(vt, f32, vt, f32, ot, f32, u8, int32, int32, int32)
-    return cuda.jit(sig, fastmath=True)(merge_two)
 
 
 def merge_launch_config(total: int):

@@ -1,11 +1,10 @@
 """State-merge kernels behind the public ``merge_state`` family, with the LSE base in the spec.
 
-FlashInfer's public merge functions take and return base-2 LSEs (``s = log2 sum 2^x``), while
-nbinfer's attention kernels produce natural-log LSEs. The spec carries ``lse_base`` so each base
-is compiled in, not converted in extra passes: the exponent is always taken base 2, so a base-2
-LSE is used as is and a natural one is multiplied by ``log2(e)`` on the way in and ``ln(2)`` on
-the way out. (``kernels.merge`` has the same operator fixed to natural logs, for the decode
-contraction; see its ``build_merge_two`` / ``build_merge_rows``.)
+nbinfer's LSEs are natural logs; FlashInfer's are base 2 (``s = log2 sum 2^x``). The spec carries
+``lse_base`` so each base is compiled in, not converted in extra passes: the exponent is always
+taken base 2, so a base-2 LSE is used as is and a natural one is multiplied by ``log2(e)`` on the
+way in and ``ln(2)`` on the way out. (``kernels.merge.build_merge_rows`` contracts a scheduler's
+reduction map with the natural-log operator.)
 
 Both kernels run one thread per ``VEC`` consecutive outputs of one (row, head) (16 bytes: 8
 fp16/bf16 or 4 fp32 elements) on a 2-D grid: block ``x`` is the row, block ``y`` a chunk of the
