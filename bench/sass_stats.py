@@ -51,21 +51,23 @@ def compile_spec(spec):
 
 
 def loop_histogram(sass: str):
-    """Histogram of the SASS opcodes between the hottest loop's head and its back edge."""
+    """Histogram of the SASS opcodes of the per-group loop: the smallest loop (head label to
+    backward branch) that waits on cp.async (DEPBAR), i.e. one round of the gather pipeline."""
     lines = sass.splitlines()
     addr = {}
     for i, line in enumerate(lines):
         m = re.match(r"\s*\.(L_x_\d+):", line)
         if m:
             addr[m.group(1)] = i
-    best = (0, 0)
+    best = None
     for i, line in enumerate(lines):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", line)
         if m and m.group(1) in addr and addr[m.group(1)] < i:
-            if i - addr[m.group(1)] > best[1] - best[0]:
-                best = (addr[m.group(1)], i)
+            lo = addr[m.group(1)]
+            if any("DEPBAR" in x for x in lines[lo:i]) and (best is None or i - lo < best[1] - best[0]):
+                best = (lo, i)
     ops = collections.Counter()
-    for line in lines[best[0]:best[1] + 1]:
+    for line in lines[best[0]:best[1] + 1] if best else []:
         m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops[m.group(2)] += 1
@@ -81,7 +83,8 @@ def main():
     ap.add_argument("--layout", default="NHD")
     ap.add_argument("--variant", default="standard")
     ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--max-registers", type=int, default=None)
+    ap.add_argument("--max-registers", type=int, default=None,
+                    help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     args = ap.parse_args()
     _offline_numba()
@@ -91,16 +94,17 @@ def main():
     variant = {"standard": builtins.standard(), "rope": builtins.rope_llama(),
                "softcap": builtins.soft_cap(30.0), "sigmoid": builtins.sigmoid_attention(),
                "window": builtins.sliding_window(256)}[args.variant]
+    extra = {} if args.max_registers is None else {"max_registers": args.max_registers or None}
     spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, args.dtype,
-                      args.layout, variant, stages=args.stages, max_registers=args.max_registers)
+                      args.layout, variant, stages=args.stages, **extra)
     ptx = compile_spec(spec)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         cmd = ["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", cubin]
-        if args.max_registers:
-            cmd.insert(1, f"--maxrregcount={args.max_registers}")
+        if spec.max_registers:
+            cmd.insert(1, f"--maxrregcount={spec.max_registers}")
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         print(" ".join(line.split("info    : ")[-1] for line in info.splitlines()
                        if "Used" in line or "spill" in line))

@@ -40,6 +40,7 @@ from numba import cuda, float32, int16, int32, int64, types
 from numba.core.types import float16
 
 from ..variants import Variant
+from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .primitives import LN2, LOG2E, primitives
 from .warp import warp_collectives
@@ -222,8 +223,6 @@ def decode_kernel_source(spec: DecodeSpec):
     ONE = float32(1.0)
     MASKED = NEG_INF if SOFTMAX else ZERO
     F_LN2 = float32(LN2)
-    F_LOG2E = float32(LOG2E)
-    load_cg = prims.load_cg
     SPARSE = spec.sparse
     NHD = spec.kv_layout == "NHD"
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
@@ -281,92 +280,7 @@ def decode_kernel_source(spec: DecodeSpec):
         else:
             o[i] = x
 
-    # Fused merge: per block of NB partial rows, the G heads' weights exp2(lse - m) are computed
-    # once into shared memory (msmem is free after the warps' merge), then every output element
-    # sums NB independent L2 loads. The running (m, den) per head rescales across blocks, so any
-    # number of chunks fits. Block layout in msmem: [G*NB weights | NB partial rows | G m | G den
-    # | G scale].
-    NB = (MERGE_SMEM - 3 * GP) // (G + 1)
-    OUTS = -(-G * D // NT)  # output elements per thread
-    W_ROWS = G * NB
-    W_M = W_ROWS + NB
-    W_DEN = W_M + G
-    W_SCALE = W_DEN + G
-
-    @jit_dev
-    def merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, merge_rows_off,
-                   merge_indptr_off, merge_indices_off, msmem, num):
-        # The merge operator over list ml's partial rows, in the map's order (so the result does
-        # not depend on which CTA finished last), for the G heads of kv head hk. Partial states
-        # written by other CTAs are read through L2 (ld.global.cg), never a stale L1 line.
-        row = plan[merge_rows_off + ml]
-        lo = plan[merge_indptr_off + ml]
-        hi = plan[merge_indptr_off + ml + 1]
-        for i in range(OUTS):
-            num[i] = ZERO
-        if tid < G:
-            msmem[W_M + tid] = NEG_INF
-            msmem[W_DEN + tid] = ZERO
-        for blk in range(lo, hi, NB):
-            nb = min(NB, hi - blk)
-            for j in range(tid, nb, NT):
-                msmem[W_ROWS + j] = float32(plan[merge_indices_off + blk + j])
-            cuda.syncthreads()
-            for idx in range(tid, G * nb, NT):
-                h = idx // nb
-                pr = int32(msmem[W_ROWS + idx % nb])
-                x = load_cg(tmp_lse, pr * hq + hk * G + h)
-                msmem[idx] = x * F_LOG2E if SOFTMAX else ONE
-            cuda.syncthreads()
-            if tid < G and SOFTMAX:
-                mold = msmem[W_M + tid]
-                mt = mold
-                for j in range(nb):
-                    mt = max(mt, msmem[tid * nb + j])
-                mref = mt if mt > NEG_INF else ZERO
-                msmem[W_SCALE + tid] = exp2(mold - mref)
-                msmem[W_M + tid] = mt
-            cuda.syncthreads()
-            if SOFTMAX:
-                for idx in range(tid, G * nb, NT):
-                    mt = msmem[W_M + idx // nb]
-                    msmem[idx] = exp2(msmem[idx] - (mt if mt > NEG_INF else ZERO))
-                cuda.syncthreads()
-                if tid < G:
-                    den = msmem[W_DEN + tid] * msmem[W_SCALE + tid]
-                    for j in range(nb):
-                        den += msmem[tid * nb + j]
-                    msmem[W_DEN + tid] = den
-            for i in range(OUTS):
-                idx = tid + i * NT
-                if idx < G * D:
-                    h = idx // D
-                    acc_o = num[i] * msmem[W_SCALE + h] if SOFTMAX else num[i]
-                    base = (hk * G + h) * D + idx % D
-                    for j in range(nb):
-                        pr = int32(msmem[W_ROWS + j])
-                        acc_o += msmem[h * nb + j] * load_cg(tmp_o, pr * hq * D + base)
-                    num[i] = acc_o
-            cuda.syncthreads()
-        for i in range(OUTS):
-            idx = tid + i * NT
-            if idx < G * D:
-                h = idx // D
-                d = idx % D
-                qo_head = hk * G + h
-                if SOFTMAX:
-                    den = msmem[W_DEN + h]
-                    mt = msmem[W_M + h]
-                    out = num[i] / den if den > ZERO else ZERO
-                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
-                else:
-                    out = num[i]
-                    lse_val = ZERO
-                if HAS_OUT:
-                    out = float32(hook_output(out, lse_val, qo_head))
-                store(o, (row * hq + qo_head) * D + d, out)
-                if d == 0:
-                    lse[row * hq + qo_head] = lse_val
+    merge_list, OUTS = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                       counters, hkv, page_stride, head_stride, sm_scale, work_off, cta_indptr_off,

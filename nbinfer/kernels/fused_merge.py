@@ -1,0 +1,143 @@
+"""The contraction of split rows inside an attention kernel (the "fused merge").
+
+A kernel that cuts a row's KV into chunks writes one partial state per chunk; the CTA that
+finishes a row's last chunk (it learns so from an atomic counter) merges the row's partials in
+the reduction map's order and writes the output. The result does not depend on which CTA was
+last, so it is bitwise reproducible, and the step needs no second launch.
+
+Per block of NB partial rows, the weights ``exp2(lse - m)`` of the row's G heads are computed
+once into shared memory, then every output element sums NB independent L2 loads; a running
+``(m, den)`` per head rescales across blocks, so any number of chunks fits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from ..variants import Variant
+from .hooks import device_hooks
+from .primitives import LN2, LOG2E, primitives
+
+
+@functools.cache
+def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant, out_dtype: str,
+                     sim: bool):
+    """Device function ``merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, rows_off,
+    indptr_off, indices_off, msmem, num)`` and the size of its per-thread ``num`` array.
+
+    Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
+    for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
+    (natural log) -> ``o`` (``out_dtype``, row ``plan[rows_off + ml]``) and ``lse``. Every thread
+    of the block calls it (it synchronises); ``msmem`` is ``smem_floats`` of free shared memory.
+    """
+    prims = primitives(sim)
+    hooks = device_hooks(variant, sim)
+    GP = 1 << (G - 1).bit_length()
+    MERGE_SMEM = smem_floats
+    SOFTMAX, HAS_OUT, hook_output = hooks.use_softmax, hooks.has_output, hooks.output
+    exp2, log2, load_cg, to_bf16 = prims.exp2, prims.log2, prims.load_cg, prims.from_f32_bf16
+    OUT_BF16 = out_dtype == "bfloat16"
+    NEG_INF = float32(-np.inf)
+    ZERO = float32(0.0)
+    ONE = float32(1.0)
+    F_LN2 = float32(LN2)
+    F_LOG2E = float32(LOG2E)
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def store(o, i, x):
+        if OUT_BF16:
+            o[i] = to_bf16(x)
+        else:
+            o[i] = x
+
+    # Block layout in msmem: [G*NB weights | NB partial rows | G m | G den | G scale].
+    NB = (MERGE_SMEM - 3 * GP) // (G + 1)
+    OUTS = -(-G * D // NT)  # output elements per thread
+    W_ROWS = G * NB
+    W_M = W_ROWS + NB
+    W_DEN = W_M + G
+    W_SCALE = W_DEN + G
+
+    @jit_dev
+    def merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, merge_rows_off,
+                   merge_indptr_off, merge_indices_off, msmem, num):
+        # The merge operator over list ml's partial rows, in the map's order (so the result does
+        # not depend on which CTA finished last), for the G heads of kv head hk. Partial states
+        # written by other CTAs are read through L2 (ld.global.cg), never a stale L1 line.
+        row = plan[merge_rows_off + ml]
+        lo = plan[merge_indptr_off + ml]
+        hi = plan[merge_indptr_off + ml + 1]
+        for i in range(OUTS):
+            num[i] = ZERO
+        if tid < G:
+            msmem[W_M + tid] = NEG_INF
+            msmem[W_DEN + tid] = ZERO
+        for blk in range(lo, hi, NB):
+            nb = min(NB, hi - blk)
+            for j in range(tid, nb, NT):
+                msmem[W_ROWS + j] = float32(plan[merge_indices_off + blk + j])
+            cuda.syncthreads()
+            for idx in range(tid, G * nb, NT):
+                h = idx // nb
+                pr = int32(msmem[W_ROWS + idx % nb])
+                x = load_cg(tmp_lse, pr * hq + hk * G + h)
+                msmem[idx] = x * F_LOG2E if SOFTMAX else ONE
+            cuda.syncthreads()
+            if tid < G and SOFTMAX:
+                mold = msmem[W_M + tid]
+                mt = mold
+                for j in range(nb):
+                    mt = max(mt, msmem[tid * nb + j])
+                mref = mt if mt > NEG_INF else ZERO
+                msmem[W_SCALE + tid] = exp2(mold - mref)
+                msmem[W_M + tid] = mt
+            cuda.syncthreads()
+            if SOFTMAX:
+                for idx in range(tid, G * nb, NT):
+                    mt = msmem[W_M + idx // nb]
+                    msmem[idx] = exp2(msmem[idx] - (mt if mt > NEG_INF else ZERO))
+                cuda.syncthreads()
+                if tid < G:
+                    den = msmem[W_DEN + tid] * msmem[W_SCALE + tid]
+                    for j in range(nb):
+                        den += msmem[tid * nb + j]
+                    msmem[W_DEN + tid] = den
+            for i in range(OUTS):
+                idx = tid + i * NT
+                if idx < G * D:
+                    h = idx // D
+                    acc_o = num[i] * msmem[W_SCALE + h] if SOFTMAX else num[i]
+                    base = (hk * G + h) * D + idx % D
+                    for j in range(nb):
+                        pr = int32(msmem[W_ROWS + j])
+                        acc_o += msmem[h * nb + j] * load_cg(tmp_o, pr * hq * D + base)
+                    num[i] = acc_o
+            cuda.syncthreads()
+        for i in range(OUTS):
+            idx = tid + i * NT
+            if idx < G * D:
+                h = idx // D
+                d = idx % D
+                qo_head = hk * G + h
+                if SOFTMAX:
+                    den = msmem[W_DEN + h]
+                    mt = msmem[W_M + h]
+                    out = num[i] / den if den > ZERO else ZERO
+                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
+                else:
+                    out = num[i]
+                    lse_val = ZERO
+                if HAS_OUT:
+                    out = float32(hook_output(out, lse_val, qo_head))
+                store(o, (row * hq + qo_head) * D + d, out)
+                if d == 0:
+                    lse[row * hq + qo_head] = lse_val
+
+    return merge_list, OUTS
+
+
+__all__ = ["build_merge_list"]
