@@ -8,6 +8,11 @@ the GPU entry points), KV layouts in :mod:`nbinfer.formats`, attention variants 
 from . import formats, reference, scheduler, variants
 from .api.append import append_paged_kv_cache, get_batch_indices_positions
 from .api.decode import BatchDecodeWithPagedKVCacheWrapper
+from .api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+)
 from .api.state import merge_state, merge_state_in_place, merge_states
 from .formats import (
     BSR,
@@ -25,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BSR",
     "BatchDecodeWithPagedKVCacheWrapper",
+    "BatchPrefillWithPagedKVCacheWrapper",
+    "BatchPrefillWithRaggedKVCacheWrapper",
     "PageTable",
     "Plan",
     "PlanLayout",
@@ -43,5 +50,6 @@ __all__ = [
     "reference",
     "scheduler",
     "segment_packbits",
+    "single_prefill_with_kv_cache",
     "variants",
 ]

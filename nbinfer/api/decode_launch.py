@@ -48,11 +48,14 @@ class DecodeLaunch:
     """
 
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,
-                 sm_scale: float, page_table_buffers=None):
+                 sm_scale: float, page_table_buffers=None, *, kernel=None):
         self.backend, self.layout = backend, layout
         sim = backend == "sim"
-        self.launch = PreparedLaunch(build_decode_kernel(spec), decode_signature(spec), num_ctas,
-                                     NUM_THREADS, sim=sim)
+        # The decode kernel by default; the prefill kernel shares the leading arguments and
+        # reads three more plan sections (``kernel = (compiled, signature, offset names)``).
+        compiled, signature, offset_names = kernel or (build_decode_kernel(spec),
+                                                       decode_signature(spec), PLAN_OFFSETS)
+        self.launch = PreparedLaunch(compiled, signature, num_ctas, NUM_THREADS, sim=sim)
         f32 = binding.workspace_f32(workspace, backend)
         if f32.size * 4 < layout.nbytes:
             raise ValueError(f"float_workspace_buffer holds {f32.size * 4} bytes, this plan "
@@ -78,8 +81,8 @@ class DecodeLaunch:
         L.set_scalar(ARG["head_stride"], 0)
         L.set_scalar(ARG["sm_scale"], sm_scale)
         offsets = layout.plan.offsets()
-        for i, name in enumerate(PLAN_OFFSETS):
-            L.set_scalar(ARG["offsets"] + i, w[name] if name == "item_merge" else offsets[name])
+        for i, name in enumerate(offset_names):
+            L.set_scalar(ARG["offsets"] + i, offsets[name] if name in offsets else w[name])
         self._event = None
         self._staging = None
 

@@ -2,7 +2,8 @@
 
 One byte buffer (FlashInfer's ``float_workspace_buffer``) holds, from its start::
 
-    int32 words  [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len]
+    int32 words  [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len
+                  | qo_indptr | mask_indptr | mask_words]
     float32      [tmp_o: partials x Hq x D | tmp_lse: partials x Hq]
 
 ``plan()`` fills the int32 part on the host (a staging array), and copies it to the device in one
@@ -40,6 +41,7 @@ class WorkspaceLayout:
     head_dim: int
     max_batch: int
     max_pages: int
+    max_mask_words: int = 0
 
     @property
     def words(self) -> dict[str, int]:
@@ -47,7 +49,8 @@ class WorkspaceLayout:
         sizes = (("plan", self.plan.size), ("item_merge", self.plan.max_work),
                  ("counters", self.plan.max_merge_rows * self.num_kv_heads),
                  ("kv_indptr", self.max_batch + 1), ("kv_indices", self.max_pages),
-                 ("kv_last_page_len", self.max_batch))
+                 ("kv_last_page_len", self.max_batch), ("qo_indptr", self.max_batch + 1),
+                 ("mask_indptr", self.max_batch + 1), ("mask_words", self.max_mask_words))
         out, pos = {}, 0
         for name, n in sizes:
             out[name] = pos
@@ -76,8 +79,13 @@ class WorkspaceLayout:
         return self.plan.fits(plan) and batch <= self.max_batch and pages <= self.max_pages
 
     def stage(self, plan: Plan, item_merge: np.ndarray, page_table=None,
-              out: np.ndarray | None = None) -> np.ndarray:
-        """The int32 part of the workspace for ``plan`` (counters zero), ready to copy."""
+              out: np.ndarray | None = None, **sections) -> np.ndarray:
+        """The int32 part of the workspace for ``plan`` (counters zero), ready to copy.
+
+        ``page_table`` is ``(kv_indptr, kv_indices, kv_last_page_len)`` (omitted when the caller
+        owns those buffers); ``sections`` may give ``qo_indptr``, ``mask_indptr`` and
+        ``mask_words`` (int32 arrays).
+        """
         w = self.words
         buf = np.zeros(w["end"], dtype=np.int32) if out is None else out
         if out is not None:
@@ -85,9 +93,12 @@ class WorkspaceLayout:
         self.plan.pack(plan, out=buf[:self.plan.size])
         buf[w["item_merge"]:w["item_merge"] + item_merge.size] = item_merge
         if page_table is not None:
-            for name, arr in zip(("kv_indptr", "kv_indices", "kv_last_page_len"), page_table,
-                                 strict=True):
-                buf[w[name]:w[name] + arr.size] = arr
+            sections.update(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), page_table,
+                                strict=True))
+        for name, arr in sections.items():
+            if arr is not None:
+                buf[w[name]:w[name] + arr.size] = arr.view(np.int32) if arr.dtype.itemsize == 4 \
+                    else arr
         return buf
 
 

@@ -1,0 +1,351 @@
+"""Batch prefill over a paged or ragged KV cache: a CUDA-core tile kernel.
+
+One work item of the scheduler is ``(request b, kv head hk, query rows [qs, qe), kv range
+[start, end))``. Its query rows and the ``G`` heads of the GQA group form ``PR = rows x G``
+*packed rows* (query length fused with the head group, as in FlashInfer), held in shared memory
+as float32, already transformed (RoPE) and scaled. The CTA then walks the KV range in tiles of
+``BC`` tokens, gathered through the page table (paged) or a contiguous range (ragged) into shared
+memory by the same loading rule as the decode kernel, and for each tile:
+
+1. ``S = Q K^T`` for ``PR x BC`` scores: ``TPR = 128 / TQ`` threads per packed row, each
+   ``BC / TPR`` scores over the full head dimension (rows padded by one word: no bank conflicts);
+2. the variant's logits transform and masks (causal, window, custom bits, ...) per score, with
+   the query position of the score's own row (bottom-right aligned);
+3. online softmax per row (one thread per row);
+4. ``O += P V``: each thread owns ``D / TPR`` dimensions of one packed row.
+
+A chunk of a split row writes a partial state; the CTA that completes a tile's last chunk merges
+its rows (:mod:`.fused_merge`). FLOPs per item: ``4 * PR * D * kv`` on CUDA cores; shared-memory
+bound (one shared load per FMA in q.k). A tensor-core version is future work: this kernel is the
+correct, general baseline (any variant, mask, layout, page size).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, int64, types
+
+from ..variants import Variant
+from .decode import HEAD_DIMS, KV_DTYPES, STORAGE, WORK_FIELDS
+from .fused_merge import build_merge_list
+from .hooks import device_hooks
+from .primitives import LN2, LOG2E, primitives
+
+NUM_THREADS = 128
+PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
+                "item_merge", "qo_indptr", "mask_indptr", "mask_words")
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """What one prefill kernel is compiled for (hashable: the kernel cache key)."""
+
+    head_dim: int
+    group_size: int
+    page_size: int
+    kv_dtype: str
+    q_dtype: str
+    kv_layout: str
+    variant: Variant
+    sparse: bool = True
+    custom_mask: bool = False
+    sim: bool = False
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if not 1 <= self.group_size <= self.tile_q:
+            raise ValueError(f"group size must be in [1, {self.tile_q}], got {self.group_size}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        for name in ("kv_dtype", "q_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+
+    @property
+    def tile_q(self) -> int:
+        """Packed rows per tile (query rows x G): 32, or 16 at head_dim 256 (shared memory)."""
+        return 32 if self.head_dim <= 128 else 16
+
+    @property
+    def tile_rows(self) -> int:
+        return self.tile_q // self.group_size
+
+    @property
+    def tile_kv(self) -> int:
+        return 16 if self.head_dim <= 128 else 8
+
+
+def prefill_signature(spec: PrefillSpec):
+    kv = types.Array(STORAGE[spec.kv_dtype], 1, "C")
+    qo = types.Array(STORAGE[spec.q_dtype], 1, "C")
+    i32 = types.Array(int32, 1, "C")
+    f32 = types.Array(float32, 1, "C")
+    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
+                      int32, int32, int64, float32, *([int32] * len(PLAN_OFFSETS)))
+
+
+@functools.cache
+def build_prefill_kernel(spec: PrefillSpec):
+    """Compile (once per spec) the prefill kernel. Arguments as the decode kernel's
+    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with three more plan sections:
+    ``qo_indptr`` (query rows of each request), ``mask_indptr`` (byte offset of each request's
+    packed custom mask) and ``mask_words`` (the packed masks, little bit order, as int32)."""
+    fn = prefill_kernel_source(spec)
+    if spec.sim:
+        return cuda.jit(fn)
+    return cuda.jit(prefill_signature(spec), fastmath=True)(fn)
+
+
+def prefill_kernel_source(spec: PrefillSpec):
+    sim = spec.sim
+    prims = primitives(sim)
+    hooks = device_hooks(spec.variant, sim)
+    D = spec.head_dim
+    HALF = D // 2
+    G = spec.group_size
+    TQ = spec.tile_q
+    PR = spec.tile_rows * G  # packed rows of a full tile (<= TQ)
+    BC = spec.tile_kv
+    NT = NUM_THREADS
+    TPR = NT // TQ  # threads per packed row
+    SPT = BC // TPR  # scores per thread
+    DPT = D // TPR  # output dims per thread
+    PS = spec.page_size
+    QS = D + 1  # padded row strides (float32 words)
+    KS = D + 1
+    SS = BC + 1
+    Q_SMEM = TQ * QS
+    K_SMEM = BC * KS
+    V_SMEM = BC * D
+    S_SMEM = TQ * SS
+    MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
+    merge_list, OUTS = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
+    hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
+    hook_mask, hook_output = hooks.mask, hooks.output
+    SOFTMAX = hooks.use_softmax
+    HAS_Q, HAS_K = hooks.has_query, hooks.has_key
+    HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
+    CUSTOM = spec.custom_mask
+    Q_LOG2E = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
+    POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
+    NEG_INF = float32(-np.inf)
+    ZERO = float32(0.0)
+    F_LN2 = float32(LN2)
+    MASKED = NEG_INF if SOFTMAX else ZERO
+    SPARSE = spec.sparse
+    NHD = spec.kv_layout == "NHD"
+    exp2, log2, to_bf16 = prims.exp2, prims.log2, prims.from_f32_bf16
+    cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
+    kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
+    Q_IS_BF16 = spec.q_dtype == "bfloat16"
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def request_kv_len(kv_indptr, kv_last, b):
+        if SPARSE:
+            pages = kv_indptr[b + 1] - kv_indptr[b]
+            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
+        return kv_indptr[b + 1] - kv_indptr[b]
+
+    @jit_dev
+    def token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride, head_stride):
+        # The loading module: the only code that differs between paged and ragged KV.
+        if SPARSE:
+            page = int64(kv_indices[kv_indptr[b] + pos // PS])
+            slot = pos % PS
+            if NHD:
+                return page * page_stride + (slot * hkv + hk) * D
+            return page * page_stride + (hk * PS + slot) * D
+        tok = int64(kv_indptr[b] + pos)
+        if NHD:
+            return (tok * hkv + hk) * D
+        return hk * head_stride + tok * D
+
+    @jit_dev
+    def store(o, i, x):
+        if Q_IS_BF16:
+            o[i] = to_bf16(x)
+        else:
+            o[i] = x
+
+    @jit_dev
+    def mask_bit(plan, mask_indptr_off, mask_words_off, b, row, kv_len, pos):
+        bit = int64(plan[mask_indptr_off + b]) * 8 + int64(row) * kv_len + pos
+        word = plan[mask_words_off + bit // 32]
+        return (word >> (bit % 32)) & 1
+
+    def prefill_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
+                       counters, hkv, page_stride, head_stride, sm_scale, work_off,
+                       cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
+                       merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
+                       mask_words_off):
+        qs_ = cuda.shared.array(Q_SMEM, float32)
+        kv_ = cuda.shared.array(MERGE_FLOATS, float32)  # [K tile | V tile], merge scratch after
+        ss_ = cuda.shared.array(S_SMEM, float32)
+        row_m = cuda.shared.array(TQ, float32)
+        row_l = cuda.shared.array(TQ, float32)
+        row_a = cuda.shared.array(TQ, float32)
+        last_flag = cuda.shared.array(1, int32)
+        sc = cuda.local.array(SPT, float32)
+        acc = cuda.local.array(DPT, float32)
+        mnum = cuda.local.array(OUTS, float32)
+
+        tid = cuda.threadIdx.x
+        r = tid // TPR  # this thread's packed row in q.k and p.v
+        sub = tid % TPR
+        hq = hkv * G
+        c = cuda.blockIdx.x
+        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+            item = plan[cta_work_off + wi]
+            w0 = work_off + item * WORK_FIELDS
+            b = plan[w0]
+            hk = plan[w0 + 1]
+            qs = plan[w0 + 2]
+            nrows = plan[w0 + 3] - qs
+            start = plan[w0 + 4]
+            end = plan[w0 + 5]
+            prow = plan[w0 + 6]
+            q0 = plan[qo_indptr_off + b]
+            qo_len = plan[qo_indptr_off + b + 1] - q0
+            kv_len = request_kv_len(kv_indptr, kv_last, b)
+            pos0 = kv_len - qo_len + qs  # position of the tile's first query row
+
+            # Q tile: packed row p = (row p // G, head p % G), transformed and pre-scaled.
+            for e in range(tid, TQ * D, NT):
+                p = e // D
+                d = e % D
+                x = ZERO
+                if p < PR and p // G < nrows:
+                    base = ((q0 + qs + p // G) * hq + hk * G + p % G) * D
+                    x = q_f32(q[base + d])
+                    if HAS_Q:
+                        xp = q_f32(q[base + (d + HALF) % D])
+                        x = float32(hook_query(x, xp, d, D, pos0 + p // G, hk * G + p % G))
+                    x = x * sm_scale * Q_LOG2E
+                qs_[p * QS + d] = x
+            if tid < TQ:
+                row_m[tid] = NEG_INF
+                row_l[tid] = ZERO
+            for i in range(DPT):
+                acc[i] = ZERO
+            cuda.syncthreads()  # Q and the row states are in place (even if the range is empty)
+            row_ok = r < PR and r // G < nrows
+            q_pos = pos0 + r // G
+            qo_head = hk * G + r % G
+
+            for t0 in range(start, end, BC):
+                cuda.syncthreads()  # every thread is done with the previous tile's K, V, S
+                for e in range(tid, BC * D, NT):
+                    j = e // D
+                    d = e % D
+                    pos = min(t0 + j, end - 1)  # past the range: re-read, masked below
+                    off = token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride,
+                                       head_stride)
+                    x = kv_f32(k[off + d])
+                    if HAS_K:
+                        x = float32(hook_key(x, kv_f32(k[off + (d + HALF) % D]), d, D, pos, hk))
+                    kv_[j * KS + d] = x
+                    kv_[K_SMEM + j * D + d] = kv_f32(v[off + d])
+                cuda.syncthreads()
+                for jj in range(SPT):
+                    sc[jj] = ZERO
+                for d in range(D):
+                    qd = qs_[r * QS + d]
+                    for jj in range(SPT):
+                        sc[jj] += qd * kv_[(sub + TPR * jj) * KS + d]
+                for jj in range(SPT):
+                    j = sub + TPR * jj
+                    pos = t0 + j
+                    s = sc[jj]
+                    keep = row_ok and pos < end
+                    if HAS_LOGITS:
+                        s = float32(hook_logits(s, q_pos, pos, qo_head)) * POST_LOG2E
+                    if HAS_MASK:
+                        keep = keep and hook_mask(q_pos, pos, qo_head)
+                    if CUSTOM and keep:
+                        keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
+                                        qs + r // G, kv_len, pos) != 0
+                    ss_[r * SS + j] = s if keep else MASKED
+                cuda.syncthreads()
+                if tid < TQ:  # one thread per packed row: the online softmax step
+                    if SOFTMAX:
+                        mold = row_m[tid]
+                        mt = mold
+                        for j in range(BC):
+                            mt = max(mt, ss_[tid * SS + j])
+                        mref = mt if mt > NEG_INF else ZERO
+                        alpha = exp2(mold - mref)
+                        lsum = row_l[tid] * alpha
+                        for j in range(BC):
+                            p = exp2(ss_[tid * SS + j] - mref)
+                            ss_[tid * SS + j] = p
+                            lsum += p
+                        row_m[tid] = mt
+                        row_l[tid] = lsum
+                        row_a[tid] = alpha
+                cuda.syncthreads()
+                a = row_a[r] if SOFTMAX else float32(1.0)
+                for i in range(DPT):
+                    d = sub + TPR * i
+                    x = acc[i] * a
+                    for j in range(BC):
+                        x += ss_[r * SS + j] * kv_[K_SMEM + j * D + d]
+                    acc[i] = x
+
+            # Finish the rows: the output (whole KV seen) or a partial state (a chunk).
+            if row_ok:
+                if SOFTMAX:
+                    lsum = row_l[r]
+                    inv = float32(1.0) / lsum if lsum > ZERO else ZERO
+                    lse_val = (row_m[r] + log2(lsum)) * F_LN2 if lsum > ZERO else NEG_INF
+                else:
+                    inv = float32(1.0)
+                    lse_val = ZERO
+                if prow < 0:
+                    orow = q0 + qs + r // G
+                    for i in range(DPT):
+                        out = acc[i] * inv
+                        if HAS_OUT:
+                            out = float32(hook_output(out, lse_val, qo_head))
+                        store(o, (orow * hq + qo_head) * D + sub + TPR * i, out)
+                    if sub == 0:
+                        lse[orow * hq + qo_head] = lse_val
+                else:
+                    prw = prow + r // G
+                    for i in range(DPT):
+                        tmp_o[(prw * hq + qo_head) * D + sub + TPR * i] = acc[i] * inv
+                    if sub == 0:
+                        tmp_lse[prw * hq + qo_head] = lse_val
+            if prow >= 0:
+                cuda.threadfence()
+                cuda.syncthreads()
+                if tid == 0:
+                    ml = plan[item_merge_off + item]
+                    n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+                    done = cuda.atomic.add(counters, ml * hkv + hk, 1)
+                    last_flag[0] = ml if done == n - 1 else -1
+                cuda.syncthreads()
+                ml = last_flag[0]
+                if ml >= 0:
+                    cuda.threadfence()
+                    # The tile's rows own consecutive merge lists ml, ml + 1, ...
+                    for rr in range(nrows):
+                        merge_list(plan, tmp_o, tmp_lse, o, lse, ml + rr, hk, hq, tid,
+                                   merge_rows_off, merge_indptr_off, merge_indices_off, kv_,
+                                   mnum)
+                        cuda.syncthreads()
+                    if tid == 0:
+                        counters[ml * hkv + hk] = 0
+            cuda.syncthreads()
+
+    return prefill_kernel
+
+
+__all__ = ["NUM_THREADS", "PLAN_OFFSETS", "PrefillSpec", "build_prefill_kernel",
+           "prefill_kernel_source", "prefill_signature"]
