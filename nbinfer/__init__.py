@@ -13,6 +13,7 @@ from .api.prefill import (
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
 )
+from .api.sparse import BlockSparseAttentionWrapper
 from .api.state import merge_state, merge_state_in_place, merge_states
 from .formats import (
     BSR,
@@ -32,6 +33,7 @@ __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
+    "BlockSparseAttentionWrapper",
     "PageTable",
     "Plan",
     "PlanLayout",

@@ -55,9 +55,11 @@ class _PrefillWrapper:
         self._plan = None
 
     def _make_plan(self, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size,
-              table, *, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
-              window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
-              kv_data_type, fixed_split_size, variant):
+                   table, *, custom_mask, packed_custom_mask, causal, pos_encoding_mode,
+                   window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+                   kv_data_type, fixed_split_size, variant, masks=None, q_pos0=None):
+        # ``masks`` (per-request bool masks, already validated) and ``q_pos0`` (BSR query
+        # positions) come from BlockSparseAttentionWrapper.
         group = check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim_qk", head_dim)
         qo_indptr = check_indptr("qo_indptr", arrays.host_int32(qo_indptr, "qo_indptr"))
@@ -66,7 +68,8 @@ class _PrefillWrapper:
             raise ValueError(f"the KV index arrays describe {kv_lens.size} requests, qo_indptr "
                              f"{batch}")
         qo_lens = np.diff(qo_indptr)
-        masks = batch_masks(custom_mask, packed_custom_mask, None, qo_lens, kv_lens)
+        if masks is None:
+            masks = batch_masks(custom_mask, packed_custom_mask, None, qo_lens, kv_lens)
         var = from_flashinfer_args(causal=causal, window_left=window_left,
                                    logits_soft_cap=logits_soft_cap,
                                    pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
@@ -79,7 +82,7 @@ class _PrefillWrapper:
                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                  page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
                  sm_scale=check_sm_scale(sm_scale, head_dim), variant=var, masks=masks,
-                 custom=masks[0] is not None if batch else False)
+                 custom=masks[0] is not None if batch else False, q_pos0=q_pos0)
         if self._backend != "reference":
             p.update(self._prepare(p, group, causal, fixed_split_size))
         self._plan = p
@@ -87,7 +90,8 @@ class _PrefillWrapper:
     def _prepare(self, p, group, causal, fixed_split_size):
         spec = PrefillSpec(p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
                            self._kv_layout, p["variant"], sparse=self._sparse,
-                           custom_mask=p["custom"], sim=self._backend == "sim")
+                           custom_mask=p["custom"], block_positions=p["q_pos0"] is not None,
+                           sim=self._backend == "sim")
         num_ctas = persistent_ctas(self._backend)
         sched = scheduler.plan(p["qo_indptr"], p["kv_lens"], p["num_qo_heads"],
                                p["num_kv_heads"], num_ctas, granule=MIN_CHUNK, causal=causal,
@@ -102,7 +106,7 @@ class _PrefillWrapper:
                               p["sm_scale"], kernel=(build_prefill_kernel(spec),
                                                      prefill_signature(spec), PLAN_OFFSETS))
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=p["qo_indptr"],
-                              mask_indptr=mask_ptr, mask_words=words)
+                              mask_indptr=mask_ptr, mask_words=words, q_pos0=p["q_pos0"])
         launch.upload(staged, table, _stream(self._workspace))
         return dict(spec=spec, schedule=sched, layout=layout, launch=launch)
 

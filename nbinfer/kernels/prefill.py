@@ -36,7 +36,7 @@ from .primitives import LN2, LOG2E, primitives
 
 NUM_THREADS = 128
 PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
-                "item_merge", "qo_indptr", "mask_indptr", "mask_words")
+                "item_merge", "qo_indptr", "mask_indptr", "mask_words", "q_pos0")
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,9 @@ class PrefillSpec:
     variant: Variant
     sparse: bool = True
     custom_mask: bool = False
+    # Block-sparse (BSR) mode: a "page" is a block column of the key matrix, so positions are
+    # physical (page id * page_size + slot) and each query row's position comes from ``q_pos0``.
+    block_positions: bool = False
     sim: bool = False
 
     def __post_init__(self):
@@ -93,9 +96,10 @@ def prefill_signature(spec: PrefillSpec):
 @functools.cache
 def build_prefill_kernel(spec: PrefillSpec):
     """Compile (once per spec) the prefill kernel. Arguments as the decode kernel's
-    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with three more plan sections:
+    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with four more plan sections:
     ``qo_indptr`` (query rows of each request), ``mask_indptr`` (byte offset of each request's
-    packed custom mask) and ``mask_words`` (the packed masks, little bit order, as int32)."""
+    packed custom mask), ``mask_words`` (the packed masks, little bit order, as int32) and
+    ``q_pos0`` (BSR mode: the position of each block row's first query)."""
     fn = prefill_kernel_source(spec)
     if spec.sim:
         return cuda.jit(fn)
@@ -132,6 +136,7 @@ def prefill_kernel_source(spec: PrefillSpec):
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
     CUSTOM = spec.custom_mask
+    BLOCK = spec.block_positions
     Q_LOG2E = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
@@ -168,6 +173,13 @@ def prefill_kernel_source(spec: PrefillSpec):
         return hk * head_stride + tok * D
 
     @jit_dev
+    def key_position(kv_indptr, kv_indices, b, pos):
+        # The position masks and RoPE see: the sequence index, or (BSR) the key's column.
+        if BLOCK:
+            return kv_indices[kv_indptr[b] + pos // PS] * PS + pos % PS
+        return pos
+
+    @jit_dev
     def store(o, i, x):
         if Q_IS_BF16:
             o[i] = to_bf16(x)
@@ -184,7 +196,7 @@ def prefill_kernel_source(spec: PrefillSpec):
                        counters, hkv, page_stride, head_stride, sm_scale, work_off,
                        cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
-                       mask_words_off):
+                       mask_words_off, q_pos0_off):
         qs_ = cuda.shared.array(Q_SMEM, float32)
         kv_ = cuda.shared.array(MERGE_FLOATS, float32)  # [K tile | V tile], merge scratch after
         ss_ = cuda.shared.array(S_SMEM, float32)
@@ -214,7 +226,8 @@ def prefill_kernel_source(spec: PrefillSpec):
             q0 = plan[qo_indptr_off + b]
             qo_len = plan[qo_indptr_off + b + 1] - q0
             kv_len = request_kv_len(kv_indptr, kv_last, b)
-            pos0 = kv_len - qo_len + qs  # position of the tile's first query row
+            # Position of the tile's first query row (bottom-right aligned; BSR: given).
+            pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
 
             # Q tile: packed row p = (row p // G, head p % G), transformed and pre-scaled.
             for e in range(tid, TQ * D, NT):
@@ -249,7 +262,8 @@ def prefill_kernel_source(spec: PrefillSpec):
                                        head_stride)
                     x = kv_f32(k[off + d])
                     if HAS_K:
-                        x = float32(hook_key(x, kv_f32(k[off + (d + HALF) % D]), d, D, pos, hk))
+                        kp = key_position(kv_indptr, kv_indices, b, pos)
+                        x = float32(hook_key(x, kv_f32(k[off + (d + HALF) % D]), d, D, kp, hk))
                     kv_[j * KS + d] = x
                     kv_[K_SMEM + j * D + d] = kv_f32(v[off + d])
                 cuda.syncthreads()
@@ -264,10 +278,11 @@ def prefill_kernel_source(spec: PrefillSpec):
                     pos = t0 + j
                     s = sc[jj]
                     keep = row_ok and pos < end
+                    kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
                     if HAS_LOGITS:
-                        s = float32(hook_logits(s, q_pos, pos, qo_head)) * POST_LOG2E
+                        s = float32(hook_logits(s, q_pos, kp, qo_head)) * POST_LOG2E
                     if HAS_MASK:
-                        keep = keep and hook_mask(q_pos, pos, qo_head)
+                        keep = keep and hook_mask(q_pos, kp, qo_head)
                     if CUSTOM and keep:
                         keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
                                         qs + r // G, kv_len, pos) != 0

@@ -1,0 +1,108 @@
+"""FlashInfer's ``BlockSparseAttentionWrapper``: attention over the stored blocks of a BSR pattern.
+
+The pattern is a BSR matrix ``(M, N)`` of ``(R, C)`` blocks over queries x keys. It runs on the
+prefill tile kernel with no data movement: every block row is a "request" (its ``<= R`` query
+rows), every stored block column is a "page" of ``C`` consecutive keys of ``k [N, Hkv, D]``, so
+the page table is the BSR's own ``indptr`` / ``indices`` (columns sorted per row; the partial last
+column, when ``N % C``, ends its row with ``last_page_len = N - col * C``). Masks and positional
+encodings see physical positions: query ``i`` at ``i + N - M`` (bottom-right, as the reference
+engine), key ``j`` at ``j``. A per-block element mask ``[nnz, R, C]`` becomes each block row's
+custom mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference
+from .._checks import check_dim, check_ndim, check_positive_int
+from ..formats import BSR
+from ..reference.sparse import _element_mask
+from . import arrays, binding
+from .prefill import _host, _PrefillWrapper
+
+__all__ = ["BlockSparseAttentionWrapper"]
+
+
+class BlockSparseAttentionWrapper(_PrefillWrapper):
+    """Block-sparse attention with FlashInfer's plan/run interface.
+
+    Parameters
+    ----------
+    float_workspace_buffer : array on the device that runs the kernels
+    backend : {"auto", "cuda", "sim", "reference"}
+    """
+
+    def __init__(self, float_workspace_buffer, *, backend: str = "auto"):
+        super().__init__(float_workspace_buffer, "NHD", backend=backend)
+
+    def plan(self, indptr, indices, M: int, N: int, R: int, C: int, num_qo_heads: int,
+             num_kv_heads: int, head_dim: int, *, mask=None, packed_mask=None,
+             causal: bool = False, pos_encoding_mode: str = "NONE", window_left: int = -1,
+             logits_soft_cap: float | None = None, sm_scale: float | None = None,
+             rope_scale: float | None = None, rope_theta: float | None = None,
+             q_data_type="float16", kv_data_type=None, variant=None) -> None:
+        """``indptr [ceil(M/R)+1]``, ``indices [nnz]`` (block columns in ``[0, ceil(N/C))``, at most
+        once per row); ``mask [nnz, R, C]`` bool or ``packed_mask`` (flattened, little bit order)."""
+        for name, val in (("M", M), ("N", N), ("R", R), ("C", C)):
+            check_positive_int(name, val)
+        bsr = BSR(arrays.host_int32(indptr, "indptr"), arrays.host_int32(indices, "indices"),
+                  (R, C), (M, N))
+        elem = _element_mask(mask, packed_mask, bsr.nnz_blocks, R, C)
+        rows = bsr.indptr.size - 1
+        # Columns sorted within each row (softmax does not care about order), so that the
+        # partial last column, if stored, ends its row.
+        order = np.zeros(bsr.nnz_blocks, dtype=np.int64)
+        for i in range(rows):
+            lo, hi = bsr.indptr[i], bsr.indptr[i + 1]
+            order[lo:hi] = lo + np.argsort(bsr.indices[lo:hi], kind="stable")
+        cols = bsr.indices[order].astype(np.int32)
+        tail = N - (N - 1) // C * C  # keys in the last block column
+        last = np.full(rows, C, dtype=np.int32)
+        counts = np.diff(bsr.indptr)
+        for i in np.flatnonzero(counts):
+            if cols[bsr.indptr[i + 1] - 1] == (N - 1) // C:
+                last[i] = tail
+        kv_lens = np.where(counts > 0, (counts - 1) * C + last, 0).astype(np.int64)
+        qo_indptr = np.minimum(np.arange(rows + 1) * R, M).astype(np.int32)
+        masks = None
+        if elem is not None:
+            masks = []
+            for i in range(rows):
+                nrow = int(qo_indptr[i + 1] - qo_indptr[i])
+                blocks = elem[order[bsr.indptr[i]:bsr.indptr[i + 1]], :nrow, :]  # [n, rows, C]
+                full = np.transpose(blocks, (1, 0, 2)).reshape(nrow, -1)
+                masks.append(np.ascontiguousarray(full[:, :kv_lens[i]]))
+        self._bsr_shape = (M, N)
+        self._make_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim, C,
+                        (bsr.indptr.astype(np.int32), cols, last), custom_mask=None,
+                        packed_custom_mask=None, causal=causal,
+                        pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                        rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
+                        kv_data_type=kv_data_type, fixed_split_size=None, variant=variant,
+                        masks=masks if masks is not None else [None] * rows,
+                        q_pos0=(qo_indptr[:-1] + N - M).astype(np.int32))
+        self._plan["bsr"] = (bsr, elem, causal)
+
+    def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
+        """``q [M, Hq, D]``, ``k, v [N, Hkv, D]``. Returns ``out [M, Hq, D]`` (q's kind and
+        dtype) and, with ``return_lse``, ``lse [M, Hq]`` (natural log; -inf for empty rows)."""
+        p = self._require_plan()
+        M, N = self._bsr_shape
+        Hkv, D, C = p["num_kv_heads"], p["head_dim"], p["page_size"]
+        for name, a in (("k", k), ("v", v)):
+            check_ndim(name, a, 3)
+            for axis, n, what in ((0, N, "N"), (1, Hkv, "num_kv_heads"), (2, D, "head_dim")):
+                check_dim(name, a, axis, n, what)
+            if arrays.storage_dtype(a) != p["kv_dtype"]:
+                raise TypeError(f"{name} must have dtype {p['kv_dtype']} (planned kv_data_type), "
+                                f"got {arrays.storage_dtype(a)}")
+        binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
+        if self._backend == "reference":
+            bsr, elem, causal = p["bsr"]
+            return reference.block_sparse_attention(
+                _host(q), _host(k), _host(v), bsr.indptr, bsr.indices, *bsr.block_shape,
+                mask=elem, variant=p["variant"], sm_scale=p["sm_scale"], return_lse=return_lse)
+        # One block column = one "page" of C keys: NHD paging with page stride C * Hkv * D.
+        return self._run(q, k, v, 0, C * Hkv * D, 0, out, lse, return_lse)
