@@ -7,6 +7,7 @@ the GPU entry points), KV layouts in :mod:`nbinfer.formats`, attention variants 
 
 from . import formats, reference, scheduler, variants
 from .api.append import append_paged_kv_cache, get_batch_indices_positions
+from .api.cascade import MultiLevelCascadeAttentionWrapper
 from .api.decode import BatchDecodeWithPagedKVCacheWrapper
 from .api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
@@ -34,6 +35,7 @@ __all__ = [
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",
     "BlockSparseAttentionWrapper",
+    "MultiLevelCascadeAttentionWrapper",
     "PageTable",
     "Plan",
     "PlanLayout",

@@ -1,0 +1,81 @@
+"""MultiLevelCascadeAttentionWrapper vs the reference, simulator; levels from a radix tree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer import reference
+from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper
+
+
+def _two_levels(rng, ps):
+    """A shared prefix of 3 pages for 3 requests, then 1-2 own pages each (decode: 1 query)."""
+    prefix = [5, 1, 7]
+    own = [[2], [0, 3], [4]]
+    levels = dict(
+        qo=[np.array([0, 3]), np.array([0, 1, 2, 3])],
+        indptr=[np.array([0, 3]), np.array([0, 1, 3, 4])],
+        indices=[np.array(prefix), np.array([p for r in own for p in r])],
+        last=[np.array([ps]), np.array([2, ps, 1])],
+    )
+    return levels
+
+
+@pytest.mark.parametrize("layout, dtype, kw", [("NHD", np.float32, {}),
+                                               ("HND", np.float16,
+                                                dict(causal=True, logits_soft_cap=4.0))])
+def test_cascade_two_levels(rng, layout, dtype, kw):
+    ps, hq, hkv, d = 4, 4, 2, 64
+    lv = _two_levels(rng, ps)
+    shape = (8, 2, ps, hkv, d) if layout == "NHD" else (8, 2, hkv, ps, d)
+    cache = rng.standard_normal(shape).astype(dtype)
+    q = rng.standard_normal((3, hq, d)).astype(dtype)
+    w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 22, np.uint8), layout)
+    w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+           q_data_type=dtype, **kw)
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.multi_level_cascade_attention(
+        q, lv["qo"], cache, lv["indptr"], lv["indices"], lv["last"], kv_layout=layout,
+        return_lse=True, **kw)
+    assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
+
+
+def test_cascade_errors(rng):
+    lv = _two_levels(rng, 4)
+    w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 20, np.uint8))
+    with pytest.raises(ValueError, match="num_levels"):
+        w.plan(lv["qo"][:1], lv["indptr"][:1], lv["indices"][:1], lv["last"][:1], 4, 2, 64, 4)
+    with pytest.raises(ValueError, match="coarsening"):
+        w.plan([np.array([0, 2, 3]), np.array([0, 1, 3])], lv["indptr"], lv["indices"],
+               lv["last"], 4, 2, 64, 4)
+    with pytest.raises(ValueError, match="position-independent"):
+        w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], 4, 2, 64, 4,
+               pos_encoding_mode="ROPE_LLAMA")
+    with pytest.raises(RuntimeError, match="before plan"):
+        w.run(np.zeros((3, 4, 64), np.float32), np.zeros((8, 2, 4, 2, 64), np.float32))
+
+
+def test_cascade_levels_from_a_radix_tree_equal_plain_decode(rng):
+    from nbinfer.formats import RadixTree
+
+    t = RadixTree(4)
+    a, b, c = list(range(10)), list(range(4)) + [9] * 5, list(range(8)) + [5] * 5
+    for s, pages in ((a, [0, 1, 2]), (b, [0, 3, 4]), (c, [0, 1, 5, 6])):
+        t.insert(s, pages)
+    lv = t.cascade_levels([a, b, c])  # 3 levels: page 0 for all, page 1 for a and c, own pages
+    hq, hkv, d = 4, 1, 64
+    cache = rng.standard_normal((7, 2, 4, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((3, hq, d)).astype(np.float32)  # one decode query per request
+    w = MultiLevelCascadeAttentionWrapper(lv.num_levels, np.zeros(1 << 22, np.uint8))
+    w.plan(lv.qo_indptr_arr, lv.paged_kv_indptr_arr, lv.paged_kv_indices_arr,
+           lv.paged_kv_last_page_len_arr, hq, hkv, d, 4, q_data_type="float32")
+    out = w.run(q[lv.rows], cache)  # rows in the levels' order
+    full = [t.lookup(s) for s in (a, b, c)]
+    lens = [len(a), len(b), len(c)]
+    indptr = np.concatenate([[0], np.cumsum([p.size for p in full])])
+    last = np.array([n - (p.size - 1) * 4 for n, p in zip(lens, full, strict=True)])
+    ref = reference.batch_decode_with_paged_kv_cache(q, cache, indptr, np.concatenate(full), last)
+    assert rel_err(out, ref[lv.rows]) <= TOLERANCE["float32"]
