@@ -271,8 +271,9 @@ def prefill_kernel_source(spec: PrefillSpec):
                     sc[jj] = ZERO
                 for d in range(D):
                     qd = qs_[r * QS + d]
+                    krow = sub * KS + d
                     for jj in range(SPT):
-                        sc[jj] += qd * kv_[(sub + TPR * jj) * KS + d]
+                        sc[jj] += qd * kv_[krow + TPR * KS * jj]
                 for jj in range(SPT):
                     j = sub + TPR * jj
                     pos = t0 + j
@@ -305,13 +306,17 @@ def prefill_kernel_source(spec: PrefillSpec):
                         row_l[tid] = lsum
                         row_a[tid] = alpha
                 cuda.syncthreads()
-                a = row_a[r] if SOFTMAX else float32(1.0)
-                for i in range(DPT):
-                    d = sub + TPR * i
-                    x = acc[i] * a
-                    for j in range(BC):
-                        x += ss_[r * SS + j] * kv_[K_SMEM + j * D + d]
-                    acc[i] = x
+                if SOFTMAX:
+                    a = row_a[r]
+                    for i in range(DPT):
+                        acc[i] *= a
+                # Tokens outside, dims inside: the inner loop has a constant trip count, so it
+                # unrolls and acc stays in registers (indexed by constants only).
+                for j in range(BC):
+                    p = ss_[r * SS + j]
+                    vrow = K_SMEM + j * D + sub
+                    for i in range(DPT):
+                        acc[i] += p * kv_[vrow + TPR * i]
 
             # Finish the rows: the output (whole KV seen) or a partial state (a chunk).
             if row_ok:
