@@ -13,5 +13,6 @@ for step in $steps; do
     sweep) python3 bench/decode_sweep.py --max-registers 0 160 128 112 --out "$OUT/sweep.json" ;;
     bench) python3 bench/decode.py --out "$OUT/decode_h200.json" ;;
     host) python3 bench/host_profile.py 2>&1 | head -60 ;;
+    prefill) python3 bench/prefill.py --out "$OUT/prefill_h200.json" ;;
   esac
 done

@@ -1,0 +1,116 @@
+"""Prefill, block-sparse and cascade wrappers on a real GPU vs the float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer import reference
+from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper
+from nbinfer.api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+    single_prefill_with_kv_cache,
+)
+from nbinfer.api.sparse import BlockSparseAttentionWrapper
+from nbinfer.formats import PageTable
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+
+def _ws():
+    return torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+
+
+def _t(x, dtype):
+    return torch.from_numpy(np.ascontiguousarray(x)).to("cuda", getattr(torch, dtype))
+
+
+def _np(t):
+    return t.float().cpu().numpy()
+
+
+@pytest.mark.parametrize(
+    "qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw",
+    [
+        ([1, 37, 512], [100, 700, 2048], 32, 8, 128, 16, "float16", "NHD", dict(causal=True)),
+        ([64, 3], [64, 4000], 32, 4, 64, 1, "bfloat16", "HND", dict(causal=True, window_left=100)),
+        ([16], [3000], 16, 16, 256, 7, "float32", "NHD", dict(pos_encoding_mode="ROPE_LLAMA")),
+        ([100, 20], [5000, 300], 32, 8, 128, 16, "float16", "NHD",
+         dict(logits_soft_cap=30.0, fixed_split_size=512)),
+    ],
+)
+def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
+    pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
+    shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+    cache = rng.standard_normal(shape).astype(np.float32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float32)
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(), layout)
+    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+           q_data_type=dtype, **kw)
+    out, lse = w.run(_t(q, dtype), _t(cache, dtype), return_lse=True)
+    torch.cuda.synchronize()
+    kw.pop("fixed_split_size", None)
+    ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        _np(_t(q, dtype)), qo_indptr, _np(_t(cache, dtype)), pt.indptr, pt.indices,
+        pt.last_page_len, kv_layout=layout, return_lse=True, **kw)
+    assert rel_err(_np(out), ref) <= TOLERANCE[dtype]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
+
+
+def test_ragged_and_single_prefill_gpu(rng):
+    qo_indptr, kv_indptr = np.array([0, 300, 333]), np.array([0, 900, 1933])
+    q = rng.standard_normal((333, 32, 128)).astype(np.float32)
+    k = rng.standard_normal((1933, 8, 128)).astype(np.float32)
+    v = rng.standard_normal((1933, 8, 128)).astype(np.float32)
+    mask = rng.random(300 * 900 + 33 * 1033) < 0.5
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, 32, 8, 128, custom_mask=mask, q_data_type="float16")
+    tq, tk, tv = (_t(x, "float16") for x in (q, k, v))
+    out = w.run(tq, tk, tv)
+    ref = reference.batch_prefill_with_ragged_kv_cache(_np(tq), _np(tk), _np(tv), qo_indptr,
+                                                       kv_indptr, custom_mask=mask)
+    assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+    one = single_prefill_with_kv_cache(tq[:300], tk[:900], tv[:900], causal=True)
+    ref = reference.single_prefill_with_kv_cache(_np(tq[:300]), _np(tk[:900]), _np(tv[:900]),
+                                                 causal=True)
+    assert rel_err(_np(one), ref) <= TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("R, C", [(16, 16), (64, 64), (1, 16), (16, 1)])
+def test_block_sparse_gpu(rng, R, C):
+    M, N = 1000, 1300
+    mb, nb = -(-M // R), -(-N // C)
+    dense = rng.random((mb, nb)) < min(0.3, 40 / nb)
+    indptr = np.concatenate([[0], np.cumsum(dense.sum(1))]).astype(np.int32)
+    indices = np.concatenate([np.flatnonzero(r) for r in dense]).astype(np.int32)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((M, 32, 128), (N, 8, 128), (N, 8, 128)))
+    tq, tk, tv = (_t(x, "float16") for x in (q, k, v))
+    w = BlockSparseAttentionWrapper(_ws())
+    w.plan(indptr, indices, M, N, R, C, 32, 8, 128, causal=True, q_data_type="float16")
+    out = w.run(tq, tk, tv)
+    ref = reference.block_sparse_attention(_np(tq), _np(tk), _np(tv), indptr, indices, R, C,
+                                           causal=True)
+    assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+
+
+def test_cascade_gpu(rng):
+    batch, prefix_pages, own_pages, ps = 16, 64, 4, 16
+    pool = rng.permutation(prefix_pages + batch * own_pages)
+    prefix, own = pool[:prefix_pages], pool[prefix_pages:].reshape(batch, own_pages)
+    qo = [np.array([0, batch]), np.arange(batch + 1)]
+    indptr = [np.array([0, prefix_pages]), np.arange(batch + 1) * own_pages]
+    indices = [prefix, own.ravel()]
+    last = [np.array([ps]), rng.integers(1, ps + 1, size=batch)]
+    cache = rng.standard_normal((pool.size, 2, ps, 8, 128)).astype(np.float32)
+    q = rng.standard_normal((batch, 32, 128)).astype(np.float32)
+    tq, tc = _t(q, "float16"), _t(cache, "float16")
+    w = MultiLevelCascadeAttentionWrapper(2, _ws())
+    w.plan(qo, indptr, indices, last, 32, 8, 128, ps, q_data_type="float16")
+    out = w.run(tq, tc)
+    ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
+    assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
