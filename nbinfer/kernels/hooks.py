@@ -22,56 +22,50 @@ def _jit(sim: bool):
     return cuda.jit(device=True, inline="always")
 
 
-def _chain_vector(fns, jit):
-    # A vector transform sees its element and the element's rotation partner; when two transforms
-    # chain, the second must see the partner as transformed by the first, so the first runs twice.
+def _chain(fns, jit, link):
+    """One device function for the hooks ``fns`` of one kind, applied in order.
+
+    ``link(f, rest)`` returns the Python function that runs hook ``f`` and then the chain ``rest``
+    of the remaining hooks; it is jitted like the hooks, so the whole chain inlines into a kernel.
+    """
     f = jit(fns[0])
     if len(fns) == 1:
         return f
-    rest = _chain_vector(fns[1:], jit)
+    return jit(link(f, _chain(fns[1:], jit, link)))
 
+
+def _link_vector(f, rest):
+    # A vector transform sees its element and the element's rotation partner; when two transforms
+    # chain, the second must see the partner as transformed by the first, so the first runs twice.
     def chained(x, x_pair, d, head_dim, pos, head):
         y = f(x, x_pair, d, head_dim, pos, head)
         y_pair = f(x_pair, x, (d + head_dim // 2) % head_dim, head_dim, pos, head)
         return rest(y, y_pair, d, head_dim, pos, head)
 
-    return jit(chained)
+    return chained
 
 
-def _chain_logits(fns, jit):
-    f = jit(fns[0])
-    if len(fns) == 1:
-        return f
-    rest = _chain_logits(fns[1:], jit)
-
+# Logits and output transforms map their first argument and pass the others through; masks AND.
+# (Numba's inliner takes no *args, so each kind spells out its own signature.)
+def _link_logits(f, rest):
     def chained(s, q_pos, kv_pos, qo_head):
         return rest(f(s, q_pos, kv_pos, qo_head), q_pos, kv_pos, qo_head)
 
-    return jit(chained)
+    return chained
 
 
-def _chain_mask(fns, jit):
-    f = jit(fns[0])
-    if len(fns) == 1:
-        return f
-    rest = _chain_mask(fns[1:], jit)
-
+def _link_mask(f, rest):
     def chained(q_pos, kv_pos, qo_head):
         return f(q_pos, kv_pos, qo_head) and rest(q_pos, kv_pos, qo_head)
 
-    return jit(chained)
+    return chained
 
 
-def _chain_output(fns, jit):
-    f = jit(fns[0])
-    if len(fns) == 1:
-        return f
-    rest = _chain_output(fns[1:], jit)
-
+def _link_output(f, rest):
     def chained(o, lse, qo_head):
         return rest(f(o, lse, qo_head), lse, qo_head)
 
-    return jit(chained)
+    return chained
 
 
 @functools.cache
@@ -95,16 +89,16 @@ def device_hooks(variant: Variant, sim: bool):
     def output_identity(o, lse, qo_head):
         return o
 
-    def pick(kind, chain, identity):
+    def pick(kind, link, identity):
         fns = getattr(variant, kind)
-        return chain(fns, jit) if fns else jit(identity)
+        return _chain(fns, jit, link) if fns else jit(identity)
 
     return SimpleNamespace(
-        query=pick("query_transform", _chain_vector, vec_identity),
-        key=pick("key_transform", _chain_vector, vec_identity),
-        logits=pick("logits_transform", _chain_logits, logits_identity),
-        mask=pick("logits_mask", _chain_mask, keep_all),
-        output=pick("output_transform", _chain_output, output_identity),
+        query=pick("query_transform", _link_vector, vec_identity),
+        key=pick("key_transform", _link_vector, vec_identity),
+        logits=pick("logits_transform", _link_logits, logits_identity),
+        mask=pick("logits_mask", _link_mask, keep_all),
+        output=pick("output_transform", _link_output, output_identity),
         has_query=bool(variant.query_transform),
         has_key=bool(variant.key_transform),
         has_logits=bool(variant.logits_transform),

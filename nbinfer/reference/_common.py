@@ -92,17 +92,25 @@ def check_q_kv(q: np.ndarray, num_kv_heads: int, head_dim: int, *, kv_name: str 
     return check_heads(q.shape[-2], num_kv_heads)
 
 
+def check_contiguous(q, k, v, kv_layout, lse_base, *, q_ndim: int = 3):
+    """Shared input checks of the contiguous-KV entry points (same order and messages in each).
+
+    Returns ``(lse_base, q, k, v)``: float64 arrays, ``q`` of rank ``q_ndim``, ``k``/``v`` in NHD.
+    """
+    lse_base = check_lse_base(lse_base)
+    q = as_f64("q", q, q_ndim)
+    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
+    check_q_kv(q, k.shape[1], k.shape[2])
+    return lse_base, q, k, v
+
+
 def _prepare_contiguous(q, k, v, kv_layout, sm_scale, lse_base):
     """Shared input checks of the 3-D contiguous-KV entry points with an explicit scale.
 
     Returns ``(lse_base, q, k, v, scale)`` with ``k``/``v`` in NHD.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
-    check_q_kv(q, k.shape[1], k.shape[2])
-    scale = check_sm_scale(sm_scale, k.shape[2])
-    return lse_base, q, k, v, scale
+    lse_base, q, k, v = check_contiguous(q, k, v, kv_layout, lse_base)
+    return lse_base, q, k, v, check_sm_scale(sm_scale, k.shape[2])
 
 
 def build_variant(*, num_qo_heads: int, causal=False, window_left=-1, logits_soft_cap=None,

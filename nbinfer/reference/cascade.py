@@ -20,11 +20,10 @@ import math
 
 import numpy as np
 
-from ._batch import check_qo_indptr, epilogue
+from ._batch import check_qo_indptr, epilogue, paged_requests, run_requests
 from ._common import build_variant
-from .attention import attention_state
 from .merge import merge_state
-from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
+from .paged import _prepare_paged, check_page_table
 
 __all__ = ["multi_level_cascade_attention"]
 
@@ -96,7 +95,7 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
     nnz, hq, _ = q.shape
     levels, qo_ptrs = _check_levels(nnz, qo_indptr_arr, paged_kv_indptr_arr,
                                     paged_kv_indices_arr, paged_kv_last_page_len_arr)
-    tables, lens = [], []
+    lens, get_kvs = [], []  # per level: kv length and KV getter of each request (qo segment)
     for lvl in range(levels):
         names = (f"paged_kv_indptr_arr[{lvl}]", f"paged_kv_indices_arr[{lvl}]",
                  f"paged_kv_last_page_len_arr[{lvl}]")
@@ -106,8 +105,9 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
         table = check_page_table(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
                                  paged_kv_last_page_len_arr[lvl], num_pages, page_size,
                                  names=names)
-        tables.append(table)
-        lens.append(kv_lengths(table[0], table[2], page_size))
+        kv_lens, get_kv = paged_requests(k_cache, v_cache, table, page_size)
+        lens.append(kv_lens)
+        get_kvs.append(get_kv)
 
     flags = dict(num_qo_heads=hq, window_left=window_left, logits_soft_cap=logits_soft_cap,
                  pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
@@ -128,19 +128,8 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
     lse = np.full((nnz, hq), -np.inf)
     for lvl in range(levels):
         var = last_var if lvl == levels - 1 else prefix_var
-        indptr, indices, _ = tables[lvl]
-        ptr = qo_ptrs[lvl]
-        o_l = np.zeros((nnz, hq, d))
-        lse_l = np.full((nnz, hq), -np.inf)
-        for s in range(ptr.size - 1):
-            a, e = int(ptr[s]), int(ptr[s + 1])
-            if a == e:
-                continue
-            kv_len = int(lens[lvl][s])
-            k, v = gather_kv(k_cache, v_cache, indices[indptr[s]:indptr[s + 1]], kv_len)
-            kv_pos = int(offset[lvl, a]) + np.arange(kv_len)
-            o_l[a:e], lse_l[a:e] = attention_state(q[a:e], k, v, sm_scale=scale, variant=var,
-                                                   q_pos=q_pos[a:e], kv_pos=kv_pos)
+        o_l, lse_l = run_requests(q, qo_ptrs[lvl], get_kvs[lvl], var, scale, q_pos=q_pos,
+                                  kv_start=offset[lvl])
         if not last_var.use_softmax:
             o, lse = o + o_l, lse_l  # without softmax, states add and carry no LSE
         elif lvl == 0:

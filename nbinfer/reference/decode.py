@@ -11,10 +11,9 @@ import math
 import numpy as np
 
 from .._checks import check_dim
-from ._batch import epilogue, run_requests
-from ._common import as_f64, build_variant, check_lse_base, check_q_kv, contiguous_kv_to_nhd
+from ._batch import epilogue, prepare_paged_batch, run_batch
+from ._common import build_variant, check_contiguous
 from .attention import attention_state
-from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
 
 __all__ = ["batch_decode_with_paged_kv_cache", "single_decode_with_kv_cache"]
 
@@ -53,10 +52,7 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout="NHD", pos_encoding_mode="
     lse : ndarray, float64, shape [num_qo_heads]
         Only with ``return_lse``; ``-inf`` when kv_len is 0.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 2)
-    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
-    check_q_kv(q, k.shape[1], k.shape[2])
+    lse_base, q, k, v = check_contiguous(q, k, v, kv_layout, lse_base, q_ndim=2)
     var = build_variant(num_qo_heads=q.shape[0], window_left=window_left,
                         logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
                         rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
@@ -92,19 +88,10 @@ def batch_decode_with_paged_kv_cache(q, paged_kv_cache, kv_indptr, kv_indices, k
     lse : ndarray, float64, shape [batch_size, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale = _prepare_paged(
-        q, paged_kv_cache, kv_layout, sm_scale, lse_base)
-    indptr, indices, last = check_page_table(kv_indptr, kv_indices, kv_last_page_len,
-                                             num_pages, page_size)
-    check_dim("q", q, 0, indptr.size - 1, "batch_size = len(kv_indptr) - 1")
+    lse_base, q, scale, kv_lens, get_kv = prepare_paged_batch(
+        q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, sm_scale, lse_base)
+    check_dim("q", q, 0, kv_lens.size, "batch_size = len(kv_indptr) - 1")
     var = build_variant(num_qo_heads=q.shape[1], window_left=window_left,
                         logits_soft_cap=logits_soft_cap, pos_encoding_mode=pos_encoding_mode,
                         rope_scale=rope_scale, rope_theta=rope_theta, variant=variant)
-    lens = kv_lengths(indptr, last, page_size)
-
-    def get_kv(b):
-        return gather_kv(k_cache, v_cache, indices[indptr[b]:indptr[b + 1]], int(lens[b]))
-
-    qo_indptr = np.arange(q.shape[0] + 1)
-    o, lse = run_requests(q, qo_indptr, lens, get_kv, var, scale, [None] * q.shape[0])
-    return epilogue(o, lse, var, return_lse, lse_base)
+    return run_batch(q, np.arange(q.shape[0] + 1), get_kv, var, scale, None, return_lse, lse_base)

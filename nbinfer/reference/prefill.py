@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import math
 
-from ._batch import batch_masks, check_qo_indptr, epilogue, run_requests, single_mask
-from ._common import (
-    _prepare_contiguous,
-    as_f64,
-    build_variant,
-    check_lse_base,
-    check_q_kv,
-    contiguous_kv_to_nhd,
+from ._batch import (
+    batch_masks,
+    check_qo_indptr,
+    epilogue,
+    prepare_paged_batch,
+    run_batch,
+    single_mask,
 )
+from ._common import _prepare_contiguous, build_variant, check_contiguous
 from .attention import attention_state
-from .paged import _prepare_paged, check_page_table, gather_kv, kv_lengths
 
 __all__ = [
     "batch_prefill_with_paged_kv_cache",
@@ -81,10 +80,7 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
     lse : ndarray, float64, shape [qo_len, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base = check_lse_base(lse_base)
-    q = as_f64("q", q, 3)
-    k, v = contiguous_kv_to_nhd(k, v, kv_layout)
-    check_q_kv(q, k.shape[1], k.shape[2])
+    lse_base, q, k, v = check_contiguous(q, k, v, kv_layout, lse_base)
     mask = single_mask(custom_mask, packed_custom_mask, q.shape[0], k.shape[0])
     var = _variant(q.shape[1], causal, window_left, logits_soft_cap, pos_encoding_mode,
                    rope_scale, rope_theta, variant)
@@ -125,22 +121,14 @@ def batch_prefill_with_paged_kv_cache(q, qo_indptr, paged_kv_cache, kv_indptr, k
     lse : ndarray, float64, shape [nnz_qo, num_qo_heads]
         Only with ``return_lse``.
     """
-    lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale = _prepare_paged(
-        q, paged_kv_cache, kv_layout, sm_scale, lse_base)
-    indptr, indices, last = check_page_table(kv_indptr, kv_indices, kv_last_page_len,
-                                             num_pages, page_size)
-    qo_ptr = check_qo_indptr(qo_indptr, q.shape[0], batch=indptr.size - 1)
-    kv_lens = kv_lengths(indptr, last, page_size)
+    lse_base, q, scale, kv_lens, get_kv = prepare_paged_batch(
+        q, paged_kv_cache, kv_indptr, kv_indices, kv_last_page_len, kv_layout, sm_scale, lse_base)
+    qo_ptr = check_qo_indptr(qo_indptr, q.shape[0], batch=kv_lens.size)
     masks = batch_masks(custom_mask, packed_custom_mask, mask_indptr, qo_ptr[1:] - qo_ptr[:-1],
                         kv_lens)
     var = _variant(q.shape[1], causal, window_left, logits_soft_cap, pos_encoding_mode,
                    rope_scale, rope_theta, variant)
-
-    def get_kv(b):
-        return gather_kv(k_cache, v_cache, indices[indptr[b]:indptr[b + 1]], int(kv_lens[b]))
-
-    o, lse = run_requests(q, qo_ptr, kv_lens, get_kv, var, scale, masks)
-    return epilogue(o, lse, var, return_lse, lse_base)
+    return run_batch(q, qo_ptr, get_kv, var, scale, masks, return_lse, lse_base)
 
 
 def batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr, *, custom_mask=None,
@@ -183,8 +171,7 @@ def batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr, *, custom_
     def get_kv(b):
         return k[kv_ptr[b]:kv_ptr[b + 1]], v[kv_ptr[b]:kv_ptr[b + 1]]
 
-    o, lse = run_requests(q, qo_ptr, kv_lens, get_kv, var, scale, masks)
-    return epilogue(o, lse, var, return_lse, lse_base)
+    return run_batch(q, qo_ptr, get_kv, var, scale, masks, return_lse, lse_base)
 
 
 for _fn in (single_prefill_with_kv_cache, batch_prefill_with_paged_kv_cache,

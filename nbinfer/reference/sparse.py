@@ -12,42 +12,17 @@ import math
 
 import numpy as np
 
-from .._checks import check_ndim
 from ..formats import BSR
-from ..formats.masks import unpackbits
-from ._batch import epilogue
-from ._common import (
-    _prepare_contiguous,
-    build_variant,
-)
+from ._batch import bool_or_packed_mask, epilogue
+from ._common import _prepare_contiguous, build_variant
 from .attention import attention_state
 
 __all__ = ["block_sparse_attention", "block_sparse_dense_mask"]
 
 
 def _element_mask(mask, packed_mask, nnz: int, r: int, c: int):
-    if mask is not None and packed_mask is not None:
-        raise ValueError("give mask or packed_mask, not both")
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_:
-            raise TypeError(f"mask must be a boolean array (True = keep), got dtype {mask.dtype}")
-        check_ndim("mask", mask, 3)
-        if mask.shape != (nnz, r, c):
-            raise ValueError(f"mask must have shape [nnz_blocks, R, C] = {(nnz, r, c)}, "
-                             f"got {mask.shape}")
-        return mask
-    if packed_mask is not None:
-        packed = np.asarray(packed_mask)
-        if packed.dtype != np.uint8:
-            raise TypeError(f"packed_mask must be a uint8 array, got dtype {packed.dtype}")
-        check_ndim("packed_mask", packed, 1)
-        want = -(-(nnz * r * c) // 8)
-        if packed.size != want:
-            raise ValueError(f"packed_mask must have ceil(nnz_blocks * R * C / 8) = {want} bytes, "
-                             f"got {packed.size}")
-        return unpackbits(packed, nnz * r * c, "little").reshape(nnz, r, c)
-    return None
+    return bool_or_packed_mask(mask, packed_mask, (nnz, r, c), ("nnz_blocks", "R", "C"),
+                               names=("mask", "packed_mask"), packed_kind="a uint8 array")
 
 
 def block_sparse_dense_mask(bsr: BSR, mask=None) -> np.ndarray:
