@@ -40,7 +40,7 @@ from numba import cuda, float32, int16, int32, int64, types
 from numba.core.types import float16
 
 from ..variants import Variant
-from .fused_merge import build_merge_list
+from .fused_merge import build_merge_list, kv_length
 from .hooks import device_hooks
 from .primitives import LN2, LOG2E, primitives
 from .warp import warp_collectives
@@ -210,8 +210,6 @@ def decode_kernel_source(spec: DecodeSpec):
     wait_ready = prims.wait(S - 2)
     exp2, log2 = prims.exp2, prims.log2
     q_to_f32 = _converter(prims, spec.q_dtype)
-    to_bf16 = prims.from_f32_bf16
-    Q_IS_BF16 = spec.q_dtype == "bfloat16"
     SOFTMAX = hooks.use_softmax
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
@@ -237,13 +235,6 @@ def decode_kernel_source(spec: DecodeSpec):
             cuda.syncwarp()
 
     U32 = types.uint32
-
-    @jit_dev
-    def request_kv_len(kv_indptr, kv_last, b):
-        if SPARSE:
-            pages = kv_indptr[b + 1] - kv_indptr[b]
-            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
-        return kv_indptr[b + 1] - kv_indptr[b]
 
     @jit_dev
     def token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride):
@@ -273,14 +264,9 @@ def decode_kernel_source(spec: DecodeSpec):
             cp16(kvs, dst, k, off)
             cp16(kvs, dst + K_BYTES, v, off)
 
-    @jit_dev
-    def store(o, i, x):
-        if Q_IS_BF16:
-            o[i] = to_bf16(x)
-        else:
-            o[i] = x
-
-    merge_list, OUTS = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
+    fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
+    finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
+    request_kv_len = kv_length(SPARSE, PS, sim)
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                       counters, hkv, page_stride, head_stride, sm_scale, work_off, cta_indptr_off,
@@ -511,24 +497,10 @@ def decode_kernel_source(spec: DecodeSpec):
                 cuda.syncthreads()
 
             if prow >= 0:
-                # Publish this chunk's partial state, then count it; the CTA that counts the
-                # last chunk of (merge list, kv head) merges the list.
-                cuda.threadfence()
-                cuda.syncthreads()
-                if tid == 0:
-                    ml = plan[item_merge_off + item]
-                    n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
-                    done = cuda.atomic.add(counters, ml * hkv + hk, 1)
-                    last_flag[0] = ml if done == n - 1 else -1
-                cuda.syncthreads()
-                ml = last_flag[0]
-                if ml >= 0:
-                    cuda.threadfence()
-                    merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, merge_rows_off,
-                               merge_indptr_off, merge_indices_off, msmem, mnum)
-                    if tid == 0:
-                        counters[ml * hkv + hk] = 0  # ready for the next launch
-                cuda.syncthreads()
+                finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk,
+                                  hkv, hq, 1, tid, item_merge_off, merge_rows_off,
+                                  merge_indptr_off, merge_indices_off, msmem, mnum)
+            cuda.syncthreads()
 
     return decode_kernel
 

@@ -13,6 +13,7 @@ once into shared memory, then every output element sums NB independent L2 loads;
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 from numba import cuda, float32, int32
@@ -25,8 +26,10 @@ from .primitives import LN2, LOG2E, primitives
 @functools.cache
 def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant, out_dtype: str,
                      sim: bool):
-    """Device function ``merge_list(plan, tmp_o, tmp_lse, o, lse, ml, hk, hq, tid, rows_off,
-    indptr_off, indices_off, msmem, num)`` and the size of its per-thread ``num`` array.
+    """Device functions of the fused merge, as a namespace: ``merge_list(plan, tmp_o, tmp_lse,
+    o, lse, ml, hk, hq, tid, rows_off, indptr_off, indices_off, msmem, num)``,
+    ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``store(o, i, x)``
+    (float32 -> ``out_dtype``) and ``OUTS``, the size of the per-thread ``num`` array.
 
     Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
     for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
@@ -137,7 +140,50 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 if d == 0:
                     lse[row * hq + qo_head] = lse_val
 
-    return merge_list, OUTS
+    @jit_dev
+    def finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk, hkv, hq,
+                          nrows, tid, item_merge_off, merge_rows_off, merge_indptr_off,
+                          merge_indices_off, msmem, num):
+        # Publish this chunk's partial state, then count it; the CTA that counts the last chunk
+        # of (merge list, kv head) merges the lists of the item's nrows rows (consecutive lists,
+        # since a tile's rows are consecutive output rows) and resets the counter.
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            ml = plan[item_merge_off + item]
+            n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+            done = cuda.atomic.add(counters, ml * hkv + hk, 1)
+            last_flag[0] = ml if done == n - 1 else -1
+        cuda.syncthreads()
+        ml = last_flag[0]
+        if ml >= 0:
+            cuda.threadfence()
+            for rr in range(nrows):
+                merge_list(plan, tmp_o, tmp_lse, o, lse, ml + rr, hk, hq, tid, merge_rows_off,
+                           merge_indptr_off, merge_indices_off, msmem, num)
+                cuda.syncthreads()
+            if tid == 0:
+                counters[ml * hkv + hk] = 0  # ready for the next launch
+
+    return SimpleNamespace(merge_list=merge_list, finish_split_item=finish_split_item,
+                           store=store, OUTS=OUTS)
 
 
-__all__ = ["build_merge_list"]
+@functools.cache
+def kv_length(sparse: bool, page_size: int, sim: bool):
+    """Device function ``request_kv_len(kv_indptr, kv_last, b)``: tokens of request ``b`` from a
+    page table (``sparse``) or a ragged ``kv_indptr`` of token offsets."""
+    PS = page_size
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def request_kv_len(kv_indptr, kv_last, b):
+        if sparse:
+            pages = kv_indptr[b + 1] - kv_indptr[b]
+            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
+        return kv_indptr[b + 1] - kv_indptr[b]
+
+    return request_kv_len
+
+
+__all__ = ["build_merge_list", "kv_length"]

@@ -30,7 +30,7 @@ from numba import cuda, float32, int32, int64, types
 
 from ..variants import Variant
 from .decode import HEAD_DIMS, KV_DTYPES, STORAGE, WORK_FIELDS
-from .fused_merge import build_merge_list
+from .fused_merge import build_merge_list, kv_length
 from .hooks import device_hooks
 from .primitives import LN2, LOG2E, primitives
 
@@ -129,7 +129,9 @@ def prefill_kernel_source(spec: PrefillSpec):
     V_SMEM = BC * D
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
-    merge_list, OUTS = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
+    fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
+    finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
+    request_kv_len = kv_length(spec.sparse, spec.page_size, sim)
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
     hook_mask, hook_output = hooks.mask, hooks.output
     SOFTMAX = hooks.use_softmax
@@ -145,18 +147,10 @@ def prefill_kernel_source(spec: PrefillSpec):
     MASKED = NEG_INF if SOFTMAX else ZERO
     SPARSE = spec.sparse
     NHD = spec.kv_layout == "NHD"
-    exp2, log2, to_bf16 = prims.exp2, prims.log2, prims.from_f32_bf16
+    exp2, log2 = prims.exp2, prims.log2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
     kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
-    Q_IS_BF16 = spec.q_dtype == "bfloat16"
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
-
-    @jit_dev
-    def request_kv_len(kv_indptr, kv_last, b):
-        if SPARSE:
-            pages = kv_indptr[b + 1] - kv_indptr[b]
-            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
-        return kv_indptr[b + 1] - kv_indptr[b]
 
     @jit_dev
     def token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride, head_stride):
@@ -178,13 +172,6 @@ def prefill_kernel_source(spec: PrefillSpec):
         if BLOCK:
             return kv_indices[kv_indptr[b] + pos // PS] * PS + pos % PS
         return pos
-
-    @jit_dev
-    def store(o, i, x):
-        if Q_IS_BF16:
-            o[i] = to_bf16(x)
-        else:
-            o[i] = x
 
     @jit_dev
     def mask_bit(plan, mask_indptr_off, mask_words_off, b, row, kv_len, pos):
@@ -343,25 +330,9 @@ def prefill_kernel_source(spec: PrefillSpec):
                     if sub == 0:
                         tmp_lse[prw * hq + qo_head] = lse_val
             if prow >= 0:
-                cuda.threadfence()
-                cuda.syncthreads()
-                if tid == 0:
-                    ml = plan[item_merge_off + item]
-                    n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
-                    done = cuda.atomic.add(counters, ml * hkv + hk, 1)
-                    last_flag[0] = ml if done == n - 1 else -1
-                cuda.syncthreads()
-                ml = last_flag[0]
-                if ml >= 0:
-                    cuda.threadfence()
-                    # The tile's rows own consecutive merge lists ml, ml + 1, ...
-                    for rr in range(nrows):
-                        merge_list(plan, tmp_o, tmp_lse, o, lse, ml + rr, hk, hq, tid,
-                                   merge_rows_off, merge_indptr_off, merge_indices_off, kv_,
-                                   mnum)
-                        cuda.syncthreads()
-                    if tid == 0:
-                        counters[ml * hkv + hk] = 0
+                finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk,
+                                  hkv, hq, nrows, tid, item_merge_off, merge_rows_off,
+                                  merge_indptr_off, merge_indices_off, kv_, mnum)
             cuda.syncthreads()
 
     return prefill_kernel
