@@ -121,14 +121,21 @@ def _converter(prims, dtype):
     return {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}[dtype]
 
 
-def decode_signature(spec: DecodeSpec):
-    """The explicit Numba signature the kernel is compiled with (eagerly)."""
-    kv = types.Array(STORAGE[spec.kv_dtype], 1, "C")
-    qo = types.Array(STORAGE[spec.q_dtype], 1, "C")
+def attention_signature(kv_dtype: str, q_dtype: str, num_offsets: int):
+    """The signature the plan-driven attention kernels share: q, k, v, kv_indptr, kv_indices,
+    kv_last_page_len, plan, o, lse, tmp_o, tmp_lse, counters, num_kv_heads, page_stride,
+    head_stride, sm_scale, then ``num_offsets`` int32 word offsets into ``plan``."""
+    kv = types.Array(STORAGE[kv_dtype], 1, "C")
+    qo = types.Array(STORAGE[q_dtype], 1, "C")
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
     return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
-                      int32, int32, int64, float32, *([int32] * len(PLAN_OFFSETS)))
+                      int32, int32, int64, float32, *([int32] * num_offsets))
+
+
+def decode_signature(spec: DecodeSpec):
+    """The explicit Numba signature the kernel is compiled with (eagerly)."""
+    return attention_signature(spec.kv_dtype, spec.q_dtype, len(PLAN_OFFSETS))
 
 
 @functools.cache

@@ -26,10 +26,10 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, int64, types
+from numba import cuda, float32, int32, int64
 
 from ..variants import Variant
-from .decode import HEAD_DIMS, KV_DTYPES, STORAGE, WORK_FIELDS
+from .decode import HEAD_DIMS, KV_DTYPES, WORK_FIELDS, attention_signature
 from .fused_merge import build_merge_list, kv_length
 from .hooks import device_hooks
 from .primitives import LN2, LOG2E, primitives
@@ -85,12 +85,7 @@ class PrefillSpec:
 
 
 def prefill_signature(spec: PrefillSpec):
-    kv = types.Array(STORAGE[spec.kv_dtype], 1, "C")
-    qo = types.Array(STORAGE[spec.q_dtype], 1, "C")
-    i32 = types.Array(int32, 1, "C")
-    f32 = types.Array(float32, 1, "C")
-    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
-                      int32, int32, int64, float32, *([int32] * len(PLAN_OFFSETS)))
+    return attention_signature(spec.kv_dtype, spec.q_dtype, len(PLAN_OFFSETS))
 
 
 @functools.cache
