@@ -14,6 +14,7 @@ from .api.prefill import (
     BatchPrefillWithRaggedKVCacheWrapper,
     single_prefill_with_kv_cache,
 )
+from .api.single import single_decode_with_kv_cache
 from .api.sparse import BlockSparseAttentionWrapper
 from .api.state import merge_state, merge_state_in_place, merge_states
 from .formats import (
@@ -54,6 +55,7 @@ __all__ = [
     "reference",
     "scheduler",
     "segment_packbits",
+    "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
     "variants",
 ]

@@ -144,3 +144,22 @@ def test_fast_and_careful_paths_agree_bitwise(rng):
     torch.cuda.synchronize()
     assert torch.equal(fast_o, slow_o) and torch.equal(fast_lse, slow_lse)
     assert torch.equal(fast_o, tuple_o)
+
+
+@pytest.mark.parametrize("layout, dtype", [("NHD", "float16"), ("HND", "bfloat16")])
+def test_single_decode_gpu(rng, layout, dtype):
+    from nbinfer.api.single import single_decode_with_kv_cache
+
+    kv_len, hq, hkv, d = 20000, 32, 8, 128
+    shape = (kv_len, hkv, d) if layout == "NHD" else (hkv, kv_len, d)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(hq, d, device="cuda").to(tdt)
+    k = torch.randn(shape, device="cuda").to(tdt)
+    v = torch.randn(shape, device="cuda").to(tdt)
+    out, lse = single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True,
+                                           logits_soft_cap=30.0)
+    ref, ref_lse = reference.single_decode_with_kv_cache(
+        q.float().cpu().numpy(), k.float().cpu().numpy(), v.float().cpu().numpy(),
+        kv_layout=layout, logits_soft_cap=30.0, return_lse=True)
+    assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE[dtype]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)

@@ -138,3 +138,24 @@ def test_fused_merge_walks_more_partials_than_fit_in_shared_memory(rng):
         q, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout="HND", return_lse=True)
     assert rel_err(out, ref) <= TOLERANCE["float32"]
     np.testing.assert_allclose(lse, ref_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout, dtype, kw", [
+    ("NHD", np.float16, {}),
+    ("HND", np.float32, dict(pos_encoding_mode="ROPE_LLAMA", logits_soft_cap=5.0)),
+])
+def test_single_decode_dense_addressing(rng, layout, dtype, kw):
+    # The decode kernel's affine (non-paged) loading: one request over contiguous K/V.
+    from nbinfer.api.single import single_decode_with_kv_cache
+
+    kv_len, hq, hkv, d = 300, 4, 2, 64
+    shape = (kv_len, hkv, d) if layout == "NHD" else (hkv, kv_len, d)
+    q = rng.standard_normal((hq, d)).astype(dtype)
+    k = rng.standard_normal(shape).astype(dtype)
+    v = rng.standard_normal(shape).astype(dtype)
+    out, lse = single_decode_with_kv_cache(q, k, v, kv_layout=layout, return_lse=True, **kw)
+    ref, ref_lse = reference.single_decode_with_kv_cache(q, k, v, kv_layout=layout,
+                                                         return_lse=True, **kw)
+    assert out.shape == (hq, d) and out.dtype == q.dtype
+    assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4)

@@ -1,0 +1,95 @@
+"""``single_decode_with_kv_cache``: one query token against one contiguous K/V, on the decode kernel.
+
+The decode kernel's dense (affine) addressing: request 0's tokens are ``k[0:kv_len]`` (NHD
+``[kv_len, Hkv, D]``) or ``k[:, 0:kv_len]`` (HND ``[Hkv, kv_len, D]``); ``kv_indptr = [0, kv_len]``
+holds token offsets instead of pages. The scheduler still cuts a long KV into chunks that fill
+the GPU, merged inside the kernel. The workspace is allocated here, of q's kind.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import reference, scheduler
+from .._checks import KV_LAYOUTS, check_choice, check_dim, check_heads, check_ndim, check_sm_scale
+from ..kernels.decode import DecodeSpec
+from ..scheduler import PlanLayout
+from ..variants import from_flashinfer_args
+from . import arrays, binding
+from .decode import MIN_CHUNK, persistent_ctas
+from .decode_launch import ARG, DecodeLaunch
+from .prefill import _host, _stream, _workspace_like
+from .workspace import WorkspaceLayout, item_merge_lists
+
+__all__ = ["single_decode_with_kv_cache"]
+
+
+def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
+                                pos_encoding_mode: str = "NONE", window_left: int = -1,
+                                logits_soft_cap: float | None = None,
+                                sm_scale: float | None = None, rope_scale: float | None = None,
+                                rope_theta: float | None = None, return_lse: bool = False,
+                                backend: str = "auto"):
+    """Decode attention of one query token.
+
+    Parameters
+    ----------
+    q : array [num_qo_heads, head_dim]
+    k, v : array [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)
+    kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+    rope_theta : as in :class:`~nbinfer.BatchDecodeWithPagedKVCacheWrapper`
+    return_lse : bool
+    backend : {"auto", "cuda", "sim", "reference"}
+
+    Returns
+    -------
+    out [num_qo_heads, head_dim] of q's kind and dtype, and ``lse [num_qo_heads]`` (float32,
+    natural log) with ``return_lse``.
+    """
+    check_choice("kv_layout", kv_layout, KV_LAYOUTS)
+    check_ndim("q", q, 2)
+    check_ndim("k", k, 3)
+    hq, d = q.shape
+    kv_len, hkv = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
+    check_heads(hq, hkv)
+    check_dim("k", k, 2, d, "head_dim of q")
+    check_ndim("v", v, 3)
+    for axis in range(3):
+        check_dim("v", v, axis, k.shape[axis], "k's shape")
+    q_dtype, kv_dtype = arrays.storage_dtype(q), arrays.storage_dtype(k)
+    if arrays.storage_dtype(v) != kv_dtype:
+        raise TypeError(f"v must have k's dtype {kv_dtype}, got {arrays.storage_dtype(v)}")
+    binding.same_device(q=q, k=k, v=v)
+    scale = check_sm_scale(sm_scale, d)
+    var = from_flashinfer_args(window_left=window_left, logits_soft_cap=logits_soft_cap,
+                               pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                               rope_theta=rope_theta, num_qo_heads=hq)
+    be = arrays.resolve_backend(backend)
+    if be == "reference":
+        return reference.single_decode_with_kv_cache(
+            _host(q), _host(k), _host(v), kv_layout=kv_layout, variant=var, sm_scale=scale,
+            return_lse=return_lse)
+    spec = DecodeSpec(head_dim=d, group_size=hq // hkv, page_size=1, kv_dtype=kv_dtype,
+                      q_dtype=q_dtype, kv_layout=kv_layout, variant=var, sparse=False,
+                      sim=be == "sim")
+    num_ctas = persistent_ctas(be)
+    sched = scheduler.plan(np.arange(2), [kv_len], hq, hkv, num_ctas, granule=MIN_CHUNK)
+    layout = WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, 1, 0)
+    workspace = _workspace_like(q, layout.nbytes, be)
+    launch = DecodeLaunch(spec, workspace, layout, be, num_ctas, scale)
+    table = (np.array([0, kv_len], np.int32), np.zeros(0, np.int32), np.array([kv_len], np.int32))
+    launch.upload(layout.stage(sched, item_merge_lists(sched), table), table, _stream(q))
+    kind = arrays.array_kind(q)
+    out_user, out_k = binding.output(None, "out", kind, q, (hq, d), q_dtype, be)
+    lse_user, lse_k = binding.output(None, "lse", kind, q, (hq,), "float32", be)
+    L = launch.launch
+    binding.bind(L, ARG["q"], q, be)
+    binding.bind(L, ARG["k"], k, be)
+    binding.bind(L, ARG["v"], v, be)
+    L.set_scalar(ARG["page_stride"], 0)
+    L.set_scalar(ARG["head_stride"], kv_len * d if kv_layout == "HND" else 0)
+    binding.bind(L, ARG["o"], out_k, be)
+    binding.bind(L, ARG["lse"], lse_k, be)
+    launch(arrays.current_stream(q))
+    out_user = arrays.finish(kind, out_user, out_k, be)
+    return (out_user, arrays.finish(kind, lse_user, lse_k, be)) if return_lse else out_user
