@@ -38,6 +38,8 @@ from matplotlib.patches import Patch, Rectangle
 from numba import config
 
 import nbinfer.kernels.decode as decode_kernels
+import nbinfer.kernels.fused_merge as fused_merge_kernels
+import nbinfer.kernels.prefill as prefill_kernels
 from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, PlanLayout, reference, scheduler
 from nbinfer.api.decode import CTAS_PER_SM, MIN_CHUNK, persistent_ctas
 from nbinfer.scheduler import HEADER_WORDS, WORK_FIELDS
@@ -469,15 +471,17 @@ assert rel.max() < 1e-6  # every order is accurate; they just disagree in the la
 # answer, and the map's order is not the best of them). What the fixed order buys is *reproducibility*:
 # the same partials always give the same bits. In nbinfer's decode kernel the CTA that finishes
 # the last chunk of a split row merges the whole list, reading the partials in the map's order,
-# so it does not matter which CTA that is. The one atomic left in the kernel is an *integer*
-# counter that elects that CTA; integer addition is exact, so its order changes nothing. We
-# check that in the kernel's source:
+# so it does not matter which CTA that is. The one atomic left in the kernels is an *integer*
+# counter that elects that CTA (in the split-item epilogue that the decode and prefill kernels
+# share); integer addition is exact, so its order changes nothing. We check that in the
+# kernels' source:
 
 # %%
-source = inspect.getsource(decode_kernels)
-atomics = re.findall(r"cuda\.atomic\.(\w+)\((\w+)", source)
-print("atomic operations in nbinfer/kernels/decode.py:", atomics)
-assert atomics == [("add", "counters")]
+atomics = {mod.__name__.rsplit(".", 1)[-1]: re.findall(r"cuda\.atomic\.(\w+)\((\w+)",
+                                                        inspect.getsource(mod))
+           for mod in (decode_kernels, prefill_kernels, fused_merge_kernels)}
+print("atomic operations per kernel module:", atomics)
+assert atomics == {"decode": [], "prefill": [], "fused_merge": [("add", "counters")]}
 
 # %%
 fig, (ax_h, ax_e) = subplots(1, 2, figsize=(11.5, 3.4), gridspec_kw={"width_ratios": [1, 1.6]})
