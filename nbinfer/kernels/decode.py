@@ -40,8 +40,9 @@ from numba import cuda, float32, int16, int32, int64, types
 from numba.core.types import float16
 
 from ..variants import Variant
-from .fused_merge import build_merge_list, kv_length
+from .fused_merge import build_merge_list
 from .hooks import device_hooks
+from .loading import loading_module
 from .primitives import LN2, LOG2E, primitives
 from .warp import warp_collectives
 
@@ -58,6 +59,22 @@ WORK_FIELDS = 7
 PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
                 "item_merge")
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
+
+
+def check_kernel_spec(spec, max_group: int) -> None:
+    """The checks every attention kernel spec shares (head_dim, group, page, dtypes, layout)."""
+    if spec.head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {spec.head_dim}")
+    if not 1 <= spec.group_size <= max_group:
+        raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in [1, {max_group}], "
+                         f"got {spec.group_size}")
+    if spec.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {spec.page_size}")
+    for name in ("kv_dtype", "q_dtype"):
+        if getattr(spec, name) not in KV_DTYPES:
+            raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(spec, name)!r}")
+    if spec.kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {spec.kv_layout!r}")
 
 
 @dataclass(frozen=True)
@@ -79,18 +96,7 @@ class DecodeSpec:
     max_registers: int | None = 128
 
     def __post_init__(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        if not 1 <= self.group_size <= 32:
-            raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in [1, 32], "
-                             f"got {self.group_size}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("kv_dtype", "q_dtype"):
-            if getattr(self, name) not in KV_DTYPES:
-                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
-        if self.kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+        check_kernel_spec(self, max_group=32)
         if self.stages not in (2, 3, 4):
             raise ValueError(f"stages must be 2, 3 or 4, got {self.stages}")
 
@@ -229,7 +235,6 @@ def decode_kernel_source(spec: DecodeSpec):
     MASKED = NEG_INF if SOFTMAX else ZERO
     F_LN2 = float32(LN2)
     SPARSE = spec.sparse
-    NHD = spec.kv_layout == "NHD"
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
 
     @jit_dev
@@ -242,17 +247,6 @@ def decode_kernel_source(spec: DecodeSpec):
             cuda.syncwarp()
 
     U32 = types.uint32
-
-    @jit_dev
-    def token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride):
-        # The loading module: the only code that differs between sparse and dense addressing.
-        # ``pos`` is unsigned, so // and % by the constant page size are shifts and the index
-        # needs no negative-wraparound code; ``ib`` is kv_indptr[b] (paged) or the request's
-        # first token (dense); ``head_off`` folds the head and the lane's column.
-        if SPARSE:
-            page = int64(kv_indices[U32(ib + pos // PS)])
-            return page * int64(page_stride) + int64(pos % PS) * row_stride + head_off
-        return int64(ib + pos) * row_stride + head_off
 
     @jit_dev
     def issue_group(kvs, sbase, k, v, kv_indices, ib, gstart, last, lane, row_stride, head_off,
@@ -273,7 +267,9 @@ def decode_kernel_source(spec: DecodeSpec):
 
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
-    request_kv_len = kv_length(SPARSE, PS, sim)
+    loader = loading_module(SPARSE, PS, D, spec.kv_layout, sim)
+    request_kv_len, request_base = loader.request_kv_len, loader.request_base
+    token_offset = loader.token_offset
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                       counters, hkv, page_stride, head_stride, sm_scale, work_off, cta_indptr_off,
@@ -342,15 +338,8 @@ def decode_kernel_source(spec: DecodeSpec):
             n_kv = U32(end - start)
             rounds = (n_kv + U32(NW * TG - 1)) // U32(NW * TG)
             last = U32(end - 1)
-            ib = U32(kv_indptr[b])  # first page (paged) or first token (dense) of the request
-            row_stride = int64(hkv * D) if NHD else int64(D)  # elements between consecutive tokens
-            if NHD:
-                head_off = int64(hk * D)
-            elif SPARSE:
-                head_off = int64(hk * PS * D)
-            else:
-                head_off = int64(hk) * head_stride
-            head_off += (lane % CR) * CE
+            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
+            head_off += (lane % CR) * CE  # this lane's column of its first chunk
             kv_base = shared_addr(kvs, warp * WARP_ELEMS)
             pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
             pb = pa + U32(4 * PB)  # probabilities of the group

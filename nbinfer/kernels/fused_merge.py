@@ -169,21 +169,4 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                            store=store, OUTS=OUTS)
 
 
-@functools.cache
-def kv_length(sparse: bool, page_size: int, sim: bool):
-    """Device function ``request_kv_len(kv_indptr, kv_last, b)``: tokens of request ``b`` from a
-    page table (``sparse``) or a ragged ``kv_indptr`` of token offsets."""
-    PS = page_size
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
-
-    @jit_dev
-    def request_kv_len(kv_indptr, kv_last, b):
-        if sparse:
-            pages = kv_indptr[b + 1] - kv_indptr[b]
-            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
-        return kv_indptr[b + 1] - kv_indptr[b]
-
-    return request_kv_len
-
-
-__all__ = ["build_merge_list", "kv_length"]
+__all__ = ["build_merge_list"]

@@ -26,12 +26,13 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, int64
+from numba import cuda, float32, int32, int64, types
 
 from ..variants import Variant
-from .decode import HEAD_DIMS, KV_DTYPES, WORK_FIELDS, attention_signature
-from .fused_merge import build_merge_list, kv_length
+from .decode import WORK_FIELDS, attention_signature, check_kernel_spec
+from .fused_merge import build_merge_list
 from .hooks import device_hooks
+from .loading import loading_module
 from .primitives import LN2, LOG2E, primitives
 
 NUM_THREADS = 128
@@ -58,17 +59,7 @@ class PrefillSpec:
     sim: bool = False
 
     def __post_init__(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        if not 1 <= self.group_size <= self.tile_q:
-            raise ValueError(f"group size must be in [1, {self.tile_q}], got {self.group_size}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("kv_dtype", "q_dtype"):
-            if getattr(self, name) not in KV_DTYPES:
-                raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(self, name)!r}")
-        if self.kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+        check_kernel_spec(self, max_group=self.tile_q)
 
     @property
     def tile_q(self) -> int:
@@ -126,7 +117,9 @@ def prefill_kernel_source(spec: PrefillSpec):
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
-    request_kv_len = kv_length(spec.sparse, spec.page_size, sim)
+    loader = loading_module(spec.sparse, PS, D, spec.kv_layout, sim)
+    request_kv_len, request_base = loader.request_kv_len, loader.request_base
+    token_offset = loader.token_offset
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
     hook_mask, hook_output = hooks.mask, hooks.output
     SOFTMAX = hooks.use_softmax
@@ -140,26 +133,11 @@ def prefill_kernel_source(spec: PrefillSpec):
     ZERO = float32(0.0)
     F_LN2 = float32(LN2)
     MASKED = NEG_INF if SOFTMAX else ZERO
-    SPARSE = spec.sparse
-    NHD = spec.kv_layout == "NHD"
+    U32 = types.uint32
     exp2, log2 = prims.exp2, prims.log2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
     kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
-
-    @jit_dev
-    def token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride, head_stride):
-        # The loading module: the only code that differs between paged and ragged KV.
-        if SPARSE:
-            page = int64(kv_indices[kv_indptr[b] + pos // PS])
-            slot = pos % PS
-            if NHD:
-                return page * page_stride + (slot * hkv + hk) * D
-            return page * page_stride + (hk * PS + slot) * D
-        tok = int64(kv_indptr[b] + pos)
-        if NHD:
-            return (tok * hkv + hk) * D
-        return hk * head_stride + tok * D
 
     @jit_dev
     def key_position(kv_indptr, kv_indices, b, pos):
@@ -208,6 +186,7 @@ def prefill_kernel_source(spec: PrefillSpec):
             q0 = plan[qo_indptr_off + b]
             qo_len = plan[qo_indptr_off + b + 1] - q0
             kv_len = request_kv_len(kv_indptr, kv_last, b)
+            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
             # Position of the tile's first query row (bottom-right aligned; BSR: given).
             pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
 
@@ -240,8 +219,8 @@ def prefill_kernel_source(spec: PrefillSpec):
                     j = e // D
                     d = e % D
                     pos = min(t0 + j, end - 1)  # past the range: re-read, masked below
-                    off = token_offset(kv_indptr, kv_indices, b, pos, hk, hkv, page_stride,
-                                       head_stride)
+                    off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off,
+                                       page_stride)
                     x = kv_f32(k[off + d])
                     if HAS_K:
                         kp = key_position(kv_indptr, kv_indices, b, pos)

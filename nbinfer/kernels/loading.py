@@ -1,0 +1,66 @@
+"""The loading module: where a request's KV tokens live, for every attention kernel.
+
+The only code that differs between paged (sparse, through the page table) and ragged or
+contiguous (dense, affine) KV: everything above the shared-memory load is the same. Built once
+per (addressing, page size, head_dim, layout) and inlined into the decode and prefill kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from numba import cuda, int64, types
+
+U32 = types.uint32
+
+
+@functools.cache
+def loading_module(sparse: bool, page_size: int, head_dim: int, kv_layout: str, sim: bool):
+    """Device functions, as a namespace:
+
+    ``request_kv_len(kv_indptr, kv_last, b)``
+        Tokens of request ``b``: from the page table, or ``kv_indptr`` of token offsets.
+    ``request_base(kv_indptr, b, hk, hkv, head_stride)``
+        Per work item: ``(ib, row_stride, head_off)``: the request's first page (paged) or
+        first token (dense) as uint32, the elements between consecutive tokens, and the offset
+        of kv head ``hk`` inside a token row (``head_stride``: HND dense only).
+    ``token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride)``
+        Element offset of token ``pos`` (unsigned: ``//`` and ``%`` by the constant page size
+        are shifts and the index needs no negative-wraparound code) of that head.
+    """
+    PS, D = page_size, head_dim
+    NHD = kv_layout == "NHD"
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def request_kv_len(kv_indptr, kv_last, b):
+        if sparse:
+            pages = kv_indptr[b + 1] - kv_indptr[b]
+            return (pages - 1) * PS + kv_last[b] if pages > 0 else 0
+        return kv_indptr[b + 1] - kv_indptr[b]
+
+    @jit_dev
+    def request_base(kv_indptr, b, hk, hkv, head_stride):
+        ib = U32(kv_indptr[b])
+        row_stride = int64(hkv * D) if NHD else int64(D)
+        if NHD:
+            head_off = int64(hk * D)
+        elif sparse:
+            head_off = int64(hk * PS * D)
+        else:
+            head_off = int64(hk) * head_stride
+        return ib, row_stride, head_off
+
+    @jit_dev
+    def token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride):
+        if sparse:
+            page = int64(kv_indices[U32(ib + pos // PS)])
+            return page * int64(page_stride) + int64(pos % PS) * row_stride + head_off
+        return int64(ib + pos) * row_stride + head_off
+
+    return SimpleNamespace(request_kv_len=request_kv_len, request_base=request_base,
+                           token_offset=token_offset)
+
+
+__all__ = ["loading_module"]
