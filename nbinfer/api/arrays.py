@@ -150,16 +150,26 @@ def current_stream(x) -> int:
     return 0
 
 
+def to_host(x) -> np.ndarray:
+    """An array of any kind as a host NumPy array (torch bf16, which NumPy lacks, as float32)."""
+    if isinstance(x, (list, tuple)):
+        return np.asarray(x)
+    kind = array_kind(x)
+    if kind == "torch":
+        import torch
+
+        t = x.detach().cpu()
+        return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+    if kind == "cupy":
+        return x.get()
+    if kind == "numba":
+        return x.copy_to_host()
+    return np.asarray(x)
+
+
 def host_int32(x, name: str) -> np.ndarray:
     """An index array (any kind) as a host int32 NumPy array."""
-    kind = array_kind(x) if not isinstance(x, (list, tuple)) else "numpy"
-    if kind == "torch":
-        x = x.detach().cpu().numpy()
-    elif kind == "cupy":
-        x = x.get()
-    elif kind == "numba":
-        x = x.copy_to_host()
-    arr = np.asarray(x)
+    arr = to_host(x)
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
     return arr.astype(np.int32, copy=False)

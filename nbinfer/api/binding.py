@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_dim, check_ndim
+from .._checks import check_dim, check_indptr, check_ndim, check_range
 from . import arrays
 
 
@@ -70,4 +70,43 @@ def same_device(**named):
         raise ValueError(f"arrays are on different devices: {devices}")
 
 
-__all__ = ["bind", "nbytes", "output", "same_device", "workspace_f32"]
+def page_table(indptr, indices, last_page_len, page_size: int,
+               names=("indptr", "indices", "last_page_len")):
+    """A FlashInfer page table (arrays of any kind) checked on the host: int32 ``indptr``,
+    ``indices``, ``last_page_len`` and the int64 KV length of every request. ``names`` are the
+    caller's argument names, used in the errors."""
+    n_ptr, n_idx, n_last = names
+    indptr = check_indptr(n_ptr, arrays.host_int32(indptr, n_ptr))
+    indices = arrays.host_int32(indices, n_idx)
+    if indices.size != indptr[-1]:
+        raise ValueError(f"{n_idx} must have length {n_ptr}[-1]={indptr[-1]}, got {indices.size}")
+    check_range(n_idx, indices, 0, np.iinfo(np.int32).max)
+    last = arrays.host_int32(last_page_len, n_last)
+    if last.shape != (indptr.size - 1,):
+        raise ValueError(f"{n_last} must have shape ({indptr.size - 1},), got {last.shape}")
+    pages = np.diff(indptr)
+    check_range(n_last, last[pages > 0], 1, page_size + 1)
+    kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
+    return indptr, indices, last, kv_lens
+
+
+def workspace_like(template, nbytes: int, backend: str):
+    """A new workspace of ``nbytes`` on the device (and of the kind) of ``template``."""
+    kind = arrays.array_kind(template)
+    if backend == "cuda" and kind == "torch" and template.is_cuda:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, device=template.device)
+    if backend == "cuda" and kind == "cupy":
+        import cupy
+
+        return cupy.empty(nbytes, dtype=np.uint8)
+    if backend == "cuda":
+        from numba import cuda
+
+        return cuda.device_array(nbytes, dtype=np.uint8)
+    return np.zeros(nbytes, dtype=np.uint8)
+
+
+__all__ = ["bind", "nbytes", "output", "page_table", "same_device", "workspace_f32",
+           "workspace_like"]

@@ -23,7 +23,7 @@ from .. import reference
 from .._checks import KV_LAYOUTS, check_choice, check_positive_int
 from ..reference.cascade import _check_levels
 from . import arrays, binding
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, _host
+from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .state import merge_state_in_place
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
@@ -93,10 +93,10 @@ class MultiLevelCascadeAttentionWrapper:
             raise RuntimeError("run() called before plan()")
         if self._backend == "reference":
             cache = paged_kv_cache
-            cache = tuple(_host(c) for c in cache) if isinstance(cache, (tuple, list)) else \
-                _host(cache)
+            cache = tuple(arrays.to_host(c) for c in cache) if isinstance(cache, (tuple, list)) else \
+                arrays.to_host(cache)
             return reference.multi_level_cascade_attention(
-                _host(q), p["qo"], cache, *p["tables"], causal=p["causal"],
+                arrays.to_host(q), p["qo"], cache, *p["tables"], causal=p["causal"],
                 kv_layout=self._kv_layout, logits_soft_cap=p["logits_soft_cap"],
                 sm_scale=p["sm_scale"], return_lse=return_lse)
         out, lse = self._wrappers[0].run(q, paged_kv_cache, return_lse=True)

@@ -16,10 +16,8 @@ from .._checks import (
     check_choice,
     check_dim,
     check_heads,
-    check_indptr,
     check_ndim,
     check_positive_int,
-    check_range,
     check_sm_scale,
 )
 from ..kernels.decode import DecodeSpec
@@ -112,17 +110,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         group = check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
         page_size = check_positive_int("page_size", page_size)
-        indptr = check_indptr("indptr", arrays.host_int32(indptr, "indptr"))
+        indptr, indices, last, kv_lens = binding.page_table(indptr, indices, last_page_len,
+                                                            page_size)
         batch = indptr.size - 1
-        indices = arrays.host_int32(indices, "indices")
-        if indices.size != indptr[-1]:
-            raise ValueError(f"indices must have length indptr[-1]={indptr[-1]}, got {indices.size}")
-        check_range("indices", indices, 0, np.iinfo(np.int32).max)
-        last = arrays.host_int32(last_page_len, "last_page_len")
-        if last.shape != (batch,):
-            raise ValueError(f"last_page_len must have shape ({batch},), got {last.shape}")
-        pages = np.diff(indptr)
-        check_range("last_page_len", last[pages > 0], 1, page_size + 1)
         q_dtype = normalize_dtype("q_data_type", q_data_type)
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         sm_scale = check_sm_scale(sm_scale, head_dim)
@@ -131,7 +121,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
                                    rope_theta=rope_theta, num_qo_heads=num_qo_heads)
         if variant is not None:
             var = compose(var, variant)
-        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
         plan = dict(indptr=indptr, indices=indices, last=last, batch=batch,
                     num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
@@ -154,7 +143,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
             table = (indptr, indices, last)
             staged = layout.stage(sched, item_merge_lists(sched),
                                   None if self._graph_buffers else table)
-            launch.upload(staged, table, _plan_stream(self._workspace))
+            launch.upload(staged, table, arrays.current_stream(self._workspace))
             plan.update(spec=spec, schedule=sched, layout=layout, launch=launch)
             if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
                 plan["fast"] = TorchFastPath(plan, self._kv_layout, self._workspace.device)
@@ -251,14 +240,6 @@ class BatchDecodeWithPagedKVCacheWrapper:
         return out_user
 
 
-def _plan_stream(workspace) -> int:
-    """The stream plan() copies on: the caller's current stream for the workspace's kind."""
-    try:
-        return arrays.current_stream(workspace)
-    except TypeError:
-        return 0
-
-
 def _split_cache(paged_kv_cache, layout, page_size, num_kv_heads, head_dim, kv_dtype):
     """Validate the cache's shape/dtype; return ``(k, v, combined)`` with 4-D k/v views."""
     if isinstance(paged_kv_cache, (tuple, list)):
@@ -290,16 +271,7 @@ def _check_page_dims(name, a, first, layout, page_size, num_kv_heads, head_dim, 
 
 
 def _reference_decode(q, cache, p, layout, return_lse):
-    def host(a):
-        kind = arrays.array_kind(a)
-        if kind == "torch":
-            return a.detach().float().cpu().numpy()
-        if kind == "cupy":
-            return a.get()
-        if kind == "numba":
-            return a.copy_to_host()
-        return np.asarray(a)
-
+    host = arrays.to_host
     res = reference.batch_decode_with_paged_kv_cache(
         host(q), (host(cache[0]), host(cache[1])), p["indptr"], p["indices"], p["last"],
         kv_layout=layout, variant=p["variant"], sm_scale=p["sm_scale"], return_lse=return_lse)

@@ -23,7 +23,6 @@ from .._checks import (
     check_indptr,
     check_ndim,
     check_positive_int,
-    check_range,
     check_sm_scale,
 )
 from ..formats import segment_packbits
@@ -107,7 +106,7 @@ class _PrefillWrapper:
                                                      prefill_signature(spec), PLAN_OFFSETS))
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=p["qo_indptr"],
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=p["q_pos0"])
-        launch.upload(staged, table, _stream(self._workspace))
+        launch.upload(staged, table, arrays.current_stream(self._workspace))
         return dict(spec=spec, schedule=sched, layout=layout, launch=launch)
 
     def _run(self, q, k, v, k_off, page_stride, head_stride, out, lse, return_lse):
@@ -164,27 +163,16 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         ``custom_mask`` (bool, concatenated row-major ``[qo_len, kv_len]`` per request) or
         ``packed_custom_mask`` (``segment_packbits``, little bit order)."""
         page_size = check_positive_int("page_size", page_size)
-        indptr = check_indptr("paged_kv_indptr",
-                              arrays.host_int32(paged_kv_indptr, "paged_kv_indptr"))
-        indices = arrays.host_int32(paged_kv_indices, "paged_kv_indices")
-        if indices.size != indptr[-1]:
-            raise ValueError(f"paged_kv_indices must have length paged_kv_indptr[-1]="
-                             f"{indptr[-1]}, got {indices.size}")
-        check_range("paged_kv_indices", indices, 0, np.iinfo(np.int32).max)
-        last = arrays.host_int32(paged_kv_last_page_len, "paged_kv_last_page_len")
-        if last.shape != (indptr.size - 1,):
-            raise ValueError(f"paged_kv_last_page_len must have shape ({indptr.size - 1},), "
-                             f"got {last.shape}")
-        pages = np.diff(indptr)
-        check_range("paged_kv_last_page_len", last[pages > 0], 1, page_size + 1)
-        kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
+        indptr, indices, last, kv_lens = binding.page_table(
+            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size,
+            names=("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len"))
         self._make_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, page_size,
-                   (indptr, indices, last), custom_mask=custom_mask,
-                   packed_custom_mask=packed_custom_mask, causal=causal,
-                   pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                   logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                   rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                   fixed_split_size=fixed_split_size, variant=variant)
+                        (indptr, indices, last), custom_mask=custom_mask,
+                        packed_custom_mask=packed_custom_mask, causal=causal,
+                        pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                        rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                        fixed_split_size=fixed_split_size, variant=variant)
 
     def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
         """``q [qo_indptr[-1], Hq, D]``; ``paged_kv_cache`` as in decode. Returns ``out``
@@ -201,8 +189,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
                              f"(pages in the cache), got {int(indices.max())}")
         binding.same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
+            host = arrays.to_host
             return reference.batch_prefill_with_paged_kv_cache(
-                _host(q), (_host(k_cache), _host(v_cache)), p["qo_indptr"], *p["table"],
+                host(q), (host(k_cache), host(v_cache)), p["qo_indptr"], *p["table"],
                 custom_mask=_flat_mask(p), kv_layout=self._kv_layout, variant=p["variant"],
                 sm_scale=p["sm_scale"], return_lse=return_lse)
         page = PS * Hkv * D
@@ -229,12 +218,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
         kv_lens = np.diff(kv_ptr).astype(np.int64)
         empty = np.zeros(0, np.int32)
         self._make_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, 1,
-                   (kv_ptr, empty, empty), custom_mask=custom_mask,
-                   packed_custom_mask=packed_custom_mask, causal=causal,
-                   pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                   logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                   rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
-                   fixed_split_size=fixed_split_size, variant=variant)
+                        (kv_ptr, empty, empty), custom_mask=custom_mask,
+                        packed_custom_mask=packed_custom_mask, causal=causal,
+                        pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                        rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                        fixed_split_size=fixed_split_size, variant=variant)
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
         """``k, v``: NHD ``[nnz_kv, Hkv, D]`` or HND ``[Hkv, nnz_kv, D]``."""
@@ -251,8 +240,9 @@ class BatchPrefillWithRaggedKVCacheWrapper(_PrefillWrapper):
                                 f"kv_data_type), got {arrays.storage_dtype(a)}")
         binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
+            host = arrays.to_host
             return reference.batch_prefill_with_ragged_kv_cache(
-                _host(q), _host(k), _host(v), p["qo_indptr"], p["table"][0],
+                host(q), host(k), host(v), p["qo_indptr"], p["table"][0],
                 custom_mask=_flat_mask(p), kv_layout=self._kv_layout, variant=p["variant"],
                 sm_scale=p["sm_scale"], return_lse=return_lse)
         head_stride = nnz_kv * D if self._kv_layout == "HND" else 0
@@ -276,7 +266,7 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
     be = arrays.resolve_backend(backend)
     size = 64 << 20
     while True:
-        ws = _workspace_like(q, size, be)
+        ws = binding.workspace_like(q, size, be)
         w = BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout, backend=be)
         try:
             w.plan(np.array([0, q.shape[0]]), np.array([0, kv_len]), q.shape[1], hkv, q.shape[2],
@@ -291,23 +281,6 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
                 raise
             size *= 4
     return w.run(q, k, v, return_lse=return_lse)
-
-
-def _workspace_like(template, nbytes, backend):
-    kind = arrays.array_kind(template)
-    if backend == "cuda" and kind == "torch" and template.is_cuda:
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, device=template.device)
-    if backend == "cuda" and kind == "cupy":
-        import cupy
-
-        return cupy.empty(nbytes, dtype=np.uint8)
-    if backend == "cuda":
-        from numba import cuda
-
-        return cuda.device_array(nbytes, dtype=np.uint8)
-    return np.zeros(nbytes, dtype=np.uint8)
 
 
 def _packed_mask_words(masks, batch):
@@ -325,21 +298,3 @@ def _packed_mask_words(masks, batch):
 
 def _flat_mask(p):
     return np.concatenate([m.ravel() for m in p["masks"]]) if p["custom"] else None
-
-
-def _host(a):
-    kind = arrays.array_kind(a)
-    if kind == "torch":
-        return a.detach().float().cpu().numpy()
-    if kind == "cupy":
-        return a.get()
-    if kind == "numba":
-        return a.copy_to_host()
-    return np.asarray(a)
-
-
-def _stream(workspace) -> int:
-    try:
-        return arrays.current_stream(workspace)
-    except TypeError:
-        return 0

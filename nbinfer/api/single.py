@@ -18,7 +18,6 @@ from ..variants import from_flashinfer_args
 from . import arrays, binding
 from .decode import MIN_CHUNK, persistent_ctas
 from .decode_launch import ARG, DecodeLaunch
-from .prefill import _host, _stream, _workspace_like
 from .workspace import WorkspaceLayout, item_merge_lists
 
 __all__ = ["single_decode_with_kv_cache"]
@@ -66,8 +65,9 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
                                rope_theta=rope_theta, num_qo_heads=hq)
     be = arrays.resolve_backend(backend)
     if be == "reference":
+        host = arrays.to_host
         return reference.single_decode_with_kv_cache(
-            _host(q), _host(k), _host(v), kv_layout=kv_layout, variant=var, sm_scale=scale,
+            host(q), host(k), host(v), kv_layout=kv_layout, variant=var, sm_scale=scale,
             return_lse=return_lse)
     spec = DecodeSpec(head_dim=d, group_size=hq // hkv, page_size=1, kv_dtype=kv_dtype,
                       q_dtype=q_dtype, kv_layout=kv_layout, variant=var, sparse=False,
@@ -75,10 +75,10 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     num_ctas = persistent_ctas(be)
     sched = scheduler.plan(np.arange(2), [kv_len], hq, hkv, num_ctas, granule=MIN_CHUNK)
     layout = WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, 1, 0)
-    workspace = _workspace_like(q, layout.nbytes, be)
+    workspace = binding.workspace_like(q, layout.nbytes, be)
     launch = DecodeLaunch(spec, workspace, layout, be, num_ctas, scale)
     table = (np.array([0, kv_len], np.int32), np.zeros(0, np.int32), np.array([kv_len], np.int32))
-    launch.upload(layout.stage(sched, item_merge_lists(sched), table), table, _stream(q))
+    launch.upload(layout.stage(sched, item_merge_lists(sched), table), table, arrays.current_stream(q))
     kind = arrays.array_kind(q)
     out_user, out_k = binding.output(None, "out", kind, q, (hq, d), q_dtype, be)
     lse_user, lse_k = binding.output(None, "lse", kind, q, (hq,), "float32", be)

@@ -19,7 +19,7 @@ from .._checks import check_dim, check_ndim, check_positive_int
 from ..formats import BSR
 from ..reference.sparse import _element_mask
 from . import arrays, binding
-from .prefill import _host, _PrefillWrapper
+from .prefill import _PrefillWrapper
 
 __all__ = ["BlockSparseAttentionWrapper"]
 
@@ -101,8 +101,9 @@ class BlockSparseAttentionWrapper(_PrefillWrapper):
         binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
             bsr, elem, causal = p["bsr"]
+            host = arrays.to_host
             return reference.block_sparse_attention(
-                _host(q), _host(k), _host(v), bsr.indptr, bsr.indices, *bsr.block_shape,
+                host(q), host(k), host(v), bsr.indptr, bsr.indices, *bsr.block_shape,
                 mask=elem, variant=p["variant"], sm_scale=p["sm_scale"], return_lse=return_lse)
         # One block column = one "page" of C keys: NHD paging with page stride C * Hkv * D.
         return self._run(q, k, v, 0, C * Hkv * D, 0, out, lse, return_lse)
