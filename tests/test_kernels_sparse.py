@@ -59,7 +59,7 @@ def test_block_sparse_errors(rng):
     with pytest.raises(ValueError, match="indptr"):
         w.plan(indptr[:-1], indices, 8, 8, 4, 4, 2, 1, 64)
     with pytest.raises(ValueError, match="mask"):
-        w.plan(indptr, indices, 8, 8, 4, 4, 2, 1, 64, mask=np.ones((1, 4, 4), bool))
+        w.plan(indptr, indices, 8, 8, 4, 4, 2, 1, 64, mask=np.ones((indices.size + 1, 4, 4), bool))
     w.plan(indptr, indices, 8, 8, 4, 4, 2, 1, 64, q_data_type="float32")
     q = np.zeros((8, 2, 64), np.float32)
     with pytest.raises(ValueError, match="k.shape"):
