@@ -40,6 +40,10 @@ def _np(t):
         ([16], [3000], 16, 16, 256, 7, "float32", "NHD", dict(pos_encoding_mode="ROPE_LLAMA")),
         ([100, 20], [5000, 300], 32, 8, 128, 16, "float16", "NHD",
          dict(logits_soft_cap=30.0, fixed_split_size=512)),
+        ([33, 1], [2000, 17], 32, 8, 128, 16, "float16", "HND",
+         dict(pos_encoding_mode="ROPE_LLAMA", causal=True)),
+        ([40, 7], [900, 77], 32, 32, 64, 5, "bfloat16", "NHD", dict(pos_encoding_mode="ALIBI")),
+        ([300], [300], 64, 8, 128, 16, "bfloat16", "NHD", dict(causal=True)),
     ],
 )
 def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
@@ -51,6 +55,9 @@ def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout,
     w = BatchPrefillWithPagedKVCacheWrapper(_ws(), layout)
     w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
            q_data_type=dtype, **kw)
+    # fp16/bf16 at head_dim 64/128 run on tensor cores, the rest on the CUDA-core tile kernel.
+    mma = dtype != "float32" and d in (64, 128)
+    assert (type(w._plan["spec"]).__name__ == "MmaPrefillSpec") == mma
     out, lse = w.run(_t(q, dtype), _t(cache, dtype), return_lse=True)
     torch.cuda.synchronize()
     kw.pop("fixed_split_size", None)

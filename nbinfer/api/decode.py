@@ -30,14 +30,14 @@ from .dtypes import normalize_dtype
 from .workspace import WorkspaceLayout, item_merge_lists
 
 
-def persistent_ctas(backend: str) -> int:
-    """The fixed grid: four resident 128-thread CTAs per SM (the register cap allows four);
-    two in the simulator, where every CTA is a set of OS threads."""
+def persistent_ctas(backend: str, per_sm: int = 0) -> int:
+    """The fixed grid: ``per_sm`` resident CTAs per SM (default four 128-thread decode CTAs, which
+    the register cap allows); two in the simulator, where every CTA is a set of OS threads."""
     if backend != "cuda":
         return 2
     from numba import cuda
 
-    return cuda.get_current_device().MULTIPROCESSOR_COUNT * CTAS_PER_SM
+    return cuda.get_current_device().MULTIPROCESSOR_COUNT * (per_sm or CTAS_PER_SM)
 
 
 # A chunk shorter than this costs more in merge traffic than it gains in parallelism; chunk

@@ -48,14 +48,15 @@ class DecodeLaunch:
     """
 
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,
-                 sm_scale: float, page_table_buffers=None, *, kernel=None):
+                 sm_scale: float, page_table_buffers=None, *, kernel=None,
+                 num_threads: int = NUM_THREADS):
         self.backend, self.layout = backend, layout
         sim = backend == "sim"
         # The decode kernel by default; the prefill kernel shares the leading arguments and
         # reads three more plan sections (``kernel = (compiled, signature, offset names)``).
         compiled, signature, offset_names = kernel or (build_decode_kernel(spec),
                                                        decode_signature(spec), PLAN_OFFSETS)
-        self.launch = PreparedLaunch(compiled, signature, num_ctas, NUM_THREADS, sim=sim)
+        self.launch = PreparedLaunch(compiled, signature, num_ctas, num_threads, sim=sim)
         f32 = binding.workspace_f32(workspace, backend)
         if f32.size * 4 < layout.nbytes:
             raise ValueError(f"float_workspace_buffer holds {f32.size * 4} bytes, this plan "

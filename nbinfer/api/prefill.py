@@ -26,7 +26,9 @@ from .._checks import (
     check_sm_scale,
 )
 from ..formats import segment_packbits
+from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PLAN_OFFSETS, PrefillSpec, build_prefill_kernel, prefill_signature
+from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
 from ..reference._batch import batch_masks
 from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
@@ -35,6 +37,9 @@ from .decode import MIN_CHUNK, persistent_ctas
 from .decode_launch import ARG, DecodeLaunch
 from .dtypes import normalize_dtype
 from .workspace import WorkspaceLayout, item_merge_lists
+
+# The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
+MMA_CTAS_PER_SM = 2
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -87,11 +92,20 @@ class _PrefillWrapper:
         self._plan = p
 
     def _prepare(self, p, group, causal, fixed_split_size):
-        spec = PrefillSpec(p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
-                           self._kv_layout, p["variant"], sparse=self._sparse,
-                           custom_mask=p["custom"], block_positions=p["q_pos0"] is not None,
-                           sim=self._backend == "sim")
-        num_ctas = persistent_ctas(self._backend)
+        sim = self._backend == "sim"
+        args = (p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
+                self._kv_layout, p["variant"])
+        flags = dict(sparse=self._sparse, custom_mask=p["custom"],
+                     block_positions=p["q_pos0"] is not None, sim=sim)
+        if mma_eligible(p["head_dim"], p["q_dtype"], p["kv_dtype"]):
+            # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
+            spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)
+            kernel, threads = build_prefill_mma_kernel(spec), spec.num_threads
+            per_sm = MMA_CTAS_PER_SM
+        else:
+            spec = PrefillSpec(*args, **flags)
+            kernel, threads, per_sm = build_prefill_kernel(spec), PREFILL_THREADS, 0
+        num_ctas = persistent_ctas(self._backend, per_sm)
         sched = scheduler.plan(p["qo_indptr"], p["kv_lens"], p["num_qo_heads"],
                                p["num_kv_heads"], num_ctas, granule=MIN_CHUNK, causal=causal,
                                fixed_split_size=fixed_split_size, tile_q=spec.tile_q)
@@ -102,8 +116,8 @@ class _PrefillWrapper:
                                  p["num_qo_heads"], p["head_dim"], p["batch"], table[1].size,
                                  0 if words is None else words.size)
         launch = DecodeLaunch(spec, self._workspace, layout, self._backend, num_ctas,
-                              p["sm_scale"], kernel=(build_prefill_kernel(spec),
-                                                     prefill_signature(spec), PLAN_OFFSETS))
+                              p["sm_scale"], kernel=(kernel, prefill_signature(spec),
+                                                     PLAN_OFFSETS), num_threads=threads)
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=p["qo_indptr"],
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=p["q_pos0"])
         launch.upload(staged, table, arrays.current_stream(self._workspace))

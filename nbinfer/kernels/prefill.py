@@ -16,8 +16,9 @@ memory by the same loading rule as the decode kernel, and for each tile:
 
 A chunk of a split row writes a partial state; the CTA that completes a tile's last chunk merges
 its rows (:mod:`.fused_merge`). FLOPs per item: ``4 * PR * D * kv`` on CUDA cores; shared-memory
-bound (one shared load per FMA in q.k). A tensor-core version is future work: this kernel is the
-correct, general baseline (any variant, mask, layout, page size).
+bound (one shared load per FMA in q.k). The tensor-core kernel (:mod:`.prefill_mma`) serves
+fp16/bf16 at head_dim 64 and 128; this one is the general baseline (fp32, mixed dtypes, head_dim
+256, any variant, mask, layout, page size).
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, int64, types
+from numba import cuda, float32, int32, types
 
 from ..variants import Variant
 from .decode import WORK_FIELDS, attention_signature, check_kernel_spec
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
+from .positions import position_module
 from .primitives import LN2, LOG2E, primitives
 
 NUM_THREADS = 128
@@ -120,6 +122,8 @@ def prefill_kernel_source(spec: PrefillSpec):
     loader = loading_module(spec.sparse, PS, D, spec.kv_layout, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
     token_offset = loader.token_offset
+    pos_fns = position_module(PS, spec.block_positions, sim)
+    key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
     hook_mask, hook_output = hooks.mask, hooks.output
     SOFTMAX = hooks.use_softmax
@@ -137,20 +141,6 @@ def prefill_kernel_source(spec: PrefillSpec):
     exp2, log2 = prims.exp2, prims.log2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
     kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
-
-    @jit_dev
-    def key_position(kv_indptr, kv_indices, b, pos):
-        # The position masks and RoPE see: the sequence index, or (BSR) the key's column.
-        if BLOCK:
-            return kv_indices[kv_indptr[b] + pos // PS] * PS + pos % PS
-        return pos
-
-    @jit_dev
-    def mask_bit(plan, mask_indptr_off, mask_words_off, b, row, kv_len, pos):
-        bit = int64(plan[mask_indptr_off + b]) * 8 + int64(row) * kv_len + pos
-        word = plan[mask_words_off + bit // 32]
-        return (word >> (bit % 32)) & 1
 
     def prefill_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                        counters, hkv, page_stride, head_stride, sm_scale, work_off,

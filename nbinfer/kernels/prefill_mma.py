@@ -1,0 +1,379 @@
+"""Batch prefill on tensor cores: ``mma.sync.m16n8k16`` tiles with the online softmax in registers.
+
+Same work items, arguments, masks, variants and fused merge as the CUDA-core tile kernel
+(:mod:`.prefill`); what changes is the inner loop. A CTA of ``W`` warps takes ``16 W`` packed
+rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole item:
+
+1. Q (transformed by the variant's query hook, rounded to fp16/bf16) is staged through shared
+   memory once per item, then held in registers as ``mma`` A fragments (``D / 4`` words).
+2. KV tiles of ``BC = 32`` tokens are gathered through the loading rule (page table or affine)
+   by ``cp.async`` into two alternating shared-memory stages: tile ``i + 1`` is in flight while
+   tile ``i`` is computed.
+3. ``S = Q K^T``: ``D / 16 x BC / 8`` mma per warp; scores stay in accumulator registers, where
+   every element knows its (packed row, key): the variant's logits hook and masks run there.
+4. Online softmax per row: max and sum over the 4 lanes sharing a row (two shuffles), ``O`` and
+   ``l`` rescaled, ``P = exp2(S - m)`` converted in registers into the A operand of
+5. ``O += P V``: ``BC / 16 x D / 8`` mma per warp, V^T fragments by ``ldmatrix.trans``.
+
+Arithmetic per tile and warp (D = 128, BC = 32): 2 x 32 mma (2 x 131 kFLOP), 32 ldmatrix.x4,
+16 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 16 KiB
+of KV for ``16 W x BC x D x 4`` = 1 MFLOP (W = 4): 64 FLOP/byte, above the H200's ridge
+(~989 TFLOP/s / 4.8 TB/s ~ 206 FLOP/B only for wgmma peak; mma.sync runs at a fraction of it).
+
+Shared memory: two stages of K and V, ``2 x 2 x BC x (D + 8) x 2`` bytes (34 KiB at D = 128);
+the Q staging area aliases stage 1 (Q lives in registers before stage 1 is first loaded), and
+the fused merge reuses all of it after the item's loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, types
+
+from .decode import WORK_FIELDS
+from .fused_merge import build_merge_list
+from .hooks import device_hooks
+from .loading import loading_module
+from .mma import tile_ops
+from .positions import position_module
+from .prefill import PrefillSpec, prefill_signature
+from .primitives import LN2, LOG2E, primitives
+
+TILE_KV = 32
+MMA_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class MmaPrefillSpec(PrefillSpec):
+    """A :class:`~.prefill.PrefillSpec` for the tensor-core kernel: q and kv of one 16-bit type,
+    head_dim 64 or 128; ``num_warps`` warps of 16 packed rows each."""
+
+    num_warps: int = 4
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_dim not in MMA_HEAD_DIMS:
+            raise ValueError(f"the tensor-core prefill kernel takes head_dim in {MMA_HEAD_DIMS}, "
+                             f"got {self.head_dim}")
+        if self.q_dtype != self.kv_dtype or self.q_dtype not in ("float16", "bfloat16"):
+            raise ValueError("the tensor-core prefill kernel needs q and kv of the same 16-bit "
+                             f"type, got q {self.q_dtype}, kv {self.kv_dtype}")
+        if self.num_warps not in (1, 2, 4):
+            raise ValueError(f"num_warps must be 1, 2 or 4, got {self.num_warps}")
+
+    @property
+    def tile_q(self) -> int:
+        return 16 * self.num_warps
+
+    @property
+    def tile_kv(self) -> int:
+        return TILE_KV
+
+    @property
+    def num_threads(self) -> int:
+        return 32 * self.num_warps
+
+
+def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
+    """Whether the tensor-core kernel serves this problem (else the CUDA-core tile kernel)."""
+    return head_dim in MMA_HEAD_DIMS and q_dtype == kv_dtype and q_dtype in ("float16",
+                                                                              "bfloat16")
+
+
+@functools.cache
+def build_prefill_mma_kernel(spec: MmaPrefillSpec):
+    """Compile (once per spec) the tensor-core prefill kernel; arguments as
+    :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
+    fn = prefill_mma_kernel_source(spec)
+    if spec.sim:
+        return cuda.jit(fn)
+    return cuda.jit(prefill_signature(spec), fastmath=True)(fn)
+
+
+def prefill_mma_kernel_source(spec: MmaPrefillSpec):
+    sim = spec.sim
+    prims = primitives(sim)
+    hooks = device_hooks(spec.variant, sim)
+    D = spec.head_dim
+    HALF = D // 2
+    G = spec.group_size
+    NW = spec.num_warps
+    NT = spec.num_threads
+    TQ = spec.tile_q
+    BC = spec.tile_kv
+    ops = tile_ops(D, BC, spec.q_dtype, NW, sim)
+    ELEM, RS = ops.ELEM, ops.RS
+    NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
+    store_pair, load_q, qk, pv, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.pv, \
+        ops.quad_reduce
+    TILE_BYTES = BC * RS  # one K (or V) tile
+    STAGE_BYTES = 2 * TILE_BYTES
+    KV_BYTES = 2 * STAGE_BYTES
+    Q_BASE = STAGE_BYTES  # Q staging aliases stage 1: TQ rows must fit in it
+    if TQ * RS > STAGE_BYTES:
+        raise ValueError(f"{TQ} Q rows do not fit in one KV stage")
+    SMEM_FLOATS = KV_BYTES // 4
+    SCRATCH = max(ops.SCRATCH, 1)
+    CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
+    CHUNK_BYTES = 8 * ELEM
+    fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
+    finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
+    loader = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim)
+    request_kv_len, request_base = loader.request_kv_len, loader.request_base
+    token_offset = loader.token_offset
+    pos_fns = position_module(spec.page_size, spec.block_positions, sim)
+    key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
+    hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
+    hook_mask, hook_output = hooks.mask, hooks.output
+    SOFTMAX = hooks.use_softmax
+    HAS_Q, HAS_K = hooks.has_query, hooks.has_key
+    HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
+    CUSTOM = spec.custom_mask
+    BLOCK = spec.block_positions
+    # Scores come out of the mma unscaled: scale (and log2 e for exp2) in float32 registers.
+    PRE = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
+    POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
+    NEG_INF = float32(-np.inf)
+    ZERO = float32(0.0)
+    F_LN2 = float32(LN2)
+    MASKED = NEG_INF if SOFTMAX else ZERO
+    SKIP_IDLE_WARPS = not sim  # the simulator twins meet at barriers: every warp computes
+    U32 = types.uint32
+    exp2, log2 = prims.exp2, prims.log2
+    shared_addr, cp_async16_to, commit, wait1 = (prims.shared_addr, prims.cp_async16_to,
+                                                 prims.commit, prims.wait(1))
+    cvt = {"float16": prims.f16, "bfloat16": prims.bf16}
+    kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+                     page_stride, t0, end, hk, tid):
+        # BC token rows of K and V, D * 2 bytes each, in 16-byte cp.async copies; rows past the
+        # range re-read the last token (masked later), so no copy is conditional.
+        vb = kb + U32(TILE_BYTES)
+        for e in range(tid, BC * CHUNKS, NT):
+            j = e // CHUNKS
+            c = e % CHUNKS
+            pos = min(t0 + j, end - 1)
+            off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
+            dst = U32(j * RS + c * CHUNK_BYTES)
+            cp_async16_to(smem, vb + dst, v, off + 8 * c)
+            if not HAS_K:
+                cp_async16_to(smem, kb + dst, k, off + 8 * c)
+        if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
+            for e in range(tid, BC * HALF, NT):
+                j = e // HALF
+                d = 2 * (e % HALF)
+                pos = min(t0 + j, end - 1)
+                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
+                kp = key_position(kv_indptr, kv_indices, b, pos)
+                x0 = kv_f32(k[off + d])
+                x1 = kv_f32(k[off + d + 1])
+                y0 = float32(hook_key(x0, kv_f32(k[off + (d + HALF) % D]), d, D, kp, hk))
+                y1 = float32(hook_key(x1, kv_f32(k[off + (d + 1 + HALF) % D]), d + 1, D, kp, hk))
+                store_pair(smem, kb + U32(j * RS + d * ELEM), y0, y1)
+        commit()
+
+    def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
+                           tmp_lse, counters, hkv, page_stride, head_stride, sm_scale, work_off,
+                           cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
+                           merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
+                           mask_words_off, q_pos0_off):
+        smem = cuda.shared.array(SMEM_FLOATS, float32)  # [stage 0 K|V, stage 1 K|V]; merge
+        scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
+        last_flag = cuda.shared.array(1, int32)
+        qf = cuda.local.array(QF, QF_T)
+        s = cuda.local.array(NS, float32)
+        acc = cuda.local.array(NO, float32)
+        mnum = cuda.local.array(OUTS, float32)
+
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        g = lane // 4
+        t = lane % 4
+        base = shared_addr(smem, 0)
+        hq = hkv * G
+        scale = sm_scale * PRE
+        c = cuda.blockIdx.x
+        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+            item = plan[cta_work_off + wi]
+            w0 = work_off + item * WORK_FIELDS
+            b = plan[w0]
+            hk = plan[w0 + 1]
+            qs = plan[w0 + 2]
+            nrows = plan[w0 + 3] - qs
+            start = plan[w0 + 4]
+            end = plan[w0 + 5]
+            prow = plan[w0 + 6]
+            q0 = plan[qo_indptr_off + b]
+            qo_len = plan[qo_indptr_off + b + 1] - q0
+            kv_len = request_kv_len(kv_indptr, kv_last, b)
+            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
+            pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
+            n_tiles = (end - start + BC - 1) // BC if end > start else 0
+
+            cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
+            # Q tile -> stage 1 (rounded to the operand type, after the query hook).
+            for e in range(tid, TQ * HALF, NT):
+                p = e // HALF
+                d = 2 * (e % HALF)
+                x0 = ZERO
+                x1 = ZERO
+                if p // G < nrows:
+                    qb = ((q0 + qs + p // G) * hq + hk * G + p % G) * D
+                    x0 = q_f32(q[qb + d])
+                    x1 = q_f32(q[qb + d + 1])
+                    if HAS_Q:
+                        qp = pos0 + p // G
+                        qh = hk * G + p % G
+                        y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
+                        x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
+                                                qp, qh))
+                        x0 = y0
+                store_pair(smem, base + U32(Q_BASE + p * RS + d * ELEM), x0, x1)
+            if n_tiles > 0:
+                load_kv_tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride,
+                             head_off, page_stride, start, end, hk, tid)
+            cuda.syncthreads()
+            load_q(smem, base + U32(Q_BASE), warp, lane, qf)
+            cuda.syncthreads()  # stage 1 is free for KV
+
+            # This lane's two rows: packed rows 16 warp + g (h = 0) and + 8 (h = 1).
+            pr0 = 16 * warp + g
+            pr1 = pr0 + 8
+            ok0 = pr0 // G < nrows
+            ok1 = pr1 // G < nrows
+            active = (16 * warp) // G < nrows or not SKIP_IDLE_WARPS
+            m0 = NEG_INF
+            m1 = NEG_INF
+            l0 = ZERO
+            l1 = ZERO
+            for i in range(NO):
+                acc[i] = ZERO
+            for it in range(n_tiles):
+                t0 = start + it * BC
+                if it + 1 < n_tiles:
+                    load_kv_tile(smem, base + U32(((it + 1) % 2) * STAGE_BYTES), k, v,
+                                 kv_indices, kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                 t0 + BC, end, hk, tid)
+                else:
+                    commit()  # an empty group keeps "all but the newest group" meaning tile it
+                wait1()
+                cuda.syncthreads()  # tile it is in shared memory for every warp
+                kb = base + U32((it % 2) * STAGE_BYTES)
+                if active:
+                    qk(smem, kb, lane, qf, s)
+                    for idx in range(NS):
+                        h = (idx % 4) // 2
+                        pr = pr1 if h else pr0
+                        pos = t0 + (idx // 4) * 8 + 2 * t + idx % 2
+                        qrow = pr // G
+                        q_pos = pos0 + qrow
+                        qo_head = hk * G + pr % G
+                        keep = (ok1 if h else ok0) and pos < end
+                        kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
+                        x = s[idx] * scale
+                        if HAS_LOGITS:
+                            x = float32(hook_logits(x, q_pos, kp, qo_head)) * POST_LOG2E
+                        if HAS_MASK:
+                            keep = keep and hook_mask(q_pos, kp, qo_head)
+                        if CUSTOM and keep:
+                            keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
+                                            qs + qrow, kv_len, pos) != 0
+                        s[idx] = x if keep else MASKED
+                if SOFTMAX:
+                    mx0 = NEG_INF
+                    mx1 = NEG_INF
+                    for idx in range(NS):
+                        if (idx % 4) // 2:
+                            mx1 = max(mx1, s[idx])
+                        else:
+                            mx0 = max(mx0, s[idx])
+                    if active:
+                        mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)
+                    mx0 = max(m0, mx0)
+                    mx1 = max(m1, mx1)
+                    mr0 = mx0 if mx0 > NEG_INF else ZERO
+                    mr1 = mx1 if mx1 > NEG_INF else ZERO
+                    a0 = exp2(m0 - mr0)
+                    a1 = exp2(m1 - mr1)
+                    m0 = mx0
+                    m1 = mx1
+                    sum0 = ZERO
+                    sum1 = ZERO
+                    for idx in range(NS):
+                        if (idx % 4) // 2:
+                            pexp = exp2(s[idx] - mr1)
+                            sum1 += pexp
+                        else:
+                            pexp = exp2(s[idx] - mr0)
+                            sum0 += pexp
+                        s[idx] = pexp
+                    l0 = l0 * a0 + sum0  # lane-partial sums: reduced over the quad at the end
+                    l1 = l1 * a1 + sum1
+                    for idx in range(NO):
+                        acc[idx] *= a1 if (idx % 4) // 2 else a0
+                if active:
+                    pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
+                cuda.syncthreads()  # done with stage it % 2 before tile it + 2 lands there
+
+            # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
+            # over the accumulators (constant indices: they stay in registers), rows by h.
+            if SOFTMAX:
+                l0, l1 = quad_reduce(l0, l1, False, tid, scratch)
+                inv0 = float32(1.0) / l0 if l0 > ZERO else ZERO
+                inv1 = float32(1.0) / l1 if l1 > ZERO else ZERO
+                lse0 = (m0 + log2(l0)) * F_LN2 if l0 > ZERO else NEG_INF
+                lse1 = (m1 + log2(l1)) * F_LN2 if l1 > ZERO else NEG_INF
+            else:
+                inv0 = inv1 = float32(1.0)
+                lse0 = lse1 = ZERO
+            split = prow >= 0
+            # Output rows (or partial rows) and heads of the lane's two packed rows.
+            row0 = (prow if split else q0 + qs) + pr0 // G
+            row1 = (prow if split else q0 + qs) + pr1 // G
+            head0 = hk * G + pr0 % G
+            head1 = hk * G + pr1 % G
+            ob0 = (row0 * hq + head0) * D + 2 * t
+            ob1 = (row1 * hq + head1) * D + 2 * t
+            for idx in range(NO):
+                acc[idx] *= inv1 if (idx % 4) // 2 else inv0
+            # Accumulators 4 nt + (0, 1) are row 0's dims 8 nt + 2 t + (0, 1); + (2, 3) row 1's.
+            for nt in range(D // 8):
+                for h in range(2):
+                    if ok1 if h else ok0:
+                        i = (ob1 if h else ob0) + 8 * nt
+                        x0 = acc[4 * nt + 2 * h]
+                        x1 = acc[4 * nt + 2 * h + 1]
+                        if split:
+                            tmp_o[i] = x0
+                            tmp_o[i + 1] = x1
+                        else:
+                            if HAS_OUT:
+                                lh = lse1 if h else lse0
+                                qh = head1 if h else head0
+                                x0 = float32(hook_output(x0, lh, qh))
+                                x1 = float32(hook_output(x1, lh, qh))
+                            store(o, i, x0)
+                            store(o, i + 1, x1)
+            if t == 0:
+                dst = tmp_lse if split else lse
+                if ok0:
+                    dst[row0 * hq + head0] = lse0
+                if ok1:
+                    dst[row1 * hq + head1] = lse1
+            if prow >= 0:
+                finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk,
+                                  hkv, hq, nrows, tid, item_merge_off, merge_rows_off,
+                                  merge_indptr_off, merge_indices_off, smem, mnum)
+
+    return prefill_mma_kernel
+
+
+__all__ = ["MMA_HEAD_DIMS", "MmaPrefillSpec", "build_prefill_mma_kernel", "mma_eligible",
+           "prefill_mma_kernel_source"]

@@ -1,0 +1,105 @@
+"""Tensor-core prefill kernel (fp16 operands) vs the float64 reference in the simulator.
+
+The simulator runs the kernel's warp tile twins (:mod:`nbinfer.kernels.mma`): the same fragment
+layouts, masks, online softmax and fused merge as the ``mma.sync`` path, two warps per CTA. The
+H200 runs the real instructions in tests/test_gpu_prefill.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer import reference
+from nbinfer import variants as V
+from nbinfer.api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+)
+from nbinfer.formats import PageTable
+from nbinfer.kernels.prefill_mma import MmaPrefillSpec, mma_eligible
+
+
+def _ws():
+    return np.zeros(1 << 22, np.uint8)
+
+
+def _check(w, out, lse, ref, ref_lse):
+    assert isinstance(w._plan["spec"], MmaPrefillSpec)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3)
+    assert np.all(lse[~finite] == -np.inf)
+
+
+@pytest.mark.parametrize(
+    "qo_lens, kv_lens, hq, hkv, d, ps, layout, kw",
+    [
+        ([3, 5], [20, 9], 4, 2, 64, 4, "NHD", dict(causal=True)),
+        # 36 packed rows (G=4): two query tiles; chunks of 16 keys merged in the kernel.
+        ([9], [40], 8, 2, 64, 16, "NHD",
+         dict(causal=True, fixed_split_size=16, pos_encoding_mode="ROPE_LLAMA",
+              logits_soft_cap=3.0, window_left=20)),
+        ([3], [25], 4, 2, 128, 4, "HND", dict(pos_encoding_mode="ALIBI")),
+        ([2, 1], [30, 0], 2, 2, 64, 5, "NHD", {}),  # an empty KV: lse -inf, output 0
+    ],
+    ids=["causal", "split-rope-cap-window", "alibi-d128-HND", "empty-kv"],
+)
+def test_paged_prefill_mma(rng, qo_lens, kv_lens, hq, hkv, d, ps, layout, kw):
+    pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 1,
+                                rng=rng)
+    shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+    cache = rng.standard_normal(shape).astype(np.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16)
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(), layout)
+    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+           q_data_type="float16", **kw)
+    if "fixed_split_size" in kw:
+        assert w._plan["schedule"].num_merge_rows > 0
+    out, lse = w.run(q, cache, return_lse=True)
+    kw.pop("fixed_split_size", None)
+    ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout=layout,
+        return_lse=True, **kw)
+    assert out.dtype == np.float16
+    _check(w, out, lse, ref, ref_lse)
+
+
+def test_ragged_mma_custom_mask_and_sigmoid(rng):
+    hq, hkv, d = 4, 2, 64
+    qo_indptr, kv_indptr = np.array([0, 3, 5]), np.array([0, 6, 41])
+    q = rng.standard_normal((5, hq, d)).astype(np.float16)
+    k = rng.standard_normal((41, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((41, hkv, d)).astype(np.float16)
+    mask = rng.random(3 * 6 + 2 * 35) < 0.6
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", custom_mask=mask)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, custom_mask=mask, return_lse=True)
+    _check(w, out, lse, ref, ref_lse)
+    # No softmax: P = sigmoid(logits), no max, no rescale, the output is P V itself.
+    sig = V.sigmoid_attention(0.5, -0.2)
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=True, variant=sig)
+    out = w.run(q, k, v)
+    ref = reference.batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr,
+                                                       causal=True, variant=sig)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+
+
+def test_kernel_choice_and_spec_errors():
+    assert mma_eligible(128, "float16", "float16")
+    assert mma_eligible(64, "bfloat16", "bfloat16")
+    assert not mma_eligible(256, "float16", "float16")  # CUDA-core tile kernel
+    assert not mma_eligible(128, "float16", "bfloat16")
+    assert not mma_eligible(128, "float32", "float32")
+    var = V.standard()
+    with pytest.raises(ValueError, match="head_dim"):
+        MmaPrefillSpec(256, 1, 16, "float16", "float16", "NHD", var)
+    with pytest.raises(ValueError, match="same 16-bit"):
+        MmaPrefillSpec(128, 1, 16, "float16", "float32", "NHD", var)
+    with pytest.raises(ValueError, match="num_warps"):
+        MmaPrefillSpec(128, 1, 16, "float16", "float16", "NHD", var, num_warps=3)
+    assert MmaPrefillSpec(128, 4, 16, "float16", "float16", "NHD", var).tile_q == 64
