@@ -18,6 +18,7 @@ from .. import reference
 from .._checks import check_dim, check_ndim, check_positive_int
 from ..formats import BSR
 from ..reference.sparse import _element_mask
+from ..variants import compose, from_flashinfer_args
 from . import arrays, binding
 from .prefill import _PrefillWrapper
 
@@ -50,37 +51,55 @@ class BlockSparseAttentionWrapper(_PrefillWrapper):
                   (R, C), (M, N))
         elem = _element_mask(mask, packed_mask, bsr.nnz_blocks, R, C)
         rows = bsr.indptr.size - 1
+        qo_indptr = np.minimum(np.arange(rows + 1) * R, M).astype(np.int32)
         # Columns sorted within each row (softmax does not care about order), so that the
-        # partial last column, if stored, ends its row.
-        order = np.zeros(bsr.nnz_blocks, dtype=np.int64)
+        # partial last column, if stored, ends its row. Under causal, a block column that starts
+        # after the block row's last query position (``qo_indptr[i + 1] - 1 + N - M``) is masked
+        # for every row of it: it is left out of the row's pages (the work the planner's causal
+        # trim saves for ordinary requests, which cannot be used here: see below).
+        see = qo_indptr[1:].astype(np.int64) - 1 + N - M
+        kept = []  # per block row: its stored blocks (positions in bsr.indices), sorted
         for i in range(rows):
             lo, hi = bsr.indptr[i], bsr.indptr[i + 1]
-            order[lo:hi] = lo + np.argsort(bsr.indices[lo:hi], kind="stable")
+            srt = lo + np.argsort(bsr.indices[lo:hi], kind="stable")
+            if causal:
+                srt = srt[bsr.indices[srt].astype(np.int64) * C <= see[i]]
+            kept.append(srt)
+        counts = np.array([s.size for s in kept], dtype=np.int64)
+        indptr = np.zeros(rows + 1, dtype=np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        order = np.concatenate(kept).astype(np.int64) if rows else np.zeros(0, np.int64)
         cols = bsr.indices[order].astype(np.int32)
         tail = N - (N - 1) // C * C  # keys in the last block column
         last = np.full(rows, C, dtype=np.int32)
-        counts = np.diff(bsr.indptr)
         for i in np.flatnonzero(counts):
-            if cols[bsr.indptr[i + 1] - 1] == (N - 1) // C:
+            if cols[indptr[i + 1] - 1] == (N - 1) // C:
                 last[i] = tail
         kv_lens = np.where(counts > 0, (counts - 1) * C + last, 0).astype(np.int64)
-        qo_indptr = np.minimum(np.arange(rows + 1) * R, M).astype(np.int32)
         masks = None
         if elem is not None:
             masks = []
             for i in range(rows):
                 nrow = int(qo_indptr[i + 1] - qo_indptr[i])
-                blocks = elem[order[bsr.indptr[i]:bsr.indptr[i + 1]], :nrow, :]  # [n, rows, C]
+                blocks = elem[order[indptr[i]:indptr[i + 1]], :nrow, :]  # [n, rows, C]
                 full = np.transpose(blocks, (1, 0, 2)).reshape(nrow, -1)
                 masks.append(np.ascontiguousarray(full[:, :kv_lens[i]]))
+        # ``causal`` goes in as a mask of the variant only. The prefill planner's own causal
+        # flag means "bottom-right over the request's *sequence* index": it would cut each query
+        # tile's KV range at ``kv_len - qo_len + qo_end`` keys, but a block row's keys sit at
+        # their columns' physical positions, so that cut drops keys the tile's rows can see
+        # whenever a block row spans more than one query tile (R x G > tile_q).
+        var = from_flashinfer_args(causal=True) if causal else None
+        if variant is not None:
+            var = variant if var is None else compose(var, variant)
         self._bsr_shape = (M, N)
         self._make_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim, C,
-                        (bsr.indptr.astype(np.int32), cols, last), custom_mask=None,
-                        packed_custom_mask=None, causal=causal,
+                        (indptr, cols, last), custom_mask=None,
+                        packed_custom_mask=None, causal=False,
                         pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                         logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                         rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
-                        kv_data_type=kv_data_type, fixed_split_size=None, variant=variant,
+                        kv_data_type=kv_data_type, fixed_split_size=None, variant=var,
                         masks=masks if masks is not None else [None] * rows,
                         q_pos0=(qo_indptr[:-1] + N - M).astype(np.int32))
         self._plan["bsr"] = (bsr, elem, causal)
