@@ -79,3 +79,24 @@ def test_cascade_levels_from_a_radix_tree_equal_plain_decode(rng):
     last = np.array([n - (p.size - 1) * 4 for n, p in zip(lens, full, strict=True)])
     ref = reference.batch_decode_with_paged_kv_cache(q, cache, indptr, np.concatenate(full), last)
     assert rel_err(out, ref[lv.rows]) <= TOLERANCE["float32"]
+
+
+def test_cascade_prefill_levels_one_launch_or_level_by_level(rng):
+    # Two requests (2 and 4 query rows) share a 3-page prefix. Without causal all levels run as
+    # one launch; causal with several rows per last-level segment runs level by level.
+    ps, hq, hkv, d = 4, 4, 2, 64
+    qo = [np.array([0, 6]), np.array([0, 2, 6])]
+    indptr = [np.array([0, 3]), np.array([0, 2, 3])]
+    indices = [np.array([5, 1, 7]), np.array([2, 0, 4])]
+    last = [np.array([ps]), np.array([3, 2])]
+    cache = rng.standard_normal((8, 2, ps, hkv, d)).astype(np.float16)
+    q = rng.standard_normal((6, hq, d)).astype(np.float16)
+    w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 22, np.uint8))
+    for causal, fused in ((False, True), (True, False)):
+        w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type="float16")
+        assert w._plan["fused"] is fused
+        out, lse = w.run(q, cache, return_lse=True)
+        ref, ref_lse = reference.multi_level_cascade_attention(
+            q, qo, cache, indptr, indices, last, causal=causal, return_lse=True)
+        assert rel_err(out, ref) <= TOLERANCE["float16"]
+        np.testing.assert_allclose(lse, ref_lse, atol=2e-3)

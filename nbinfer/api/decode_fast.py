@@ -1,4 +1,4 @@
-"""The decode wrapper's fast run() for torch CUDA tensors.
+"""The paged wrappers' fast run() for torch CUDA tensors (decode, paged prefill, cascade).
 
 A careful run() validates each argument with descriptive errors and converts any array kind;
 in Python that costs ~75 us per call, more than the GPU needs for a small decode step. When the
@@ -20,7 +20,9 @@ class TorchFastPath:
     returns None and run() takes the careful path, which raises the descriptive error.
     """
 
-    def __init__(self, p, layout, device):
+    def __init__(self, p, layout, device, *, rows=None, indices=None):
+        """``p``: the plan dict; ``rows``: query rows (default ``p["batch"]``, decode);
+        ``indices``: the page indices run() must find in the cache (default ``p["indices"]``)."""
         import torch
 
         if device.index is None:  # "cuda" and "cuda:0" must compare equal below
@@ -30,10 +32,12 @@ class TorchFastPath:
                              p["page_size"])
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
         self.q_dtype, self.kv_dtype = tdt[p["q_dtype"]], tdt[p["kv_dtype"]]
-        self.q_shape, self.lse_shape = (B, Hq, D), (B, Hq)
+        rows = B if rows is None else rows
+        self.q_shape, self.lse_shape = (rows, Hq, D), (rows, Hq)
         tail = (PS, Hkv, D) if layout == "NHD" else (Hkv, PS, D)
         self.combined_tail, self.tuple_tail = (2, *tail), tail
-        self.min_pages = int(p["indices"].max()) + 1 if p["indices"].size else 0
+        indices = p["indices"] if indices is None else indices
+        self.min_pages = int(indices.max()) + 1 if indices.size else 0
         self.v_off = PS * Hkv * D
         self.scratch_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
         self.stride = {True: 2 * PS * Hkv * D, False: PS * Hkv * D}

@@ -34,6 +34,7 @@ from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
 from . import arrays, binding
 from .decode import MIN_CHUNK, persistent_ctas
+from .decode_fast import TorchFastPath
 from .decode_launch import ARG, DecodeLaunch
 from .dtypes import normalize_dtype
 from .workspace import WorkspaceLayout, item_merge_lists
@@ -92,6 +93,15 @@ class _PrefillWrapper:
         self._plan = p
 
     def _prepare(self, p, group, causal, fixed_split_size):
+        spec, kernel, threads, num_ctas = self._kernel(p, group)
+        sched = scheduler.plan(p["qo_indptr"], p["kv_lens"], p["num_qo_heads"],
+                               p["num_kv_heads"], num_ctas, granule=MIN_CHUNK, causal=causal,
+                               fixed_split_size=fixed_split_size, tile_q=spec.tile_q)
+        return self._upload(p, spec, kernel, threads, sched, p["qo_indptr"],
+                            np.ascontiguousarray(p["qo_indptr"][1:]))
+
+    def _kernel(self, p, group):
+        """The kernel for the planned problem: ``(spec, compiled, threads, grid CTAs)``."""
         sim = self._backend == "sim"
         args = (p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
                 self._kv_layout, p["variant"])
@@ -100,28 +110,36 @@ class _PrefillWrapper:
         if mma_eligible(p["head_dim"], p["q_dtype"], p["kv_dtype"]):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)
-            kernel, threads = build_prefill_mma_kernel(spec), spec.num_threads
-            per_sm = MMA_CTAS_PER_SM
-        else:
-            spec = PrefillSpec(*args, **flags)
-            kernel, threads, per_sm = build_prefill_kernel(spec), PREFILL_THREADS, 0
-        num_ctas = persistent_ctas(self._backend, per_sm)
-        sched = scheduler.plan(p["qo_indptr"], p["kv_lens"], p["num_qo_heads"],
-                               p["num_kv_heads"], num_ctas, granule=MIN_CHUNK, causal=causal,
-                               fixed_split_size=fixed_split_size, tile_q=spec.tile_q)
+            return (spec, build_prefill_mma_kernel(spec), spec.num_threads,
+                    persistent_ctas(self._backend, MMA_CTAS_PER_SM))
+        spec = PrefillSpec(*args, **flags)
+        return spec, build_prefill_kernel(spec), PREFILL_THREADS, persistent_ctas(self._backend)
+
+    def _upload(self, p, spec, kernel, threads, sched, qo_start, qo_end):
+        """Lay out the workspace for ``sched`` and copy plan, page table, query ranges
+        (``qo_start`` [B] or the indptr, ``qo_end`` [B]) and masks there."""
         mask_ptr, words = _packed_mask_words(p["masks"], p["batch"]) if p["custom"] else (None,
                                                                                          None)
         table = p["table"]
         layout = WorkspaceLayout(PlanLayout.for_plan(sched), p["num_kv_heads"],
                                  p["num_qo_heads"], p["head_dim"], p["batch"], table[1].size,
                                  0 if words is None else words.size)
-        launch = DecodeLaunch(spec, self._workspace, layout, self._backend, num_ctas,
+        launch = DecodeLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
                               p["sm_scale"], kernel=(kernel, prefill_signature(spec),
                                                      PLAN_OFFSETS), num_threads=threads)
-        staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=p["qo_indptr"],
-                              mask_indptr=mask_ptr, mask_words=words, q_pos0=p["q_pos0"])
+        staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
+                              mask_indptr=mask_ptr, mask_words=words, q_pos0=p["q_pos0"],
+                              qo_end=qo_end)
         launch.upload(staged, table, arrays.current_stream(self._workspace))
-        return dict(spec=spec, schedule=sched, layout=layout, launch=launch)
+        res = dict(spec=spec, schedule=sched, layout=layout, launch=launch)
+        if (isinstance(self, BatchPrefillWithPagedKVCacheWrapper) and self._backend == "cuda"
+                and arrays.array_kind(self._workspace) == "torch"):
+            # The paged cache's run() for torch tensors that match the plan: a few comparisons
+            # and a prepared launch, like decode's.
+            res["fast"] = TorchFastPath(dict(p, launch=launch), self._kv_layout,
+                                        self._workspace.device, rows=int(p["qo_indptr"][-1]),
+                                        indices=table[1])
+        return res
 
     def _run(self, q, k, v, k_off, page_stride, head_stride, out, lse, return_lse):
         p = self._plan
@@ -194,6 +212,11 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         from .decode import _split_cache
 
         p = self._require_plan()
+        fast = p.get("fast")
+        if fast is not None:
+            res = fast(q, paged_kv_cache, out, lse, return_lse)
+            if res is not None:
+                return res if return_lse else res[0]
         D, PS, Hkv = p["head_dim"], p["page_size"], p["num_kv_heads"]
         k_cache, v_cache, combined = _split_cache(paged_kv_cache, self._kv_layout, PS, Hkv, D,
                                                   p["kv_dtype"])

@@ -3,7 +3,8 @@
 One byte buffer (FlashInfer's ``float_workspace_buffer``) holds, from its start::
 
     int32 words  [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len
-                  | qo_indptr | mask_indptr | mask_words | q_pos0]
+                  | qo_indptr | mask_indptr | mask_words | q_pos0
+                  | qo_end]
     float32      [tmp_o: partials x Hq x D | tmp_lse: partials x Hq]
 
 ``plan()`` fills the int32 part on the host (a staging array), and copies it to the device in one
@@ -51,7 +52,7 @@ class WorkspaceLayout:
                  ("kv_indptr", self.max_batch + 1), ("kv_indices", self.max_pages),
                  ("kv_last_page_len", self.max_batch), ("qo_indptr", self.max_batch + 1),
                  ("mask_indptr", self.max_batch + 1), ("mask_words", self.max_mask_words),
-                 ("q_pos0", self.max_batch))
+                 ("q_pos0", self.max_batch), ("qo_end", self.max_batch))
         out, pos = {}, 0
         for name, n in sizes:
             out[name] = pos
@@ -85,7 +86,7 @@ class WorkspaceLayout:
 
         ``page_table`` is ``(kv_indptr, kv_indices, kv_last_page_len)`` (omitted when the caller
         owns those buffers); ``sections`` may give ``qo_indptr``, ``mask_indptr``,
-        ``mask_words`` and ``q_pos0`` (int32 arrays).
+        ``mask_words``, ``q_pos0`` and ``qo_end`` (int32 arrays).
         """
         w = self.words
         buf = np.zeros(w["end"], dtype=np.int32) if out is None else out

@@ -28,8 +28,11 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                      sim: bool):
     """Device functions of the fused merge, as a namespace: ``merge_list(plan, tmp_o, tmp_lse,
     o, lse, ml, hk, hq, tid, rows_off, indptr_off, indices_off, msmem, num)``,
-    ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``store(o, i, x)``
-    (float32 -> ``out_dtype``) and ``OUTS``, the size of the per-thread ``num`` array.
+    ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``finish_split_tile``
+    (the same for a prefill tile: every row counted, all rows completed here merged at once,
+    in parallel over (row, head, dim)), ``store(o, i, x)``
+    (float32 -> ``out_dtype``) and ``OUTS`` / ``TILE_OUTS``, the size of the per-thread ``num``
+    array for finish_split_item / finish_split_tile.
 
     Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
     for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
@@ -59,7 +62,9 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
 
     # Block layout in msmem: [G*NB weights | NB partial rows | G m | G den | G scale].
     NB = (MERGE_SMEM - 3 * GP) // (G + 1)
-    OUTS = -(-G * D // NT)  # output elements per thread
+    EU = 8  # output elements per thread in flight in the tile merge
+    OUTS = -(-G * D // NT)  # output elements per thread (merge_list)
+    TILE_OUTS = max(OUTS, EU)  # the per-thread ``num`` array a finish_split_tile caller passes
     W_ROWS = G * NB
     W_M = W_ROWS + NB
     W_DEN = W_M + G
@@ -165,8 +170,124 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             if tid == 0:
                 counters[ml * hkv + hk] = 0  # ready for the next launch
 
+    # Tile merge (prefill): weights of up to CAP (row, head, partial) triples in msmem.
+    CAP = MERGE_SMEM
+
+    @jit_dev
+    def finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk, hkv, hq,
+                          nrows, tid, item_merge_off, merge_rows_off, merge_indptr_off,
+                          merge_indices_off, msmem, num):
+        # A prefill item's nrows partial rows belong to lists ml0 .. ml0 + nrows - 1 (its rows
+        # are consecutive output rows). Each row is counted on its own: items of different
+        # shapes may feed one row (a cascade's shared-prefix tile and a request's own KV), so
+        # the CTA that completes a row's list is the one that merges it, whichever item it ran.
+        # flags: shared int32 [nrows + 2]: per-row "completed here", then count and max length.
+        cuda.threadfence()
+        cuda.syncthreads()
+        ml0 = plan[item_merge_off + item]
+        if tid < nrows:
+            ml = ml0 + tid
+            n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+            done = cuda.atomic.add(counters, ml * hkv + hk, 1)
+            flags[tid] = 1 if done == n - 1 else 0
+        cuda.syncthreads()
+        if tid == 0:
+            nf = 0
+            maxn = 0
+            for rr in range(nrows):
+                if flags[rr]:
+                    flags[nf] = rr  # compact in place: nf <= rr
+                    ml = ml0 + rr
+                    maxn = max(maxn, plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml])
+                    counters[ml * hkv + hk] = 0  # ready for the next launch
+                    nf += 1
+            flags[nrows] = nf
+            flags[nrows + 1] = maxn
+        cuda.syncthreads()
+        nf = flags[nrows]
+        maxn = flags[nrows + 1]
+        if nf == 0:
+            return
+        cuda.threadfence()
+        if maxn * G > CAP:  # very long lists: one row at a time, in blocks of partials
+            for k in range(nf):
+                merge_list(plan, tmp_o, tmp_lse, o, lse, ml0 + flags[k], hk, hq, tid,
+                           merge_rows_off, merge_indptr_off, merge_indices_off, msmem, num)
+                cuda.syncthreads()
+            return
+        # msmem per round: [weights: rb x G x maxn | partial rows: rb x maxn (as float32)].
+        rb = CAP // (maxn * (G + 1))  # rows per round
+        for r0 in range(0, nf, rb):
+            nr = min(rb, nf - r0)
+            pbase = nr * G * maxn
+            for idx in range(tid, nr * maxn, NT):  # the rows' partial-row indices, once
+                k = idx // maxn
+                j = idx % maxn
+                ml = ml0 + flags[r0 + k]
+                lo = plan[merge_indptr_off + ml]
+                n = plan[merge_indptr_off + ml + 1] - lo
+                msmem[pbase + idx] = float32(plan[merge_indices_off + lo + j] if j < n else 0)
+            cuda.syncthreads()
+            # Phase 1, one thread per (row, head): normalised weights exp2(lse_j - m) / den of
+            # the row's partials (map order), and the merged LSE.
+            for idx in range(tid, nr * G, NT):
+                k = idx // G
+                h = idx % G
+                ml = ml0 + flags[r0 + k]
+                n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+                wb = idx * maxn
+                mt = NEG_INF
+                for j in range(n):
+                    pr = int32(msmem[pbase + k * maxn + j])
+                    x = load_cg(tmp_lse, pr * hq + hk * G + h) * F_LOG2E if SOFTMAX else ZERO
+                    msmem[wb + j] = x
+                    mt = max(mt, x)
+                mref = mt if mt > NEG_INF else ZERO
+                den = ZERO
+                for j in range(n):
+                    e = exp2(msmem[wb + j] - mref) if SOFTMAX else ONE
+                    msmem[wb + j] = e
+                    den += e
+                inv = ONE / den if (den > ZERO and SOFTMAX) else (ONE if not SOFTMAX else ZERO)
+                for j in range(maxn):  # zero weights past the row's own list
+                    msmem[wb + j] = msmem[wb + j] * inv if j < n else ZERO
+                if SOFTMAX:
+                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
+                else:
+                    lse_val = ZERO
+                lse[plan[merge_rows_off + ml] * hq + hk * G + h] = lse_val
+            cuda.syncthreads()
+            # Phase 2: each thread sums EU output elements at once (EU independent L2 loads in
+            # flight per partial instead of one: the tail is latency-bound), over maxn partials
+            # (the weights past a row's list are zero, so every row walks the same count).
+            total = nr * G * D
+            for e0 in range(tid, total, NT * EU):
+                for u in range(EU):
+                    num[u] = ZERO
+                for j in range(maxn):
+                    for u in range(EU):
+                        e = e0 + u * NT
+                        if e < total:
+                            k = e // (G * D)
+                            h = (e // D) % G
+                            pr = int32(msmem[pbase + k * maxn + j])
+                            num[u] += msmem[(k * G + h) * maxn + j] * load_cg(
+                                tmp_o, pr * hq * D + (hk * G + h) * D + e % D)
+                for u in range(EU):
+                    e = e0 + u * NT
+                    if e < total:
+                        k = e // (G * D)
+                        h = (e // D) % G
+                        row = plan[merge_rows_off + ml0 + flags[r0 + k]]
+                        x = num[u]
+                        if HAS_OUT:
+                            x = float32(hook_output(x, lse[row * hq + hk * G + h], hk * G + h))
+                        store(o, (row * hq + hk * G + h) * D + e % D, x)
+            cuda.syncthreads()
+
     return SimpleNamespace(merge_list=merge_list, finish_split_item=finish_split_item,
-                           store=store, OUTS=OUTS)
+                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS,
+                           TILE_OUTS=TILE_OUTS)
 
 
 __all__ = ["build_merge_list"]

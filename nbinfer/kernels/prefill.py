@@ -39,7 +39,7 @@ from .primitives import LN2, LOG2E, primitives
 
 NUM_THREADS = 128
 PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
-                "item_merge", "qo_indptr", "mask_indptr", "mask_words", "q_pos0")
+                "item_merge", "qo_indptr", "mask_indptr", "mask_words", "q_pos0", "qo_end")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,9 @@ def build_prefill_kernel(spec: PrefillSpec):
     (:func:`nbinfer.kernels.decode.build_decode_kernel`), with four more plan sections:
     ``qo_indptr`` (query rows of each request), ``mask_indptr`` (byte offset of each request's
     packed custom mask), ``mask_words`` (the packed masks, little bit order, as int32) and
-    ``q_pos0`` (BSR mode: the position of each block row's first query)."""
+    ``q_pos0`` (BSR mode: the position of each block row's first query) and ``qo_end`` (one past
+    each request's last query row: ``qo_indptr[1:]`` for a batch, where requests tile the rows;
+    a cascade's requests of different levels overlap, so the end is stored on its own)."""
     fn = prefill_kernel_source(spec)
     if spec.sim:
         return cuda.jit(fn)
@@ -117,8 +119,9 @@ def prefill_kernel_source(spec: PrefillSpec):
     V_SMEM = BC * D
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
+    FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
     loader = loading_module(spec.sparse, PS, D, spec.kv_layout, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
     token_offset = loader.token_offset
@@ -146,14 +149,14 @@ def prefill_kernel_source(spec: PrefillSpec):
                        counters, hkv, page_stride, head_stride, sm_scale, work_off,
                        cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
-                       mask_words_off, q_pos0_off):
+                       mask_words_off, q_pos0_off, qo_end_off):
         qs_ = cuda.shared.array(Q_SMEM, float32)
         kv_ = cuda.shared.array(MERGE_FLOATS, float32)  # [K tile | V tile], merge scratch after
         ss_ = cuda.shared.array(S_SMEM, float32)
         row_m = cuda.shared.array(TQ, float32)
         row_l = cuda.shared.array(TQ, float32)
         row_a = cuda.shared.array(TQ, float32)
-        last_flag = cuda.shared.array(1, int32)
+        flags = cuda.shared.array(FLAG_WORDS, int32)
         sc = cuda.local.array(SPT, float32)
         acc = cuda.local.array(DPT, float32)
         mnum = cuda.local.array(OUTS, float32)
@@ -174,7 +177,7 @@ def prefill_kernel_source(spec: PrefillSpec):
             end = plan[w0 + 5]
             prow = plan[w0 + 6]
             q0 = plan[qo_indptr_off + b]
-            qo_len = plan[qo_indptr_off + b + 1] - q0
+            qo_len = plan[qo_end_off + b] - q0
             kv_len = request_kv_len(kv_indptr, kv_last, b)
             ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
             # Position of the tile's first query row (bottom-right aligned; BSR: given).
@@ -294,7 +297,7 @@ def prefill_kernel_source(spec: PrefillSpec):
                     if sub == 0:
                         tmp_lse[prw * hq + qo_head] = lse_val
             if prow >= 0:
-                finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk,
+                finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk,
                                   hkv, hq, nrows, tid, item_merge_off, merge_rows_off,
                                   merge_indptr_off, merge_indices_off, kv_, mnum)
             cuda.syncthreads()

@@ -119,8 +119,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM
+    FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
     loader = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
     token_offset = loader.token_offset
@@ -182,10 +183,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                            tmp_lse, counters, hkv, page_stride, head_stride, sm_scale, work_off,
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
-                           mask_words_off, q_pos0_off):
+                           mask_words_off, q_pos0_off, qo_end_off):
         smem = cuda.shared.array(SMEM_FLOATS, float32)  # [stage 0 K|V, stage 1 K|V]; merge
         scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
-        last_flag = cuda.shared.array(1, int32)
+        flags = cuda.shared.array(FLAG_WORDS, int32)
         qf = cuda.local.array(QF, QF_T)
         s = cuda.local.array(NS, float32)
         acc = cuda.local.array(NO, float32)
@@ -211,7 +212,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             end = plan[w0 + 5]
             prow = plan[w0 + 6]
             q0 = plan[qo_indptr_off + b]
-            qo_len = plan[qo_indptr_off + b + 1] - q0
+            qo_len = plan[qo_end_off + b] - q0
             kv_len = request_kv_len(kv_indptr, kv_last, b)
             ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
             pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
@@ -368,7 +369,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 if ok1:
                     dst[row1 * hq + head1] = lse1
             if prow >= 0:
-                finish_split_item(plan, counters, last_flag, tmp_o, tmp_lse, o, lse, item, hk,
+                finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk,
                                   hkv, hq, nrows, tid, item_merge_off, merge_rows_off,
                                   merge_indptr_off, merge_indices_off, smem, mnum)
 

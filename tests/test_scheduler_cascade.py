@@ -1,0 +1,53 @@
+"""cascade_plan: all levels of a cascade in one plan, merged per real output row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbinfer.scheduler.cascade import cascade_plan
+
+
+def _random_levels(rng, rows):
+    # Level l's boundaries are a subset of level l + 1's (a coarsening), as in a radix tree.
+    fine = np.unique(np.concatenate([[0, rows], rng.integers(1, rows, size=rows // 2)]))
+    coarse = np.unique(np.concatenate([[0, rows], rng.choice(fine, size=2)]))
+    ptrs = [coarse, fine]
+    kvs = [rng.integers(0, 3000, size=p.size - 1) for p in ptrs]
+    return ptrs, kvs
+
+
+@pytest.mark.parametrize("hkv, ctas", [(1, 8), (4, 132), (2, 3)])
+def test_every_row_merges_every_level_once(rng, hkv, ctas):
+    ptrs, kvs = _random_levels(rng, int(rng.integers(4, 40)))
+    plan, qs, qe, level = cascade_plan(ptrs, kvs, 4 * hkv, hkv, ctas, granule=256, tile_q=16)
+    w = plan.work.astype(np.int64)
+    assert np.all(w[:, 6] >= 0)  # every item writes partial rows
+    np.testing.assert_array_equal(np.sort(plan.cta_work), np.arange(plan.num_work))
+    rows = int(ptrs[0][-1])
+    np.testing.assert_array_equal(plan.merge_rows, np.arange(rows))
+    # Each partial row belongs to exactly one list, and that list is its real row.
+    assert np.unique(plan.merge_indices).size == plan.merge_indices.size
+    owner = np.repeat(np.arange(rows), np.diff(plan.merge_indptr))
+    chunks = w[::hkv]
+    covered = np.zeros((rows, len(ptrs)), dtype=np.int64)
+    for b, _, s, e, ks, ke, prow in chunks:
+        for r in range(e - s):
+            i = int(np.flatnonzero(plan.merge_indices == prow + r)[0])
+            real = qs[b] + s + r
+            assert owner[i] == real
+            covered[real, level[b]] += ke - ks
+    # Summed over its chunks, every row sees each level's full KV of its segment.
+    for lvl, (p, kv) in enumerate(zip(ptrs, kvs, strict=True)):
+        seg = np.searchsorted(p, np.arange(rows), side="right") - 1
+        np.testing.assert_array_equal(covered[:, lvl], kv[seg])
+
+
+def test_cascade_plan_errors():
+    with pytest.raises(ValueError, match="non-empty"):
+        cascade_plan([], [], 4, 1, 8)
+    with pytest.raises(ValueError, match="kv_lens_levels"):
+        cascade_plan([np.array([0, 2])], [], 4, 1, 8)
+    with pytest.raises(ValueError, match="same rows"):
+        cascade_plan([np.array([0, 2]), np.array([0, 1, 3])], [np.array([5]), np.array([1, 1])],
+                     4, 1, 8)
