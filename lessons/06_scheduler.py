@@ -40,6 +40,7 @@ from numba import config
 import nbinfer.kernels.decode as decode_kernels
 import nbinfer.kernels.fused_merge as fused_merge_kernels
 import nbinfer.kernels.prefill as prefill_kernels
+import nbinfer.kernels.prefill_mma as prefill_mma_kernels
 from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, PlanLayout, reference, scheduler
 from nbinfer.api.decode import CTAS_PER_SM, MIN_CHUNK, persistent_ctas
 from nbinfer.scheduler import HEADER_WORDS, WORK_FIELDS
@@ -472,16 +473,17 @@ assert rel.max() < 1e-6  # every order is accurate; they just disagree in the la
 # the same partials always give the same bits. In nbinfer's decode kernel the CTA that finishes
 # the last chunk of a split row merges the whole list, reading the partials in the map's order,
 # so it does not matter which CTA that is. The one atomic left in the kernels is an *integer*
-# counter that elects that CTA (in the split-item epilogue that the decode and prefill kernels
-# share); integer addition is exact, so its order changes nothing. We check that in the
-# kernels' source:
+# counter that elects that CTA (in the fused-merge epilogues: one counter per split row of a
+# decode item, one per row of a prefill tile); integer addition is exact, so its order changes
+# nothing. We check that in the kernels' source:
 
 # %%
 atomics = {mod.__name__.rsplit(".", 1)[-1]: re.findall(r"cuda\.atomic\.(\w+)\((\w+)",
                                                         inspect.getsource(mod))
-           for mod in (decode_kernels, prefill_kernels, fused_merge_kernels)}
+           for mod in (decode_kernels, prefill_kernels, prefill_mma_kernels, fused_merge_kernels)}
 print("atomic operations per kernel module:", atomics)
-assert atomics == {"decode": [], "prefill": [], "fused_merge": [("add", "counters")]}
+assert atomics == {"decode": [], "prefill": [], "prefill_mma": [],
+                   "fused_merge": [("add", "counters"), ("add", "counters")]}
 
 # %%
 fig, (ax_h, ax_e) = subplots(1, 2, figsize=(11.5, 3.4), gridspec_kw={"width_ratios": [1, 1.6]})

@@ -31,8 +31,7 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``finish_split_tile``
     (the same for a prefill tile: every row counted, all rows completed here merged at once,
     in parallel over (row, head, dim)), ``store(o, i, x)``
-    (float32 -> ``out_dtype``) and ``OUTS`` / ``TILE_OUTS``, the size of the per-thread ``num``
-    array for finish_split_item / finish_split_tile.
+    (float32 -> ``out_dtype``) and ``OUTS``, the size of the per-thread ``num`` array.
 
     Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
     for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
@@ -62,9 +61,7 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
 
     # Block layout in msmem: [G*NB weights | NB partial rows | G m | G den | G scale].
     NB = (MERGE_SMEM - 3 * GP) // (G + 1)
-    EU = 8  # output elements per thread in flight in the tile merge
     OUTS = -(-G * D // NT)  # output elements per thread (merge_list)
-    TILE_OUTS = max(OUTS, EU)  # the per-thread ``num`` array a finish_split_tile caller passes
     W_ROWS = G * NB
     W_M = W_ROWS + NB
     W_DEN = W_M + G
@@ -257,37 +254,28 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                     lse_val = ZERO
                 lse[plan[merge_rows_off + ml] * hq + hk * G + h] = lse_val
             cuda.syncthreads()
-            # Phase 2: each thread sums EU output elements at once (EU independent L2 loads in
-            # flight per partial instead of one: the tail is latency-bound), over maxn partials
-            # (the weights past a row's list are zero, so every row walks the same count).
+            # Phase 2, one thread per output element: the weighted sum of the row's partials
+            # (indices from shared memory: one L2 load per partial, no dependent plan load;
+            # weights past a row's own list are zero, so every row walks maxn partials).
             total = nr * G * D
-            for e0 in range(tid, total, NT * EU):
-                for u in range(EU):
-                    num[u] = ZERO
+            for e in range(tid, total, NT):
+                k = e // (G * D)
+                h = (e // D) % G
+                wb = (k * G + h) * maxn
+                pb = pbase + k * maxn
+                col = (hk * G + h) * D + e % D
+                acc_o = ZERO
                 for j in range(maxn):
-                    for u in range(EU):
-                        e = e0 + u * NT
-                        if e < total:
-                            k = e // (G * D)
-                            h = (e // D) % G
-                            pr = int32(msmem[pbase + k * maxn + j])
-                            num[u] += msmem[(k * G + h) * maxn + j] * load_cg(
-                                tmp_o, pr * hq * D + (hk * G + h) * D + e % D)
-                for u in range(EU):
-                    e = e0 + u * NT
-                    if e < total:
-                        k = e // (G * D)
-                        h = (e // D) % G
-                        row = plan[merge_rows_off + ml0 + flags[r0 + k]]
-                        x = num[u]
-                        if HAS_OUT:
-                            x = float32(hook_output(x, lse[row * hq + hk * G + h], hk * G + h))
-                        store(o, (row * hq + hk * G + h) * D + e % D, x)
+                    pr = int32(msmem[pb + j])
+                    acc_o += msmem[wb + j] * load_cg(tmp_o, pr * hq * D + col)
+                row = plan[merge_rows_off + ml0 + flags[r0 + k]]
+                if HAS_OUT:
+                    acc_o = float32(hook_output(acc_o, lse[row * hq + hk * G + h], hk * G + h))
+                store(o, row * hq * D + col, acc_o)
             cuda.syncthreads()
 
     return SimpleNamespace(merge_list=merge_list, finish_split_item=finish_split_item,
-                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS,
-                           TILE_OUTS=TILE_OUTS)
+                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS)
 
 
 __all__ = ["build_merge_list"]

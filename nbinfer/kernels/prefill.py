@@ -30,11 +30,11 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from ..variants import Variant
-from .decode import WORK_FIELDS, attention_signature, check_kernel_spec
+from .decode import attention_signature, check_kernel_spec
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
-from .positions import position_module
+from .positions import position_module, prefill_item_reader
 from .primitives import LN2, LOG2E, primitives
 
 NUM_THREADS = 128
@@ -84,13 +84,18 @@ def prefill_signature(spec: PrefillSpec):
 @functools.cache
 def build_prefill_kernel(spec: PrefillSpec):
     """Compile (once per spec) the prefill kernel. Arguments as the decode kernel's
-    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with four more plan sections:
+    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with five more plan sections:
     ``qo_indptr`` (query rows of each request), ``mask_indptr`` (byte offset of each request's
-    packed custom mask), ``mask_words`` (the packed masks, little bit order, as int32) and
+    packed custom mask), ``mask_words`` (the packed masks, little bit order, as int32),
     ``q_pos0`` (BSR mode: the position of each block row's first query) and ``qo_end`` (one past
     each request's last query row: ``qo_indptr[1:]`` for a batch, where requests tile the rows;
     a cascade's requests of different levels overlap, so the end is stored on its own)."""
-    fn = prefill_kernel_source(spec)
+    return compile_prefill(spec, prefill_kernel_source(spec))
+
+
+def compile_prefill(spec, fn):
+    """``fn`` (a kernel source of either prefill kernel) compiled for ``spec``: eagerly with the
+    shared signature on the GPU, lazily in the simulator."""
     if spec.sim:
         return cuda.jit(fn)
     return cuda.jit(prefill_signature(spec), fastmath=True)(fn)
@@ -121,10 +126,10 @@ def prefill_kernel_source(spec: PrefillSpec):
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
     FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
-    loader = loading_module(spec.sparse, PS, D, spec.kv_layout, sim)
-    request_kv_len, request_base = loader.request_kv_len, loader.request_base
-    token_offset = loader.token_offset
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
+    token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset
+    read_item = prefill_item_reader(spec.sparse, PS, D, spec.kv_layout, spec.block_positions,
+                                    sim)
     pos_fns = position_module(PS, spec.block_positions, sim)
     key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
@@ -133,7 +138,6 @@ def prefill_kernel_source(spec: PrefillSpec):
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
     CUSTOM = spec.custom_mask
-    BLOCK = spec.block_positions
     Q_LOG2E = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
@@ -168,20 +172,9 @@ def prefill_kernel_source(spec: PrefillSpec):
         c = cuda.blockIdx.x
         for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
             item = plan[cta_work_off + wi]
-            w0 = work_off + item * WORK_FIELDS
-            b = plan[w0]
-            hk = plan[w0 + 1]
-            qs = plan[w0 + 2]
-            nrows = plan[w0 + 3] - qs
-            start = plan[w0 + 4]
-            end = plan[w0 + 5]
-            prow = plan[w0 + 6]
-            q0 = plan[qo_indptr_off + b]
-            qo_len = plan[qo_end_off + b] - q0
-            kv_len = request_kv_len(kv_indptr, kv_last, b)
-            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
-            # Position of the tile's first query row (bottom-right aligned; BSR: given).
-            pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
+            (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
+             pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
+                               kv_indptr, kv_last, hkv, head_stride)
 
             # Q tile: packed row p = (row p // G, head p % G), transformed and pre-scaled.
             for e in range(tid, TQ * D, NT):
@@ -305,5 +298,5 @@ def prefill_kernel_source(spec: PrefillSpec):
     return prefill_kernel
 
 
-__all__ = ["NUM_THREADS", "PLAN_OFFSETS", "PrefillSpec", "build_prefill_kernel",
+__all__ = ["NUM_THREADS", "PLAN_OFFSETS", "PrefillSpec", "build_prefill_kernel", "compile_prefill",
            "prefill_kernel_source", "prefill_signature"]

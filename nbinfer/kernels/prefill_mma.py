@@ -17,8 +17,9 @@ rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole i
 
 Arithmetic per tile and warp (D = 128, BC = 32): 2 x 32 mma (2 x 131 kFLOP), 32 ldmatrix.x4,
 16 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 16 KiB
-of KV for ``16 W x BC x D x 4`` = 1 MFLOP (W = 4): 64 FLOP/byte, above the H200's ridge
-(~989 TFLOP/s / 4.8 TB/s ~ 206 FLOP/B only for wgmma peak; mma.sync runs at a fraction of it).
+of KV for ``4 x 16 W x BC x D`` = 1 MFLOP (W = 4): 64 FLOP/byte, so a tile streamed from HBM at
+4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~134 TFLOP/s
+(bench/NOTES.md): it is bound by issue and latency inside the tile loop, not by bytes.
 
 Shared memory: two stages of K and V, ``2 x 2 x BC x (D + 8) x 2`` bytes (34 KiB at D = 128);
 the Q staging area aliases stage 1 (Q lives in registers before stage 1 is first loaded), and
@@ -33,13 +34,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, types
 
-from .decode import WORK_FIELDS
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
 from .mma import tile_ops
-from .positions import position_module
-from .prefill import PrefillSpec, prefill_signature
+from .positions import position_module, prefill_item_reader
+from .prefill import PrefillSpec, compile_prefill
 from .primitives import LN2, LOG2E, primitives
 
 TILE_KV = 32
@@ -87,10 +87,7 @@ def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
 def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     """Compile (once per spec) the tensor-core prefill kernel; arguments as
     :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
-    fn = prefill_mma_kernel_source(spec)
-    if spec.sim:
-        return cuda.jit(fn)
-    return cuda.jit(prefill_signature(spec), fastmath=True)(fn)
+    return compile_prefill(spec, prefill_mma_kernel_source(spec))
 
 
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):
@@ -121,10 +118,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     CHUNK_BYTES = 8 * ELEM
     FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
-    loader = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim)
-    request_kv_len, request_base = loader.request_kv_len, loader.request_base
-    token_offset = loader.token_offset
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
+    token_offset = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim).token_offset
+    read_item = prefill_item_reader(spec.sparse, spec.page_size, D, spec.kv_layout, spec.block_positions,
+                                    sim)
     pos_fns = position_module(spec.page_size, spec.block_positions, sim)
     key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
@@ -133,7 +130,6 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
     CUSTOM = spec.custom_mask
-    BLOCK = spec.block_positions
     # Scores come out of the mma unscaled: scale (and log2 e for exp2) in float32 registers.
     PRE = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
@@ -203,19 +199,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         c = cuda.blockIdx.x
         for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
             item = plan[cta_work_off + wi]
-            w0 = work_off + item * WORK_FIELDS
-            b = plan[w0]
-            hk = plan[w0 + 1]
-            qs = plan[w0 + 2]
-            nrows = plan[w0 + 3] - qs
-            start = plan[w0 + 4]
-            end = plan[w0 + 5]
-            prow = plan[w0 + 6]
-            q0 = plan[qo_indptr_off + b]
-            qo_len = plan[qo_end_off + b] - q0
-            kv_len = request_kv_len(kv_indptr, kv_last, b)
-            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
-            pos0 = (plan[q_pos0_off + b] if BLOCK else kv_len - qo_len) + qs
+            (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
+             pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
+                               kv_indptr, kv_last, hkv, head_stride)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
