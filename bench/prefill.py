@@ -75,6 +75,24 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     parts["own_on_decode_kernel"] = dict(ms=median_ms(lambda: own_dec.run(q, cache)),
                                          gpu_ms=back_to_back_ms(lambda: own_dec.run(q, cache)))
     parts["cascade_gpu_ms"] = back_to_back_ms(lambda: casc.run(q, cache))
+    # The one-launch plan under other chunkings and LPT cost weights (alpha per packed row,
+    # beta = 1 per KV token): does balancing, not the kernel, decide the cascade's time?
+    sweep = []
+    pl = casc._plan
+    for split in (None, 256, 512):
+        for alpha in (1.0, 64.0):
+            casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps,
+                                    logits_soft_cap=None, sm_scale=None,
+                                    q_data_type="float16", kv_data_type=None,
+                                    fixed_split_size=split, alpha=alpha)
+            err = float((casc.run(q, cache).float() - b.float()).abs().max())
+            sweep.append(dict(fixed_split_size=split, alpha=alpha, max_abs_diff=err,
+                              items=int(casc._fused._plan["schedule"].num_work),
+                              ms=median_ms(lambda: casc.run(q, cache)),
+                              gpu_ms=back_to_back_ms(lambda: casc.run(q, cache))))
+    parts["schedule_sweep"] = sweep
+    casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps, logits_soft_cap=None,
+                            sm_scale=None, q_data_type="float16", kv_data_type=None)
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
     fused = casc._fused._plan
     return dict(batch=batch, prefix=prefix, unique=unique, cascade_ms=t_c, plain_ms=t_p,
@@ -136,7 +154,12 @@ def main():
           f" speed-up {a['speedup']:.2f}x (max |diff| {a['max_abs_diff']:.1e}); one launch "
           f"{a['one_launch']}, {a['kernel']}, {a['work_items']} items")
     for k, v in a["breakdown"].items():
-        print(f"  {k}: {v}")
+        if k != "schedule_sweep":
+            print(f"  {k}: {v}")
+    for row in a["breakdown"]["schedule_sweep"]:
+        print(f"  split {row['fixed_split_size']!s:>4} alpha {row['alpha']:4.0f}: "
+              f"{row['ms']:.3f} ms, GPU {row['gpu_ms']:.3f} ms, {row['items']} items, "
+              f"max |diff| {row['max_abs_diff']:.1e}")
     print(f"causal prefill B4 L4096: nbinfer {b['nbinfer_tflops']:.1f} TFLOP/s, SDPA flash "
           f"{b.get('sdpa_flash_tflops', float('nan')):.1f}, cuDNN "
           f"{b.get('sdpa_cudnn_tflops', float('nan')):.1f}")

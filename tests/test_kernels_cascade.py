@@ -100,3 +100,24 @@ def test_cascade_prefill_levels_one_launch_or_level_by_level(rng):
             q, qo, cache, indptr, indices, last, causal=causal, return_lse=True)
         assert rel_err(out, ref) <= TOLERANCE["float16"]
         np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
+
+
+def test_one_launch_cascade_with_split_levels(rng):
+    # Chunks of 4 keys: every row merges 3 prefix chunks and 1-2 own chunks in one launch; an
+    # LPT weight per packed row changes who runs what, never the result.
+    ps, hq, hkv, d = 4, 4, 2, 64
+    lv = _two_levels(rng, ps)
+    cache = rng.standard_normal((8, 2, ps, hkv, d)).astype(np.float16)
+    q = rng.standard_normal((3, hq, d)).astype(np.float16)
+    w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 22, np.uint8))
+    w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+           q_data_type="float16")
+    ref = reference.multi_level_cascade_attention(q, lv["qo"], cache, lv["indptr"],
+                                                  lv["indices"], lv["last"])
+    for alpha in (1.0, 64.0):
+        w._fused.plan_levels(w._plan["qo"], w._plan["tables"], hq, hkv, d, ps,
+                             logits_soft_cap=None, sm_scale=None, q_data_type="float16",
+                             kv_data_type=None, fixed_split_size=4, alpha=alpha)
+        sched = w._fused._plan["schedule"]
+        assert np.diff(sched.merge_indptr).min() >= 4  # 3 prefix chunks + >= 1 own chunk
+        assert rel_err(w.run(q, cache), ref) <= TOLERANCE["float16"]

@@ -129,9 +129,11 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     """All levels of a cascade as one paged-prefill launch (virtual requests, one merge map)."""
 
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                    logits_soft_cap, sm_scale, q_data_type, kv_data_type):
+                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
         """``qo``: per-level query indptrs (validated); ``tables``: ``[indptrs, indices,
-        last_page_lens]``, one array per level each."""
+        last_page_lens]``, one array per level each; ``schedule``: ``fixed_split_size``,
+        ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan` (benchmarks sweep them;
+        FlashInfer's plan() has no such arguments)."""
         from .._checks import check_heads, check_sm_scale
         from .dtypes import normalize_dtype
 
@@ -163,7 +165,7 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
         spec, kernel, threads, num_ctas = self._kernel(p, group)
         sched, qo_start, qo_end, _ = cascade_plan(qo, kv_lens, num_qo_heads, num_kv_heads,
                                                   num_ctas, granule=MIN_CHUNK,
-                                                  tile_q=spec.tile_q)
+                                                  tile_q=spec.tile_q, **schedule)
         p.update(self._upload(p, spec, kernel, threads, sched, qo_start, qo_end))
         self._plan = p
 
