@@ -206,7 +206,7 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
         if nf == 0:
             return
         cuda.threadfence()
-        if maxn * G > CAP:  # very long lists: one row at a time, in blocks of partials
+        if maxn * (G + 1) > CAP:  # very long lists: one row at a time, in blocks of partials
             for k in range(nf):
                 merge_list(plan, tmp_o, tmp_lse, o, lse, ml0 + flags[k], hk, hq, tid,
                            merge_rows_off, merge_indptr_off, merge_indices_off, msmem, num)
