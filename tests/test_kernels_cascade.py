@@ -121,3 +121,43 @@ def test_one_launch_cascade_with_split_levels(rng):
         sched = w._fused._plan["schedule"]
         assert np.diff(sched.merge_indptr).min() >= 4  # 3 prefix chunks + >= 1 own chunk
         assert rel_err(w.run(q, cache), ref) <= TOLERANCE["float16"]
+
+
+def test_tile_merge_reads_only_written_partials(rng):
+    # Rows of one prefix tile with different list lengths (own KV of 1 or 2 chunks), merged
+    # together by one CTA, in a workspace of NaN (as torch.empty may give): a row padded to the
+    # longest list must not read another row's partial before it is written (0 * NaN is NaN).
+    import dataclasses
+
+    from nbinfer.kernels.prefill_mma import build_prefill_mma_kernel
+    from nbinfer.scheduler.cascade import cascade_plan
+
+    ps, hq, hkv, d = 4, 2, 1, 64
+    qo = [np.array([0, 2, 4]), np.array([0, 1, 2, 3, 4])]
+    indptr = [np.array([0, 2, 4]), np.array([0, 1, 2, 3, 5])]
+    indices = [np.array([0, 1, 2, 3]), np.array([4, 5, 6, 7, 8])]
+    last = [np.array([ps, ps]), np.array([ps, ps, ps, ps])]
+    cache = rng.standard_normal((9, 2, ps, hkv, d)).astype(np.float16)
+    q = rng.standard_normal((4, hq, d)).astype(np.float16)
+    ws = np.zeros(1 << 22, np.uint8)
+    w = MultiLevelCascadeAttentionWrapper(2, ws)
+    w.plan(qo, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16")
+    fp = w._fused._plan
+    sched, qs, qe, _ = cascade_plan(qo, [np.array([8, 8]), np.array([4, 4, 4, 8])], hq, hkv, 2,
+                                    granule=256, tile_q=fp["spec"].tile_q, fixed_split_size=4)
+    assert sched.num_work == 9 and np.diff(sched.merge_indptr).tolist() == [3, 3, 3, 4]
+    # Partial rows: items 0, 1 (prefix chunks of rows 0-1), 2, 3 (rows 2-3), 4-8 (own KV).
+    assert sched.work[:, 6].tolist() == [0, 2, 4, 6, 10, 11, 12, 8, 9]
+    # One legal GPU timing: rows 2 (3 partials) and 3 (4 partials) complete together, before
+    # the items writing partial rows 0-3 have run.
+    order = [6, 7, 8, 4, 5, 2, 3, 0, 1]
+    sched = dataclasses.replace(sched, cta_indptr=np.array([0, 9, 9], np.int32),
+                                cta_work=np.array(order, np.int32))
+    spec = fp["spec"]
+    fp.update(w._fused._upload(fp, spec, build_prefill_mma_kernel(spec), spec.num_threads,
+                               sched, qs, qe))
+    ws.view(np.float32)[fp["layout"].float_offsets()[0]:] = np.nan
+    out = w.run(q, cache)
+    ref = reference.multi_level_cascade_attention(q, qo, cache, indptr, indices, last)
+    assert not np.isnan(out).any()
+    assert rel_err(out, ref) <= TOLERANCE["float16"]

@@ -178,7 +178,10 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
         # are consecutive output rows). Each row is counted on its own: items of different
         # shapes may feed one row (a cascade's shared-prefix tile and a request's own KV), so
         # the CTA that completes a row's list is the one that merges it, whichever item it ran.
-        # flags: shared int32 [nrows + 2]: per-row "completed here", then count and max length.
+        # flags: shared int32 [2 nrows + 3]: per-row "completed here", compacted in place into
+        # the rows merged as a tile; then their count, their longest list, the count of rows too
+        # long for a tile round, and those rows. A row's path depends on its own list length
+        # only, never on which rows finish with it: the result is bitwise reproducible.
         cuda.threadfence()
         cuda.syncthreads()
         ml0 = plan[item_merge_off + item]
@@ -189,28 +192,36 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             flags[tid] = 1 if done == n - 1 else 0
         cuda.syncthreads()
         if tid == 0:
-            nf = 0
+            ns = 0
+            nl = 0
             maxn = 0
             for rr in range(nrows):
                 if flags[rr]:
-                    flags[nf] = rr  # compact in place: nf <= rr
                     ml = ml0 + rr
-                    maxn = max(maxn, plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml])
+                    n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
+                    if n * (G + 1) > CAP:  # one row at a time, in blocks of partials
+                        flags[nrows + 3 + nl] = rr
+                        nl += 1
+                    else:
+                        flags[ns] = rr  # compact in place: ns <= rr
+                        maxn = max(maxn, n)
+                        ns += 1
                     counters[ml * hkv + hk] = 0  # ready for the next launch
-                    nf += 1
-            flags[nrows] = nf
+            flags[nrows] = ns
             flags[nrows + 1] = maxn
+            flags[nrows + 2] = nl
         cuda.syncthreads()
         nf = flags[nrows]
         maxn = flags[nrows + 1]
-        if nf == 0:
+        nl = flags[nrows + 2]
+        if nf + nl == 0:
             return
         cuda.threadfence()
-        if maxn * (G + 1) > CAP:  # very long lists: one row at a time, in blocks of partials
-            for k in range(nf):
-                merge_list(plan, tmp_o, tmp_lse, o, lse, ml0 + flags[k], hk, hq, tid,
-                           merge_rows_off, merge_indptr_off, merge_indices_off, msmem, num)
-                cuda.syncthreads()
+        for k in range(nl):
+            merge_list(plan, tmp_o, tmp_lse, o, lse, ml0 + flags[nrows + 3 + k], hk, hq, tid,
+                       merge_rows_off, merge_indptr_off, merge_indices_off, msmem, num)
+            cuda.syncthreads()
+        if nf == 0:
             return
         # msmem per round: [weights: rb x G x maxn | partial rows: rb x maxn (as float32)].
         rb = CAP // (maxn * (G + 1))  # rows per round
@@ -223,7 +234,9 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 ml = ml0 + flags[r0 + k]
                 lo = plan[merge_indptr_off + ml]
                 n = plan[merge_indptr_off + ml + 1] - lo
-                msmem[pbase + idx] = float32(plan[merge_indices_off + lo + j] if j < n else 0)
+                # Past the row's list: its own first partial (written, finite) at weight 0; never
+                # another row's partial, which may not be written yet (uninitialised memory).
+                msmem[pbase + idx] = float32(plan[merge_indices_off + lo + (j if j < n else 0)])
             cuda.syncthreads()
             # Phase 1, one thread per (row, head): normalised weights exp2(lse_j - m) / den of
             # the row's partials (map order), and the merged LSE.

@@ -124,7 +124,7 @@ def prefill_kernel_source(spec: PrefillSpec):
     V_SMEM = BC * D
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
-    FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
+    FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
     token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset

@@ -113,10 +113,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     if TQ * RS > STAGE_BYTES:
         raise ValueError(f"{TQ} Q rows do not fit in one KV stage")
     SMEM_FLOATS = KV_BYTES // 4
+    SMEM_ALIGN = None if sim else 16  # the simulator takes no alignment
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM
-    FLAG_WORDS = TQ + 2  # the tile merge's per-row flags, count and longest list
+    FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
     token_offset = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim).token_offset
@@ -180,7 +181,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                            mask_words_off, q_pos0_off, qo_end_off):
-        smem = cuda.shared.array(SMEM_FLOATS, float32)  # [stage 0 K|V, stage 1 K|V]; merge
+        # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. 16-byte aligned: cp.async
+        # destinations and ldmatrix rows must be.
+        smem = cuda.shared.array(SMEM_FLOATS, float32, alignment=SMEM_ALIGN)
         scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
         flags = cuda.shared.array(FLAG_WORDS, int32)
         qf = cuda.local.array(QF, QF_T)
