@@ -14,6 +14,8 @@ rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole i
 4. Online softmax per row: max and sum over the 4 lanes sharing a row (two shuffles), ``O`` and
    ``l`` rescaled, ``P = exp2(S - m)`` converted in registers into the A operand of
 5. ``O += P V``: ``BC / 16 x D / 8`` mma per warp, V^T fragments by ``ldmatrix.trans``.
+   P is rounded to the operand type, as in FlashAttention; for a variant without softmax
+   (sigmoid: P in [0, 1]) a custom logits transform must keep P within fp16/bf16 range.
 
 Arithmetic per tile and warp (D = 128, BC = 32): 2 x 32 mma (2 x 131 kFLOP), 32 ldmatrix.x4,
 16 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 16 KiB
