@@ -91,6 +91,17 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
                               ms=median_ms(lambda: casc.run(q, cache)),
                               gpu_ms=back_to_back_ms(lambda: casc.run(q, cache))))
     parts["schedule_sweep"] = sweep
+    # The tile merge's loads in flight per output element (1 = one dependent L2 round trip per
+    # partial): the prefix level alone, where 8 chunks per row are merged at the end.
+    one = MultiLevelCascadeAttentionWrapper(1, ws1)
+    merge = []
+    for loads in (1, 8):
+        one._fused._merge_loads = loads
+        one.plan([np.array([0, batch])], [np.array([0, pp])], [pre], [np.array([ps])], hq, hkv,
+                 d, ps, q_data_type="float16")
+        merge.append(dict(merge_loads=loads,
+                          gpu_ms=back_to_back_ms(lambda one=one: one.run(q, cache))))
+    parts["prefix_level_merge_loads"] = merge
     casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps, logits_soft_cap=None,
                             sm_scale=None, q_data_type="float16", kv_data_type=None)
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
@@ -154,7 +165,7 @@ def main():
           f" speed-up {a['speedup']:.2f}x (max |diff| {a['max_abs_diff']:.1e}); one launch "
           f"{a['one_launch']}, {a['kernel']}, {a['work_items']} items")
     for k, v in a["breakdown"].items():
-        if k != "schedule_sweep":
+        if k not in ("schedule_sweep",):
             print(f"  {k}: {v}")
     for row in a["breakdown"]["schedule_sweep"]:
         print(f"  split {row['fixed_split_size']!s:>4} alpha {row['alpha']:4.0f}: "

@@ -50,6 +50,9 @@ class _PrefillWrapper:
     """What the paged and ragged wrappers share: plan bookkeeping, the launch, run()."""
 
     _sparse = True
+    # Partials the kernels' tile merge loads back to back (PrefillSpec.merge_loads); benchmarks
+    # set it on an instance before plan() to compare.
+    _merge_loads = 8
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", *, backend: str = "auto"):
         check_choice("kv_layout", kv_layout, KV_LAYOUTS)
@@ -106,7 +109,8 @@ class _PrefillWrapper:
         args = (p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
                 self._kv_layout, p["variant"])
         flags = dict(sparse=self._sparse, custom_mask=p["custom"],
-                     block_positions=p["q_pos0"] is not None, sim=sim)
+                     block_positions=p["q_pos0"] is not None, sim=sim,
+                     merge_loads=self._merge_loads)
         if mma_eligible(p["head_dim"], p["q_dtype"], p["kv_dtype"]):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)

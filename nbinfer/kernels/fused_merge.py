@@ -25,13 +25,15 @@ from .primitives import LN2, LOG2E, primitives
 
 @functools.cache
 def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant, out_dtype: str,
-                     sim: bool):
+                     sim: bool, loads_in_flight: int = 1):
     """Device functions of the fused merge, as a namespace: ``merge_list(plan, tmp_o, tmp_lse,
     o, lse, ml, hk, hq, tid, rows_off, indptr_off, indices_off, msmem, num)``,
     ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``finish_split_tile``
     (the same for a prefill tile: every row counted, all rows completed here merged at once,
     in parallel over (row, head, dim)), ``store(o, i, x)``
-    (float32 -> ``out_dtype``) and ``OUTS``, the size of the per-thread ``num`` array.
+    (float32 -> ``out_dtype``) and ``OUTS`` / ``TILE_OUTS``, the size of the per-thread ``num``
+    array for finish_split_item / finish_split_tile (``loads_in_flight``: partials the tile
+    merge loads back to back per output element).
 
     Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
     for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
@@ -62,6 +64,8 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     # Block layout in msmem: [G*NB weights | NB partial rows | G m | G den | G scale].
     NB = (MERGE_SMEM - 3 * GP) // (G + 1)
     OUTS = -(-G * D // NT)  # output elements per thread (merge_list)
+    LIF = loads_in_flight
+    TILE_OUTS = max(OUTS, LIF)  # the ``num`` array a finish_split_tile caller passes
     W_ROWS = G * NB
     W_M = W_ROWS + NB
     W_DEN = W_M + G
@@ -268,8 +272,10 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 lse[plan[merge_rows_off + ml] * hq + hk * G + h] = lse_val
             cuda.syncthreads()
             # Phase 2, one thread per output element: the weighted sum of the row's partials
-            # (indices from shared memory: one L2 load per partial, no dependent plan load;
-            # weights past a row's own list are zero, so every row walks maxn partials).
+            # (indices from shared memory: no dependent plan load). Issue is in order and the
+            # loads are volatile asm, so a loop of load -> FMA stalls once per partial; LIF
+            # loads issued back to back, then their FMAs, stall once per LIF partials. The sum
+            # is in list order either way (bitwise the same result for any LIF).
             total = nr * G * D
             for e in range(tid, total, NT):
                 k = e // (G * D)
@@ -278,9 +284,13 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 pb = pbase + k * maxn
                 col = (hk * G + h) * D + e % D
                 acc_o = ZERO
-                for j in range(maxn):
-                    pr = int32(msmem[pb + j])
-                    acc_o += msmem[wb + j] * load_cg(tmp_o, pr * hq * D + col)
+                for j0 in range(0, maxn, LIF):
+                    for u in range(LIF):
+                        j = min(j0 + u, maxn - 1)  # past the list: a re-read, not summed
+                        num[u] = load_cg(tmp_o, int32(msmem[pb + j]) * hq * D + col)
+                    for u in range(LIF):
+                        if j0 + u < maxn:
+                            acc_o += msmem[wb + j0 + u] * num[u]
                 row = plan[merge_rows_off + ml0 + flags[r0 + k]]
                 if HAS_OUT:
                     acc_o = float32(hook_output(acc_o, lse[row * hq + hk * G + h], hk * G + h))
@@ -288,7 +298,8 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             cuda.syncthreads()
 
     return SimpleNamespace(merge_list=merge_list, finish_split_item=finish_split_item,
-                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS)
+                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS,
+                           TILE_OUTS=TILE_OUTS)
 
 
 __all__ = ["build_merge_list"]

@@ -59,9 +59,13 @@ class PrefillSpec:
     # physical (page id * page_size + slot) and each query row's position comes from ``q_pos0``.
     block_positions: bool = False
     sim: bool = False
+    # Partials the tile merge loads back to back per output element (1: one at a time).
+    merge_loads: int = 8
 
     def __post_init__(self):
         check_kernel_spec(self, max_group=self.tile_q)
+        if not 1 <= self.merge_loads <= 16:
+            raise ValueError(f"merge_loads must be in [1, 16], got {self.merge_loads}")
 
     @property
     def tile_q(self) -> int:
@@ -125,8 +129,9 @@ def prefill_kernel_source(spec: PrefillSpec):
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
-    fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
+    fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim,
+                             spec.merge_loads)
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
     token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset
     read_item = prefill_item_reader(spec.sparse, PS, D, spec.kv_layout, spec.block_positions,
                                     sim)
