@@ -26,12 +26,13 @@ import math
 import numpy as np
 
 from .. import reference
-from .._checks import KV_LAYOUTS, check_choice, check_positive_int
+from .._checks import KV_LAYOUTS, check_choice, check_heads, check_positive_int, check_sm_scale
 from ..reference.cascade import _check_levels
 from ..scheduler.cascade import cascade_plan
 from ..variants import from_flashinfer_args
 from . import arrays, binding
 from .decode import MIN_CHUNK
+from .dtypes import normalize_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .state import merge_state_in_place
 
@@ -134,9 +135,6 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
         last_page_lens]``, one array per level each; ``schedule``: ``fixed_split_size``,
         ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan` (benchmarks sweep them;
         FlashInfer's plan() has no such arguments)."""
-        from .._checks import check_heads, check_sm_scale
-        from .dtypes import normalize_dtype
-
         group = check_heads(num_qo_heads, num_kv_heads)
         indptrs, kv_lens, indices, lasts, offset = [], [], [], [], 0
         for lvl in range(len(qo)):

@@ -24,7 +24,7 @@ from ..kernels.decode import DecodeSpec
 from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
 from . import arrays, binding
-from .decode_fast import TorchFastPath
+from .decode_fast import TorchFastPath, run_fast
 from .decode_launch import ARG, DecodeLaunch
 from .dtypes import normalize_dtype
 from .workspace import WorkspaceLayout, item_merge_lists
@@ -192,11 +192,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         p = self._plan
         if p is None:
             raise RuntimeError("run() called before plan()")
-        fast = p.get("fast")
-        if fast is not None:
-            res = fast(q, paged_kv_cache, out, lse, return_lse)
-            if res is not None:
-                return res if return_lse else res[0]
+        res = run_fast(p, q, paged_kv_cache, out, lse, return_lse)
+        if res is not None:
+            return res
         B, Hq, Hkv, D, PS = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], \
             p["page_size"]
         check_ndim("q", q, 3)

@@ -94,4 +94,16 @@ class TorchFastPath:
         return out, lse
 
 
-__all__ = ["TorchFastPath"]
+def run_fast(p, q, cache, out, lse, return_lse):
+    """run() through the plan's fast path (``p["fast"]``), as run() returns it; None when the plan
+    has none or the arguments need the careful path."""
+    fast = p.get("fast")
+    if fast is None:
+        return None
+    res = fast(q, cache, out, lse, return_lse)
+    if res is None:
+        return None
+    return res if return_lse else res[0]
+
+
+__all__ = ["TorchFastPath", "run_fast"]

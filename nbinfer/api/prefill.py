@@ -34,7 +34,7 @@ from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
 from . import arrays, binding
 from .decode import MIN_CHUNK, persistent_ctas
-from .decode_fast import TorchFastPath
+from .decode_fast import TorchFastPath, run_fast
 from .decode_launch import ARG, DecodeLaunch
 from .dtypes import normalize_dtype
 from .workspace import WorkspaceLayout, item_merge_lists
@@ -53,6 +53,8 @@ class _PrefillWrapper:
     # Partials the kernels' tile merge loads back to back (PrefillSpec.merge_loads); benchmarks
     # set it on an instance before plan() to compare.
     _merge_loads = 8
+    # Whether plan() prepares the torch fast path of run() (the paged cache's run() takes it).
+    _torch_fast_path = False
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD", *, backend: str = "auto"):
         check_choice("kv_layout", kv_layout, KV_LAYOUTS)
@@ -136,7 +138,7 @@ class _PrefillWrapper:
                               qo_end=qo_end)
         launch.upload(staged, table, arrays.current_stream(self._workspace))
         res = dict(spec=spec, schedule=sched, layout=layout, launch=launch)
-        if (isinstance(self, BatchPrefillWithPagedKVCacheWrapper) and self._backend == "cuda"
+        if (self._torch_fast_path and self._backend == "cuda"
                 and arrays.array_kind(self._workspace) == "torch"):
             # The paged cache's run() for torch tensors that match the plan: a few comparisons
             # and a prepared launch, like decode's.
@@ -187,6 +189,8 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
     backend : {"auto", "cuda", "sim", "reference"}
     """
 
+    _torch_fast_path = True
+
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
              num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int, *,
              custom_mask=None, packed_custom_mask=None, causal: bool = False,
@@ -216,11 +220,9 @@ class BatchPrefillWithPagedKVCacheWrapper(_PrefillWrapper):
         from .decode import _split_cache
 
         p = self._require_plan()
-        fast = p.get("fast")
-        if fast is not None:
-            res = fast(q, paged_kv_cache, out, lse, return_lse)
-            if res is not None:
-                return res if return_lse else res[0]
+        res = run_fast(p, q, paged_kv_cache, out, lse, return_lse)
+        if res is not None:
+            return res
         D, PS, Hkv = p["head_dim"], p["page_size"], p["num_kv_heads"]
         k_cache, v_cache, combined = _split_cache(paged_kv_cache, self._kv_layout, PS, Hkv, D,
                                                   p["kv_dtype"])

@@ -21,7 +21,6 @@ import numpy as np
 
 from .._checks import as_index_array, check_indptr
 from .planner import plan as plan_batch
-from .schedule import WORK_FIELDS
 
 __all__ = ["cascade_plan"]
 
@@ -101,12 +100,11 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     np.cumsum(counts, out=merge_indptr[1:])
     merge_indices = (prow[ent_chunk] + ent_r)[order]
 
-    work = base.work.copy()
-    work[:, 6] = np.repeat(prow, hkv).astype(np.int32)
+    work = base.work.copy()  # the base plan's arrays are frozen
+    work[:, 6] = np.repeat(prow, hkv)
     i32 = np.int32
     plan = dataclasses.replace(
-        base, work=work.reshape(-1, WORK_FIELDS).astype(i32), merge_rows=merge_rows.astype(i32),
+        base, work=work, merge_rows=merge_rows.astype(i32),
         merge_indptr=merge_indptr.astype(i32), merge_indices=merge_indices.astype(i32),
-        num_partials=num_partials, num_qo_rows=int(ptrs[0][-1]),
-        cta_indptr=base.cta_indptr.copy(), cta_work=base.cta_work.copy())
+        num_partials=num_partials, num_qo_rows=int(ptrs[0][-1]))
     return plan, qo_start.astype(i32), qo_end.astype(i32), level.astype(i32)
