@@ -61,25 +61,10 @@ PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", 
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
 
 
-def check_kernel_spec(spec, max_group: int) -> None:
-    """The checks every attention kernel spec shares (head_dim, group, page, dtypes, layout)."""
-    if spec.head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {spec.head_dim}")
-    if not 1 <= spec.group_size <= max_group:
-        raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in [1, {max_group}], "
-                         f"got {spec.group_size}")
-    if spec.page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {spec.page_size}")
-    for name in ("kv_dtype", "q_dtype"):
-        if getattr(spec, name) not in KV_DTYPES:
-            raise ValueError(f"{name} must be one of {KV_DTYPES}, got {getattr(spec, name)!r}")
-    if spec.kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {spec.kv_layout!r}")
-
-
 @dataclass(frozen=True)
-class DecodeSpec:
-    """Everything that is compiled into one decode kernel (hashable: the kernel cache key)."""
+class AttentionSpec:
+    """What every attention kernel is compiled for (hashable: part of the kernel cache key):
+    shapes, storage dtypes, layout, variant, paged (``sparse``) or affine KV, and the target."""
 
     head_dim: int
     group_size: int
@@ -90,13 +75,37 @@ class DecodeSpec:
     variant: Variant
     sparse: bool = True
     sim: bool = False
+
+    # Largest GQA group the kernel's tile holds (subclasses).
+    max_group = 32
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if not 1 <= self.group_size <= self.max_group:
+            raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in "
+                             f"[1, {self.max_group}], got {self.group_size}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        for name in ("kv_dtype", "q_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+
+
+@dataclass(frozen=True)
+class DecodeSpec(AttentionSpec):
+    """Everything that is compiled into one decode kernel (hashable: the kernel cache key)."""
+
     stages: int = 2
     # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
     max_registers: int | None = 128
 
     def __post_init__(self):
-        check_kernel_spec(self, max_group=32)
+        super().__post_init__()
         if self.stages not in (2, 3, 4):
             raise ValueError(f"stages must be 2, 3 or 4, got {self.stages}")
 
@@ -507,5 +516,5 @@ def decode_launch_config(num_work_items: int):
     return (max(int(num_work_items), 1),), (NUM_THREADS,)
 
 
-__all__ = ["DecodeSpec", "build_decode_kernel", "decode_kernel_source", "decode_launch_config",
+__all__ = ["AttentionSpec", "DecodeSpec", "build_decode_kernel", "decode_kernel_source", "decode_launch_config",
            "decode_signature", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]

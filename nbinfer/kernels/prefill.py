@@ -29,8 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, types
 
-from ..variants import Variant
-from .decode import attention_signature, check_kernel_spec
+from .decode import AttentionSpec, attention_signature
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -43,27 +42,22 @@ PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", 
 
 
 @dataclass(frozen=True)
-class PrefillSpec:
+class PrefillSpec(AttentionSpec):
     """What one prefill kernel is compiled for (hashable: the kernel cache key)."""
 
-    head_dim: int
-    group_size: int
-    page_size: int
-    kv_dtype: str
-    q_dtype: str
-    kv_layout: str
-    variant: Variant
-    sparse: bool = True
     custom_mask: bool = False
     # Block-sparse (BSR) mode: a "page" is a block column of the key matrix, so positions are
     # physical (page id * page_size + slot) and each query row's position comes from ``q_pos0``.
     block_positions: bool = False
-    sim: bool = False
     # Partials the tile merge loads back to back per output element (1: one at a time).
     merge_loads: int = 8
 
+    @property
+    def max_group(self) -> int:
+        return self.tile_q
+
     def __post_init__(self):
-        check_kernel_spec(self, max_group=self.tile_q)
+        super().__post_init__()
         if not 1 <= self.merge_loads <= 16:
             raise ValueError(f"merge_loads must be in [1, 16], got {self.merge_loads}")
 
