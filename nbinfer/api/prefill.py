@@ -50,9 +50,6 @@ class _PrefillWrapper:
     """What the paged and ragged wrappers share: plan bookkeeping, the launch, run()."""
 
     _sparse = True
-    # Partials the kernels' tile merge loads back to back (PrefillSpec.merge_loads); benchmarks
-    # set it on an instance before plan() to compare.
-    _merge_loads = 8
     # Whether plan() prepares the torch fast path of run() (the paged cache's run() takes it).
     _torch_fast_path = False
 
@@ -111,8 +108,7 @@ class _PrefillWrapper:
         args = (p["head_dim"], group, p["page_size"], p["kv_dtype"], p["q_dtype"],
                 self._kv_layout, p["variant"])
         flags = dict(sparse=self._sparse, custom_mask=p["custom"],
-                     block_positions=p["q_pos0"] is not None, sim=sim,
-                     merge_loads=self._merge_loads)
+                     block_positions=p["q_pos0"] is not None, sim=sim)
         if mma_eligible(p["head_dim"], p["q_dtype"], p["kv_dtype"]):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)

@@ -516,5 +516,5 @@ def decode_launch_config(num_work_items: int):
     return (max(int(num_work_items), 1),), (NUM_THREADS,)
 
 
-__all__ = ["AttentionSpec", "DecodeSpec", "build_decode_kernel", "decode_kernel_source", "decode_launch_config",
-           "decode_signature", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]
+__all__ = ["AttentionSpec", "DecodeSpec", "build_decode_kernel", "decode_kernel_source",
+           "decode_launch_config", "decode_signature", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]

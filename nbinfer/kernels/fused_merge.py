@@ -16,7 +16,7 @@ import functools
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, types
 
 from ..variants import Variant
 from .hooks import device_hooks
@@ -25,15 +25,14 @@ from .primitives import LN2, LOG2E, primitives
 
 @functools.cache
 def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant, out_dtype: str,
-                     sim: bool, loads_in_flight: int = 1):
+                     sim: bool):
     """Device functions of the fused merge, as a namespace: ``merge_list(plan, tmp_o, tmp_lse,
     o, lse, ml, hk, hq, tid, rows_off, indptr_off, indices_off, msmem, num)``,
     ``finish_split_item(...)`` (count a finished chunk; the last CTA merges), ``finish_split_tile``
     (the same for a prefill tile: every row counted, all rows completed here merged at once,
-    in parallel over (row, head, dim)), ``store(o, i, x)``
-    (float32 -> ``out_dtype``) and ``OUTS`` / ``TILE_OUTS``, the size of the per-thread ``num``
-    array for finish_split_item / finish_split_tile (``loads_in_flight``: partials the tile
-    merge loads back to back per output element).
+    in parallel over (row, head, dim), partial rows staged through shared memory by cp.async),
+    ``store(o, i, x)`` (float32 -> ``out_dtype``) and ``OUTS``, the size of the per-thread
+    ``num`` array the callers pass.
 
     Merges list ``ml`` of the reduction map stored in ``plan`` (word offsets ``rows_off`` etc.)
     for the G query heads of kv head ``hk``: partial states ``tmp_o [P*hq*D]``, ``tmp_lse [P*hq]``
@@ -46,6 +45,9 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     MERGE_SMEM = smem_floats
     SOFTMAX, HAS_OUT, hook_output = hooks.use_softmax, hooks.has_output, hooks.output
     exp2, log2, load_cg, to_bf16 = prims.exp2, prims.log2, prims.load_cg, prims.from_f32_bf16
+    shared_addr, cp_async16_to = prims.shared_addr, prims.cp_async16_to
+    commit, wait0 = prims.commit, prims.wait(0)
+    U32 = types.uint32
     OUT_BF16 = out_dtype == "bfloat16"
     NEG_INF = float32(-np.inf)
     ZERO = float32(0.0)
@@ -64,8 +66,17 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     # Block layout in msmem: [G*NB weights | NB partial rows | G m | G den | G scale].
     NB = (MERGE_SMEM - 3 * GP) // (G + 1)
     OUTS = -(-G * D // NT)  # output elements per thread (merge_list)
-    LIF = loads_in_flight
-    TILE_OUTS = max(OUTS, LIF)  # the ``num`` array a finish_split_tile caller passes
+    # Tile merge (prefill): a quarter of msmem for the weights and partial-row indices of a
+    # round of rows, the rest a 16-byte aligned stage for cp.async copies of partial rows.
+    if D % 4:
+        raise ValueError(f"the fused merge needs head_dim % 4 == 0, got {D}")
+    DV = D // 4  # 16-byte copies per partial row slice (D float32)
+    if NT % DV:
+        raise ValueError(f"the fused merge needs a multiple of {DV} threads, got {NT}")
+    TEAMS = NT // DV  # slices copied at once
+    W_CAP = MERGE_SMEM // 4
+    STAGE_OFF = -(-W_CAP // 4) * 4
+    STAGE_CAP = MERGE_SMEM - STAGE_OFF
     W_ROWS = G * NB
     W_M = W_ROWS + NB
     W_DEN = W_M + G
@@ -171,8 +182,6 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             if tid == 0:
                 counters[ml * hkv + hk] = 0  # ready for the next launch
 
-    # Tile merge (prefill): weights of up to CAP (row, head, partial) triples in msmem.
-    CAP = MERGE_SMEM
 
     @jit_dev
     def finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk, hkv, hq,
@@ -203,7 +212,7 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 if flags[rr]:
                     ml = ml0 + rr
                     n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
-                    if n * (G + 1) > CAP:  # one row at a time, in blocks of partials
+                    if n * (G + 1) > W_CAP or n * D > STAGE_CAP:  # one row at a time
                         flags[nrows + 3 + nl] = rr
                         nl += 1
                     else:
@@ -227,8 +236,11 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             cuda.syncthreads()
         if nf == 0:
             return
-        # msmem per round: [weights: rb x G x maxn | partial rows: rb x maxn (as float32)].
-        rb = CAP // (maxn * (G + 1))  # rows per round
+        # msmem per round: [weights: rb x G x maxn | partial rows: rb x maxn (as float32)
+        # | ... | stage from STAGE_OFF].
+        rb = W_CAP // (maxn * (G + 1))  # rows per round
+        stage = shared_addr(msmem, STAGE_OFF)
+        d4 = (tid % DV) * 4  # this thread's 16-byte chunk of every slice it copies
         for r0 in range(0, nf, rb):
             nr = min(rb, nf - r0)
             pbase = nr * G * maxn
@@ -242,20 +254,24 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 # another row's partial, which may not be written yet (uninitialised memory).
                 msmem[pbase + idx] = float32(plan[merge_indices_off + lo + (j if j < n else 0)])
             cuda.syncthreads()
-            # Phase 1, one thread per (row, head): normalised weights exp2(lse_j - m) / den of
-            # the row's partials (map order), and the merged LSE.
+            # Phase 1a: every (row, head, partial) LSE into the weight slots (log2 domain), a
+            # few per thread: one L2 round trip each instead of maxn per (row, head) thread.
+            for idx in range(tid, nr * G * maxn, NT):
+                kh = idx // maxn  # the one division by a runtime value per element
+                pr = int32(msmem[pbase + (kh // G) * maxn + idx - kh * maxn])
+                msmem[idx] = load_cg(tmp_lse, pr * hq + hk * G + kh % G) * F_LOG2E if SOFTMAX \
+                    else ZERO
+            cuda.syncthreads()
+            # Phase 1b, one thread per (row, head): normalised weights exp2(lse_j - m) / den of
+            # the row's partials (map order; 0 past the row's own list), and the merged LSE;
+            # the unit's output row x head goes to flags[nrows + 3 + idx] (free by now).
             for idx in range(tid, nr * G, NT):
-                k = idx // G
-                h = idx % G
-                ml = ml0 + flags[r0 + k]
+                ml = ml0 + flags[r0 + idx // G]
                 n = plan[merge_indptr_off + ml + 1] - plan[merge_indptr_off + ml]
                 wb = idx * maxn
                 mt = NEG_INF
                 for j in range(n):
-                    pr = int32(msmem[pbase + k * maxn + j])
-                    x = load_cg(tmp_lse, pr * hq + hk * G + h) * F_LOG2E if SOFTMAX else ZERO
-                    msmem[wb + j] = x
-                    mt = max(mt, x)
+                    mt = max(mt, msmem[wb + j])
                 mref = mt if mt > NEG_INF else ZERO
                 den = ZERO
                 for j in range(n):
@@ -263,43 +279,61 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                     msmem[wb + j] = e
                     den += e
                 inv = ONE / den if (den > ZERO and SOFTMAX) else (ONE if not SOFTMAX else ZERO)
-                for j in range(maxn):  # zero weights past the row's own list
+                for j in range(maxn):
                     msmem[wb + j] = msmem[wb + j] * inv if j < n else ZERO
                 if SOFTMAX:
                     lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
                 else:
                     lse_val = ZERO
-                lse[plan[merge_rows_off + ml] * hq + hk * G + h] = lse_val
+                rowhead = plan[merge_rows_off + ml] * hq + hk * G + idx % G
+                lse[rowhead] = lse_val
+                flags[nrows + 3 + idx] = rowhead
             cuda.syncthreads()
-            # Phase 2, one thread per output element: the weighted sum of the row's partials
-            # (indices from shared memory: no dependent plan load). Issue is in order and the
-            # loads are volatile asm, so a loop of load -> FMA stalls once per partial; LIF
-            # loads issued back to back, then their FMAs, stall once per LIF partials. The sum
-            # is in list order either way (bitwise the same result for any LIF).
-            total = nr * G * D
-            for e in range(tid, total, NT):
-                k = e // (G * D)
-                h = (e // D) % G
-                wb = (k * G + h) * maxn
-                pb = pbase + k * maxn
-                col = (hk * G + h) * D + e % D
-                acc_o = ZERO
-                for j0 in range(0, maxn, LIF):
-                    for u in range(LIF):
-                        j = min(j0 + u, maxn - 1)  # past the list: a re-read, not summed
-                        num[u] = load_cg(tmp_o, int32(msmem[pb + j]) * hq * D + col)
-                    for u in range(LIF):
-                        if j0 + u < maxn:
-                            acc_o += msmem[wb + j0 + u] * num[u]
-                row = plan[merge_rows_off + ml0 + flags[r0 + k]]
-                if HAS_OUT:
-                    acc_o = float32(hook_output(acc_o, lse[row * hq + hk * G + h], hk * G + h))
-                store(o, row * hq * D + col, acc_o)
-            cuda.syncthreads()
+            # Phase 2, per batch of U (row, head) units: cp.async (16 B, through L2) every
+            # partial's D floats of the units into the stage, then one thread per output element
+            # sums weight x stage in list order. The copies hold no registers, so a batch keeps
+            # U x maxn x D x 4 bytes in flight (28 KiB for D 128, 8 partials, 32 KiB of shared
+            # memory), where loads into registers kept 4 KiB: the merge of a 64-row tile
+            # (8 x 64 x 128 x 4 = 256 KiB through one SM) takes ~10 round trips instead of ~64.
+            # Thread tid copies chunk tid % DV of slices tid // DV, + TEAMS, ...: (unit, j) of a
+            # slice advance by TEAMS without a division (a 64-bit division by the runtime maxn
+            # costs ~100 instructions; three per copy took longer than the copies).
+            U = STAGE_CAP // (maxn * D)
+            nunits = nr * G
+            for u0 in range(0, nunits, U):
+                nu = min(U, nunits - u0)
+                ku = 0
+                j = tid // DV
+                while j >= maxn:
+                    j -= maxn
+                    ku += 1
+                for s in range(tid // DV, nu * maxn, TEAMS):
+                    kh = u0 + ku
+                    pr = int32(msmem[pbase + (kh // G) * maxn + j])
+                    cp_async16_to(msmem, stage + U32((s * D + d4) * 4), tmp_o,
+                                  pr * hq * D + (hk * G + kh % G) * D + d4)
+                    j += TEAMS
+                    while j >= maxn:
+                        j -= maxn
+                        ku += 1
+                commit()
+                wait0()
+                cuda.syncthreads()
+                for e in range(tid, nu * D, NT):
+                    kh = u0 + e // D
+                    wb = kh * maxn
+                    sb = STAGE_OFF + (e // D) * maxn * D + e % D
+                    acc = ZERO
+                    for jj in range(maxn):
+                        acc += msmem[wb + jj] * msmem[sb + jj * D]
+                    rowhead = flags[nrows + 3 + kh]
+                    if HAS_OUT:
+                        acc = float32(hook_output(acc, lse[rowhead], hk * G + kh % G))
+                    store(o, rowhead * D + e % D, acc)
+                cuda.syncthreads()
 
     return SimpleNamespace(merge_list=merge_list, finish_split_item=finish_split_item,
-                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS,
-                           TILE_OUTS=TILE_OUTS)
+                           finish_split_tile=finish_split_tile, store=store, OUTS=OUTS)
 
 
 __all__ = ["build_merge_list"]

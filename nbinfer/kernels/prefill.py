@@ -49,17 +49,10 @@ class PrefillSpec(AttentionSpec):
     # Block-sparse (BSR) mode: a "page" is a block column of the key matrix, so positions are
     # physical (page id * page_size + slot) and each query row's position comes from ``q_pos0``.
     block_positions: bool = False
-    # Partials the tile merge loads back to back per output element (1: one at a time).
-    merge_loads: int = 8
 
     @property
     def max_group(self) -> int:
         return self.tile_q
-
-    def __post_init__(self):
-        super().__post_init__()
-        if not 1 <= self.merge_loads <= 16:
-            raise ValueError(f"merge_loads must be in [1, 16], got {self.merge_loads}")
 
     @property
     def tile_q(self) -> int:
@@ -123,9 +116,9 @@ def prefill_kernel_source(spec: PrefillSpec):
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
-    fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim,
-                             spec.merge_loads)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
+    SMEM_ALIGN = None if sim else 16  # the merge's cp.async stage; the simulator takes none
+    fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
     token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset
     read_item = prefill_item_reader(spec.sparse, PS, D, spec.kv_layout, spec.block_positions,
                                     sim)
@@ -154,7 +147,8 @@ def prefill_kernel_source(spec: PrefillSpec):
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                        mask_words_off, q_pos0_off, qo_end_off):
         qs_ = cuda.shared.array(Q_SMEM, float32)
-        kv_ = cuda.shared.array(MERGE_FLOATS, float32)  # [K tile | V tile], merge scratch after
+        # [K tile | V tile], the merge's scratch after the item's loop.
+        kv_ = cuda.shared.array(MERGE_FLOATS, float32, alignment=SMEM_ALIGN)
         ss_ = cuda.shared.array(S_SMEM, float32)
         row_m = cuda.shared.array(TQ, float32)
         row_l = cuda.shared.array(TQ, float32)

@@ -120,9 +120,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
-    fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim,
-                             spec.merge_loads)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.TILE_OUTS
+    fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
     token_offset = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim).token_offset
     read_item = prefill_item_reader(spec.sparse, spec.page_size, D, spec.kv_layout, spec.block_positions,
                                     sim)
