@@ -1,6 +1,6 @@
 """Causal prefill and shared-prefix (cascade) decode on the H200.
 
-    python bench/prefill.py --out bench/results/prefill_h200_v1.json
+    python bench/prefill.py --out bench/results/prefill_h200_v3.json
 
 a) Shared-prefix decode: 64 requests sharing an 8192-token prefix, 256 unique tokens each (fp16,
    Hq 32, Hkv 8, D 128, page 16): MultiLevelCascadeAttentionWrapper (2 levels) vs plain
@@ -11,7 +11,9 @@ a) Shared-prefix decode: 64 requests sharing an 8192-token prefix, 256 unique to
 b) Causal prefill B=4, L=4096, H=32 (Hkv 32), D=128, fp16: TFLOP/s of the tensor-core prefill
    kernel (ragged KV) and torch SDPA flash / cuDNN on the same shapes, same run.
    FLOPs (causal) = 4 * B * H * D * L * (L + 1) / 2.
-Timing: CUDA events, warm-up, median of 10 (b) / 30 (a).
+Timing: CUDA events, warm-up, median of 10 (b) / 30 (a) single calls (host time included);
+(a) also 20 calls back to back per event pair (GPU time) and each path captured once in a CUDA
+graph and replayed (``graph_speedup``: decode as a serving engine runs it).
 """
 
 from __future__ import annotations
@@ -91,20 +93,13 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
                               ms=median_ms(lambda: casc.run(q, cache)),
                               gpu_ms=back_to_back_ms(lambda: casc.run(q, cache))))
     parts["schedule_sweep"] = sweep
-    # The tile merge's loads in flight per output element (1 = one dependent L2 round trip per
-    # partial): the prefix level alone, where 8 chunks per row are merged at the end.
-    one = MultiLevelCascadeAttentionWrapper(1, ws1)
-    merge = []
-    for loads in (1, 8):
-        one._fused._merge_loads = loads
-        one.plan([np.array([0, batch])], [np.array([0, pp])], [pre], [np.array([ps])], hq, hkv,
-                 d, ps, q_data_type="float16")
-        merge.append(dict(merge_loads=loads,
-                          gpu_ms=back_to_back_ms(lambda one=one: one.run(q, cache))))
-    parts["prefix_level_merge_loads"] = merge
     casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps, logits_soft_cap=None,
                             sm_scale=None, q_data_type="float16", kv_data_type=None)
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
+    # As a serving engine runs decode: each path captured once in a CUDA graph and replayed.
+    parts["cascade_graph_ms"] = graph_ms(lambda: casc.run(q, cache))
+    parts["plain_graph_ms"] = graph_ms(lambda: plain.run(q, cache))
+    parts["graph_speedup"] = parts["plain_graph_ms"] / parts["cascade_graph_ms"]
     fused = casc._fused._plan
     return dict(batch=batch, prefix=prefix, unique=unique, cascade_ms=t_c, plain_ms=t_p,
                 speedup=t_p / t_c, max_abs_diff=diff, one_launch=bool(casc._plan["fused"]),
@@ -124,6 +119,20 @@ def back_to_back_ms(fn, n=20):
     b.record()
     b.synchronize()
     return a.elapsed_time(b) / n
+
+
+def graph_ms(fn, n=20):
+    """Median over 10 event pairs of ``n`` replays of ``fn`` captured once in a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 
 
 def causal_prefill(B=4, L=4096, H=32, d=128):

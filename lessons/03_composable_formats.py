@@ -687,17 +687,18 @@ assert (f"{plain_pred / ideal_pred:.0f}", f"{ai_comp:.0f}") == ("22", "44")
 # %% [markdown]
 # ## What the H200 measured
 #
-# `python3 bench/prefill.py --out bench/results/prefill_h200_v2.json` times, in one process on
+# `python3 bench/prefill.py --out bench/results/prefill_h200_v3.json` times, in one process on
 # the same pages, `MultiLevelCascadeAttentionWrapper` (both levels in **one launch** of the
 # tensor-core prefill kernel: every (level, segment) is a virtual request of one plan, and each
 # output row's states from both levels are merged by the kernel's fused merge) against plain
 # `BatchDecodeWithPagedKVCacheWrapper`. It also times each level alone and, for the own tokens,
-# the decode kernel, each both as single calls and back to back (GPU time, host hidden).
+# the decode kernel, each both as single calls and back to back (GPU time, host hidden), and
+# both formats captured once in a CUDA graph and replayed, as a serving engine runs decode.
 # Floors: bytes at the measured 4.2 TB/s copy ceiling; FLOPs (both formats do
 # `4 H_q D` per token) at the tensor-core kernel's own measured rate on causal prefill.
 
 # %%
-h200 = json.loads((repo_root() / "bench" / "results" / "prefill_h200_v2.json").read_text())
+h200 = json.loads((repo_root() / "bench" / "results" / "prefill_h200_v3.json").read_text())
 sp, cp = h200["shared_prefix"], h200["causal_prefill"]
 assert (sp["batch"], sp["prefix"], sp["unique"]) == (B_H200, P_H200, U_H200)
 HBM = 4.2e12
@@ -707,8 +708,10 @@ floors = {"plain": plain_pred * TOKEN_BYTES / HBM * 1e3,
 parts = sp["breakdown"]
 bars = [("plain decode, one call", sp["plain_ms"], floors["plain"], "C0"),
         ("plain decode, GPU", parts["plain_gpu_ms"], floors["plain"], "C0"),
+        ("plain decode, CUDA graph", parts["plain_graph_ms"], floors["plain"], "C0"),
         ("cascade, one call", sp["cascade_ms"], floors["cascade"], "C1"),
         ("cascade, GPU", parts["cascade_gpu_ms"], floors["cascade"], "C1"),
+        ("cascade, CUDA graph", parts["cascade_graph_ms"], floors["cascade"], "C1"),
         ("  prefix level alone, GPU", parts["prefix_level"]["gpu_ms"],
          flops * P_H200 / (P_H200 + U_H200) / mma_rate * 1e3, "C3"),
         ("  own level alone, GPU", parts["own_level"]["gpu_ms"],
@@ -718,31 +721,39 @@ bars = [("plain decode, one call", sp["plain_ms"], floors["plain"], "C0"),
 for name, ms, floor, _ in bars:
     print(f"{name:34s} {ms:6.3f} ms   floor {floor:6.3f} ms   {ms / floor:5.1f}x the floor")
 speedup = sp["plain_ms"] / sp["cascade_ms"]
-print(f"speed-up of the cascade: {speedup:.2f}x measured, {ratio:.1f}x fewer bytes predicted; "
+graph_speedup = parts["plain_graph_ms"] / parts["cascade_graph_ms"]
+host_us = {k: (sp[f"{k}_ms"] - parts[f"{k}_gpu_ms"]) * 1e3 for k in ("plain", "cascade")}
+print(f"speed-up of the cascade: {graph_speedup:.2f}x replayed from a CUDA graph, {speedup:.2f}x "
+      f"as one Python call each (host adds {host_us['cascade']:.0f} / {host_us['plain']:.0f} us "
+      f"to cascade / plain); {ratio:.1f}x fewer bytes predicted; "
       f"causal prefill {cp['nbinfer_tflops']:.0f} TFLOP/s vs SDPA flash "
       f"{cp['sdpa_flash_tflops']:.0f}")
 
-fig, ax = subplots(figsize=(10, 3.8))
+fig, ax = subplots(figsize=(10, 4.4))
 ys = np.arange(len(bars))[::-1]
 ax.barh(ys, [b[1] for b in bars], color=[b[3] for b in bars], alpha=0.85)
 ax.scatter([b[2] for b in bars], ys, marker="|", s=300, color="k", zorder=3,
-           label="floor: bytes / 4.2 TB/s or FLOPs / 134 TFLOP/s")
+           label=f"floor: bytes / 4.2 TB/s or FLOPs / {cp['nbinfer_tflops']:.0f} TFLOP/s")
 ax.set_yticks(ys, [b[0] for b in bars], fontsize=8)
-ax.set_xlabel("ms (median of 30 calls; GPU = 20 calls back to back)")
-ax.set_title(f"H200, shared prefix B={B_H200}, P={P_H200}, U={U_H200}: cascade {speedup:.2f}x "
-             f"faster than plain decode (target 3x, byte model {ratio:.0f}x)", fontsize=10)
+ax.set_xlabel("ms (median of 30 calls; GPU = 20 calls back to back; CUDA graph = 20 replays)")
+ax.set_title(f"H200, shared prefix B={B_H200}, P={P_H200}, U={U_H200}: cascade {graph_speedup:.2f}x"
+             f" faster than plain decode in a CUDA graph, {speedup:.2f}x per Python call "
+             f"(target 3x, byte model {ratio:.0f}x)", fontsize=9)
 ax.legend(fontsize=8, frameon=False, loc="lower right")
 ax.grid(True, axis="x", lw=0.4, alpha=0.5)
 save_figure(fig, "03_measured_speedup.png")
 show(fig)
 
 # The claims of the next cell, checked against the committed measurement:
-assert 1.5 < speedup < 3.0  # faster, but short of the 3x target
+assert graph_speedup >= 3.0  # the target, as decode runs in serving (graph replay)
+assert 2.5 < speedup < graph_speedup  # per Python call: ~20 us of host time on each side
 assert sp["plain_ms"] < floors["plain"]  # plain decode beats its HBM floor: L2 serves the prefix
-assert parts["prefix_level"]["gpu_ms"] > 2 * flops * P_H200 / (P_H200 + U_H200) / mma_rate * 1e3
+prefix_floor = flops * P_H200 / (P_H200 + U_H200) / mma_rate * 1e3
+assert parts["prefix_level"]["gpu_ms"] > 1.8 * prefix_floor  # about half the causal rate
 assert parts["own_on_decode_kernel"]["gpu_ms"] < parts["own_level"]["gpu_ms"]
-assert parts["cascade_gpu_ms"] > 0.8 * (parts["prefix_level"]["gpu_ms"]
-                                        + parts["own_level"]["gpu_ms"])
+# In one launch the own level mostly hides behind the prefix level's tail.
+assert parts["prefix_level"]["gpu_ms"] < parts["cascade_gpu_ms"] < (
+    parts["prefix_level"]["gpu_ms"] + 0.5 * parts["own_level"]["gpu_ms"])
 print(f"lesson ran in {time.perf_counter() - T_START:.1f} s (simulator)")
 
 # %% [markdown]
@@ -768,13 +779,16 @@ print(f"lesson ran in {time.perf_counter() - T_START:.1f} s (simulator)")
 #   prefix pages, which the H200's L2 keeps, so plain decode's real traffic is already below
 #   the byte model's.
 # * The cascade moved the work from bytes to FLOPs. Its prefix level is 8.6 GFLOP of
-#   tensor-core tile work; alone it ran at well under half of the kernel's causal-prefill rate
-#   (one 1024-token chunk per CTA, then the merge of 8 chunks per row at the end: a
-#   latency-bound tail), and the own level (4 live packed rows in a 64-row tile) was slower than
-#   the decode kernel on the same pages. In one launch the two levels add up rather than
-#   overlap: the scheduler's byte cost model does not see that a prefix chunk costs tensor-core
-#   time per token and an own-token item mostly latency.
-# * Result: 1.8x, not the 11x the bytes allow nor the 3x target. What would move it, in the
-#   order of the gaps above: a faster tile merge and finer prefix chunks, a cost model in time
-#   rather than bytes, and the own level on a small-tile (or decode) path. Bench notes:
+#   tensor-core tile work; alone it ran at about half of the kernel's causal-prefill rate: one
+#   1024-token chunk per CTA (every CTA starts and ends together, nothing hides a chunk's start
+#   and end), then the merge of 8 chunks per row, 256 KiB per 64-row tile through one SM. The
+#   merge stages partial rows through shared memory by cp.async (24 KiB in flight per CTA
+#   rather than 4 KiB of loads into registers); `bench/NOTES.md` has its A/B.
+# * The own level (4 live packed rows in a 64-row tile) is slower alone than the decode kernel
+#   on the same pages, but in one launch it mostly runs beside the prefix level: the cascade
+#   takes only ~17 us more than its prefix level.
+# * Result: 3.1x replayed from a CUDA graph, the way decode steps run in a serving engine, and
+#   2.9x as one Python call each, where ~20 us of launch overhead per call weighs more on the
+#   shorter cascade. Not the 11x the bytes allow: what would move it is the prefix level's rate
+#   (larger KV tiles, fewer registers, chunk start/end overlapped). Bench notes:
 #   `bench/NOTES.md`.
