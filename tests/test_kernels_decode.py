@@ -126,6 +126,11 @@ def test_run_errors(rng):
         w.plan(pt.indptr, pt.indices, np.array([0, 9]), 4, 2, 64, 4)
     with pytest.raises(ValueError, match="kv_layout"):
         BatchDecodeWithPagedKVCacheWrapper(np.zeros(16, np.uint8), "NDH")
+    base = np.zeros((1 << 16) + 16, np.uint8)
+    skew = (16 - base.ctypes.data % 16) % 16 + 4  # 4 bytes past a 16-byte boundary
+    w = BatchDecodeWithPagedKVCacheWrapper(base[skew:skew + (1 << 16)], "NHD")
+    with pytest.raises(ValueError, match="float_workspace_buffer must start at a 16-byte"):
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, 4, q_data_type="float16")
 
 
 def test_fused_merge_walks_more_partials_than_fit_in_shared_memory(rng):

@@ -58,6 +58,12 @@ class DecodeLaunch:
                                                        decode_signature(spec), PLAN_OFFSETS)
         self.launch = PreparedLaunch(compiled, signature, num_ctas, num_threads, sim=sim)
         f32 = binding.workspace_f32(workspace, backend)
+        cai = getattr(f32, "__cuda_array_interface__", None)
+        addr = cai["data"][0] if cai is not None else f32.ctypes.data
+        if addr % 16:
+            # The prefill kernels' fused merge copies partial states 16 bytes at a time.
+            raise ValueError(f"float_workspace_buffer must start at a 16-byte aligned address, "
+                             f"got one {addr % 16} bytes past it")
         if f32.size * 4 < layout.nbytes:
             raise ValueError(f"float_workspace_buffer holds {f32.size * 4} bytes, this plan "
                              f"needs {layout.nbytes}")

@@ -285,16 +285,18 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                     lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
                 else:
                     lse_val = ZERO
-                rowhead = plan[merge_rows_off + ml] * hq + hk * G + idx % G
+                rowhead = plan[merge_rows_off + ml] * hq + hk * G + idx % G  # < 2**31: int32
                 lse[rowhead] = lse_val
                 flags[nrows + 3 + idx] = rowhead
             cuda.syncthreads()
             # Phase 2, per batch of U (row, head) units: cp.async (16 B, through L2) every
             # partial's D floats of the units into the stage, then one thread per output element
             # sums weight x stage in list order. The copies hold no registers, so a batch keeps
-            # U x maxn x D x 4 bytes in flight (28 KiB for D 128, 8 partials, 32 KiB of shared
-            # memory), where loads into registers kept 4 KiB: the merge of a 64-row tile
-            # (8 x 64 x 128 x 4 = 256 KiB through one SM) takes ~10 round trips instead of ~64.
+            # U x maxn x D x 4 bytes in flight (tensor-core kernel, D 128, 8 partials: a 25.5 KiB
+            # stage, 6 units, 24 KiB), where loads into registers kept 4 KiB: the merge of a
+            # 64-row tile (8 x 64 x 128 x 4 = 256 KiB through one SM) takes ~11 round trips
+            # instead of ~64. tmp_o rows are 16-byte aligned: D % 4 == 0, and the workspace
+            # start is checked on the host (DecodeLaunch).
             # Thread tid copies chunk tid % DV of slices tid // DV, + TEAMS, ...: (unit, j) of a
             # slice advance by TEAMS without a division (a 64-bit division by the runtime maxn
             # costs ~100 instructions; three per copy took longer than the copies).
