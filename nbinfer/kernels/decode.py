@@ -274,7 +274,7 @@ def decode_kernel_source(spec: DecodeSpec):
             cp16(kvs, dst, k, off)
             cp16(kvs, dst + K_BYTES, v, off)
 
-    SMEM_ALIGN = None if sim else 16  # the simulator takes no alignment
+    SMEM_ALIGN = prims.SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
     loader = loading_module(SPARSE, PS, D, spec.kv_layout, sim)

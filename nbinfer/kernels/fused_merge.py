@@ -182,7 +182,6 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
             if tid == 0:
                 counters[ml * hkv + hk] = 0  # ready for the next launch
 
-
     @jit_dev
     def finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk, hkv, hq,
                           nrows, tid, item_merge_off, merge_rows_off, merge_indptr_off,

@@ -116,7 +116,7 @@ def prefill_kernel_source(spec: PrefillSpec):
     S_SMEM = TQ * SS
     MERGE_FLOATS = K_SMEM + V_SMEM  # K and V tiles are free once the item's loop is done
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
-    SMEM_ALIGN = None if sim else 16  # the merge's cp.async stage; the simulator takes none
+    SMEM_ALIGN = prims.SMEM_ALIGN  # the merge's cp.async stage
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
     token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset

@@ -115,7 +115,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     if TQ * RS > STAGE_BYTES:
         raise ValueError(f"{TQ} Q rows do not fit in one KV stage")
     SMEM_FLOATS = KV_BYTES // 4
-    SMEM_ALIGN = None if sim else 16  # the simulator takes no alignment
+    SMEM_ALIGN = prims.SMEM_ALIGN
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM

@@ -230,9 +230,10 @@ def primitives(sim: bool):
     shared-memory access by 32-bit address: ``shared_addr(arr, idx)`` (bytes; in the simulator
     an offset into ``arr``), ``make_lds(dtype, n)(arr, addr)`` (n storage elements -> tuple of
     n float32, vector loads), ``sts_f32(arr, addr, x)``, ``cp_async16_to(sarr, addr, src, i)``,
-    ``load_cg(arr, i)`` (a float32 global load that bypasses L1)
-    (16 bytes of ``src`` from element ``i``). Each takes the array it addresses, so the simulator
-    twin can index it; the GPU version only uses the address.
+    (16 bytes of ``src`` from element ``i``), ``load_cg(arr, i)`` (a float32 global load that
+    bypasses L1). Each takes the array it addresses, so the simulator twin can index it; the GPU
+    version only uses the address. ``SMEM_ALIGN``: the ``alignment`` of shared arrays that
+    cp.async, ldmatrix or vector loads read (16; None in the simulator, which takes none).
 
     The simulator's shuffles are not provided: kernels use the warp collectives built by
     :func:`warp_collectives`, which have their own shared-memory twins.
@@ -304,6 +305,7 @@ def primitives(sim: bool):
         ns.shared_addr, ns.make_lds, ns.sts_f32, ns.cp_async16_to = (
             shared_addr, make_lds, sts_f32, cp_async16_to)
         ns.load_cg = load_cg
+        ns.SMEM_ALIGN = None  # the simulator's shared arrays take no alignment
         return ns
 
     from numba.cuda import libdevice
@@ -361,5 +363,7 @@ def primitives(sim: bool):
     kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
     ns.shared_addr, ns.sts_f32, ns.cp_async16_to = intr.shared_addr, intr.sts_f32, intr.cp_async16_to
     ns.load_cg = intr.load_cg
+    # Shared arrays read by cp.async, ldmatrix or ld.shared.v4 must start 16-byte aligned.
+    ns.SMEM_ALIGN = 16
     ns.make_lds = lambda dtype, n: intr.lds[(kinds[dtype], n)]
     return ns
