@@ -8,7 +8,6 @@ import time
 
 import numpy as np
 import pytest
-from conftest import SIMULATOR
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -232,31 +231,6 @@ def test_executing_the_plan_gives_full_attention(args, seed):
         o_, s_ = attend(q[r0:r1], ks[b], vs[b], r1 - r0, kv[b], 0, args["causal"])
         np.testing.assert_allclose(out[r0:r1], o_, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(lse[r0:r1], s_, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.skipif(not SIMULATOR, reason="runs the merge kernel in the CUDA simulator")
-def test_reduction_map_drives_the_merge_kernel(rng):
-    from nbinfer.kernels.merge import MergeSpec, build_merge_rows, merge_launch_config
-
-    p = plan(np.arange(4), [300, 7, 190], 4, 2, 8, granule=8)
-    assert p.merge_rows.tolist() == [0, 2] and np.diff(p.merge_indptr).tolist() == [3, 2]
-    h, d = 4, 3
-    v = rng.standard_normal((p.num_partials, h, d)).astype(np.float32)
-    s = rng.standard_normal((p.num_partials, h)).astype(np.float32)
-    o, lse = np.zeros((3, h, d), np.float32), np.zeros((3, h), np.float32)
-    total = p.num_merge_rows * h * d
-    grid, block = merge_launch_config(total)
-    indptr, indices, rows = (np.array(a) for a in (p.merge_indptr, p.merge_indices, p.merge_rows))
-    build_merge_rows(MergeSpec(sim=True))[grid, block](  # writable copies: plan arrays are read-only
-        v.ravel(), s.ravel(), indptr, indices, rows, o.reshape(-1),
-        lse.reshape(-1), np.int32(h), np.int32(d), np.int32(total))
-    for m, row in enumerate(p.merge_rows.tolist()):
-        parts = p.merge_indices[p.merge_indptr[m]:p.merge_indptr[m + 1]].tolist()
-        w = np.exp(s[parts] - s[parts].max(0))
-        np.testing.assert_allclose(o[row], np.einsum("ph,phd->hd", w, v[parts]) / w.sum(0)[:, None],
-                                   rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(lse[row], np.log(w.sum(0)) + s[parts].max(0), rtol=1e-5,
-                                   atol=1e-6)
 
 
 @SETTINGS

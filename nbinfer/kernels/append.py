@@ -9,9 +9,11 @@ and the arrays' addresses). fp16, bf16 and fp32 are therefore one kernel per wor
 One thread per (token, kv head, word) on a 2-D grid: block ``x`` is the token, block ``y`` a chunk
 of its ``H * row_words`` words, so the head and word come from dividing by the compile-time
 ``row_words`` (64-bit divisions by run-time sizes would cost more than the copy). Consecutive
-threads take consecutive words of a row, so each warp reads and writes whole 32-byte sectors:
-NHD keeps all heads of a slot adjacent (a token is one contiguous ``H * D * itemsize`` run),
-HND keeps each head's row contiguous.
+threads take consecutive words of a row, so each warp reads and writes whole 32-byte sectors.
+The layouts are run-time strides (in words): the source's token and head strides (new keys and
+values may be views into a fused QKV tensor), the cache's page, slot and head strides (NHD
+``[page, slot, head, :]``, HND ``[page, head, slot, :]``, or a view of a larger pool); only the
+last dimension must be contiguous.
 Bytes per token: ``2 * H * D * itemsize`` read and written (K and V), plus 8 B of indices that
 all threads of the token share through the cache. Pure bandwidth; no arithmetic besides indexing.
 """
@@ -34,7 +36,7 @@ class AppendSpec:
     """What an append kernel is compiled for.
 
     ``word_bytes`` (2, 4 or 8) is the copy unit, ``row_words`` the words in one head's row of
-    ``D`` elements, ``page_size`` and ``kv_layout`` fix the slot arithmetic at compile time.
+    ``D`` elements, ``page_size`` fixes the slot arithmetic at compile time.
     ``combined``: K and V share one ``[P, 2, ...]`` array, passed as ``k_cache`` (the
     ``v_cache`` argument is then unused: the simulator copies each argument in and back out
     separately, so the same array passed twice would lose one side's writes).
@@ -43,7 +45,6 @@ class AppendSpec:
     word_bytes: int
     row_words: int
     page_size: int
-    kv_layout: str = "NHD"
     combined: bool = True
     sim: bool = False
 
@@ -53,8 +54,6 @@ class AppendSpec:
         if self.row_words < 1 or self.page_size < 1:
             raise ValueError(f"row_words and page_size must be >= 1, got {self.row_words}, "
                              f"{self.page_size}")
-        if self.kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
 
 
 def choose_word_bytes(row_bytes: int, addresses) -> int:
@@ -74,10 +73,12 @@ def choose_word_bytes(row_bytes: int, addresses) -> int:
 def build_append_kernel(spec: AppendSpec):
     """Compile (once per spec) the append kernel.
 
-    Arguments: ``k_src, v_src [nnz * H * RW]`` (words), ``batch_indices [nnz], positions [nnz],
-    kv_indptr [B+1], kv_indices [pages]`` (int32), ``k_cache, v_cache`` (words; a combined
-    cache goes in ``k_cache`` and ``v_cache`` may be any word array), ``num_heads`` (int32),
-    ``v_offset, page_stride`` (int64, in words). Launch with :func:`append_launch_config`.
+    Arguments: ``k_src, v_src`` (words, from the first element of each), ``batch_indices [nnz],
+    positions [nnz], kv_indptr [B+1], kv_indices [pages]`` (int32), ``k_cache, v_cache`` (words;
+    a combined cache goes in ``k_cache`` and ``v_cache`` may be any word array), ``num_heads``
+    (int32), then int64 word counts: ``v_offset`` (V's start in a combined cache), the cache's
+    ``page_stride, slot_stride, head_stride`` and the sources' ``k_stride_n, k_stride_h,
+    v_stride_n, v_stride_h``. Launch with :func:`append_launch_config`.
 
     The caller validates every index on the host before the launch; the kernel still skips a
     word whose slot would fall outside its cache array, so a bad index can never corrupt other
@@ -85,40 +86,36 @@ def build_append_kernel(spec: AppendSpec):
     """
     RW = spec.row_words
     PS = spec.page_size
-    NHD = spec.kv_layout == "NHD"
     COMBINED = spec.combined
 
     def append_kv(k_src, v_src, batch_indices, positions, kv_indptr, kv_indices, k_cache,
-                  v_cache, num_heads, v_offset, page_stride):
+                  v_cache, num_heads, v_offset, page_stride, slot_stride, head_stride, k_stride_n,
+                  k_stride_h, v_stride_n, v_stride_h):
         i = cuda.blockIdx.x  # token
         e = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x  # word of the token's H rows
         if e >= num_heads * RW:
             return
         h = e // RW
         w = e - h * RW
-        t = int64(i) * num_heads * RW + e  # source word: append arrays are [nnz, H, D]
         b = batch_indices[i]
         pos = positions[i]
         page = int64(kv_indices[kv_indptr[b] + pos // PS])
-        slot = pos % PS
-        if NHD:
-            row = slot * num_heads + h  # [page, slot, head, :]
-        else:
-            row = h * PS + slot  # [page, head, slot, :]
-        dst = page * page_stride + int64(row) * RW + w
+        dst = page * page_stride + int64(pos % PS) * slot_stride + int64(h) * head_stride + w
+        kt = int64(i) * k_stride_n + int64(h) * k_stride_h + w
+        vt = int64(i) * v_stride_n + int64(h) * v_stride_h + w
         if dst >= 0 and dst < k_cache.size:
-            k_cache[dst] = k_src[t]
+            k_cache[dst] = k_src[kt]
         if COMBINED:
             if dst >= 0 and v_offset + dst < k_cache.size:
-                k_cache[v_offset + dst] = v_src[t]
+                k_cache[v_offset + dst] = v_src[vt]
         elif dst >= 0 and dst < v_cache.size:
-            v_cache[dst] = v_src[t]
+            v_cache[dst] = v_src[vt]
 
     if spec.sim:
         return cuda.jit(append_kv)
     wt = types.Array(WORD_TYPES[spec.word_bytes], 1, "C")
     i32 = types.Array(int32, 1, "C")
-    sig = types.void(wt, wt, i32, i32, i32, i32, wt, wt, int32, int64, int64)
+    sig = types.void(wt, wt, i32, i32, i32, i32, wt, wt, int32, *([int64] * 8))
     return cuda.jit(sig)(append_kv)
 
 

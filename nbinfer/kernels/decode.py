@@ -36,63 +36,28 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int16, int32, int64, types
-from numba.core.types import float16
+from numba import cuda, float32, int32, int64, types
 
-from ..variants import Variant
+from .common import (
+    DECODE_PLAN_SECTIONS,
+    F_LN2,
+    ITEMSIZE,
+    STORAGE,
+    WORK_FIELDS,
+    AttentionSpec,
+    attention_signature,
+    compile_kernel,
+    state_finalize,
+)
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
-from .primitives import LN2, LOG2E, primitives
+from .primitives import LOG2E, primitives
 from .warp import warp_collectives
 
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
-HEAD_DIMS = (64, 128, 256)
-KV_DTYPES = ("float16", "bfloat16", "float32")
-# Numba storage type of each dtype: bf16 travels as its raw bits.
-STORAGE = {"float16": float16, "bfloat16": int16, "float32": float32}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
-# The scheduler's work table (nbinfer.scheduler): request, kv_head, qo_start, qo_end, kv_start,
-# kv_end, partial_row (-1: write the output directly).
-WORK_FIELDS = 7
-PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
-                "item_merge")
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    """What every attention kernel is compiled for (hashable: part of the kernel cache key):
-    shapes, storage dtypes, layout, variant, paged (``sparse``) or affine KV, and the target."""
-
-    head_dim: int
-    group_size: int
-    page_size: int
-    kv_dtype: str
-    q_dtype: str
-    kv_layout: str
-    variant: Variant
-    sparse: bool = True
-    sim: bool = False
-
-    # Largest GQA group the kernel's tile holds (subclasses).
-    max_group = 32
-
-    def __post_init__(self):
-        if self.head_dim not in HEAD_DIMS:
-            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
-        if not 1 <= self.group_size <= self.max_group:
-            raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in "
-                             f"[1, {self.max_group}], got {self.group_size}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("kv_dtype", "q_dtype"):
-            if getattr(self, name) not in KV_DTYPES:
-                raise ValueError(f"{name} must be one of {KV_DTYPES}, got "
-                                 f"{getattr(self, name)!r}")
-        if self.kv_layout not in ("NHD", "HND"):
-            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
 
 
 @dataclass(frozen=True)
@@ -136,37 +101,26 @@ def _converter(prims, dtype):
     return {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}[dtype]
 
 
-def attention_signature(kv_dtype: str, q_dtype: str, num_offsets: int):
-    """The signature the plan-driven attention kernels share: q, k, v, kv_indptr, kv_indices,
-    kv_last_page_len, plan, o, lse, tmp_o, tmp_lse, counters, num_kv_heads, page_stride,
-    head_stride, sm_scale, then ``num_offsets`` int32 word offsets into ``plan``."""
-    kv = types.Array(STORAGE[kv_dtype], 1, "C")
-    qo = types.Array(STORAGE[q_dtype], 1, "C")
-    i32 = types.Array(int32, 1, "C")
-    f32 = types.Array(float32, 1, "C")
-    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
-                      int32, int32, int64, float32, *([int32] * num_offsets))
-
-
 def decode_signature(spec: DecodeSpec):
     """The explicit Numba signature the kernel is compiled with (eagerly)."""
-    return attention_signature(spec.kv_dtype, spec.q_dtype, len(PLAN_OFFSETS))
+    return attention_signature(spec.kv_dtype, spec.q_dtype, len(DECODE_PLAN_SECTIONS))
 
 
 @functools.cache
 def build_decode_kernel(spec: DecodeSpec):
     """Compile (once per spec) the decode kernel; returns the Numba kernel object.
 
-    Kernel arguments, all 1-D contiguous: ``q [B*Hq*D]``, ``k``, ``v`` (flat KV storage, each
-    starting at its first element: for a combined ``[P, 2, ...]`` cache, two views of one buffer
-    ``v_off`` elements apart), ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32),
-    ``plan`` (int32: the scheduler's packed plan plus ``item_merge``, the merge list of every
-    work item or -1), ``o [B*Hq*D]``, ``lse [B*Hq]`` (float32, natural log), ``tmp_o [P*Hq*D]``,
+    Kernel arguments (:data:`~.common.ATTENTION_ARGS`), arrays 1-D: ``q`` (from its first
+    element; row ``b``, head ``h`` at ``b * q_stride_n + h * q_stride_h``), ``k``, ``v`` (flat KV
+    storage from the first element of each; a combined ``[P, 2, ...]`` cache is two views of one
+    buffer), ``kv_indptr``, ``kv_indices``, ``kv_last_page_len`` (int32), ``plan`` (int32: the
+    scheduler's packed plan plus ``item_merge``, the merge list of every work item or -1),
+    ``o [B*Hq*D]`` (contiguous), ``lse [B*Hq]`` (float32, natural log), ``tmp_o [P*Hq*D]``,
     ``tmp_lse [P*Hq]`` (float32 partial states), ``counters [M*Hkv]`` (int32, zero between
-    launches: each launch leaves them zero), then scalars ``num_kv_heads``, ``page_stride``
-    (int32: elements between pages, paged only), ``head_stride`` (int64: HND dense only),
-    ``sm_scale`` and the word offsets in ``plan`` of the sections named in ``PLAN_OFFSETS``.
-    K/V base pointers and strides must be 16-byte aligned (cp.async).
+    launches: each launch leaves them zero), then scalars ``num_kv_heads``, the element strides
+    ``page_stride`` (paged only), ``kv_stride_n``, ``kv_stride_h``, ``q_stride_n``,
+    ``q_stride_h``, ``sm_scale`` and the word offsets in ``plan`` of the sections named in
+    ``DECODE_PLAN_SECTIONS``. K/V base pointers and strides must be 16-byte aligned (cp.async).
 
     The grid is fixed (any number of CTAs): CTA ``c`` runs the work items
     ``cta_work[cta_indptr[c]:cta_indptr[c+1]]`` one after the other. An item that covers its
@@ -174,13 +128,8 @@ def build_decode_kernel(spec: DecodeSpec):
     completes the last chunk of a (merge list, kv head) contracts the list's partials in the
     map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
-    fn = decode_kernel_source(spec)
-    if spec.sim:
-        return cuda.jit(fn)
-    opts = {"fastmath": True}
-    if spec.max_registers:
-        opts["max_registers"] = spec.max_registers
-    return cuda.jit(decode_signature(spec), **opts)(fn)
+    opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
+    return compile_kernel(decode_kernel_source(spec), spec, decode_signature(spec), **opts)
 
 
 def decode_kernel_source(spec: DecodeSpec):
@@ -230,7 +179,7 @@ def decode_kernel_source(spec: DecodeSpec):
     lds_p = prims.make_lds("float32", TG)  # a head's TG logits or probabilities at once
     commit = prims.commit
     wait_ready = prims.wait(S - 2)
-    exp2, log2 = prims.exp2, prims.log2
+    exp2 = prims.exp2
     q_to_f32 = _converter(prims, spec.q_dtype)
     SOFTMAX = hooks.use_softmax
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
@@ -239,11 +188,13 @@ def decode_kernel_source(spec: DecodeSpec):
     Q_LOG2E = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
+    NAN = float32(np.nan)
     ZERO = float32(0.0)
     ONE = float32(1.0)
     MASKED = NEG_INF if SOFTMAX else ZERO
-    F_LN2 = float32(LN2)
+    OD = -(-D // NUM_THREADS)  # output dims per thread in the epilogue
     SPARSE = spec.sparse
+    finalize = state_finalize(sim)
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
 
     @jit_dev
@@ -277,14 +228,14 @@ def decode_kernel_source(spec: DecodeSpec):
     SMEM_ALIGN = prims.SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
-    loader = loading_module(SPARSE, PS, D, spec.kv_layout, sim)
+    loader = loading_module(SPARSE, PS, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
     token_offset = loader.token_offset
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
-                      counters, hkv, page_stride, head_stride, sm_scale, work_off, cta_indptr_off,
-                      cta_work_off, merge_rows_off, merge_indptr_off, merge_indices_off,
-                      item_merge_off):
+                      counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n, q_stride_h,
+                      sm_scale, work_off, cta_indptr_off, cta_work_off, merge_rows_off,
+                      merge_indptr_off, merge_indices_off, item_merge_off):
         kvs = cuda.shared.array(KV_SMEM, KV_T, alignment=SMEM_ALIGN)  # cp.async, ld.v4: 16 B
         pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
@@ -303,6 +254,7 @@ def decode_kernel_source(spec: DecodeSpec):
         m = cuda.local.array(G, float32)
         last_flag = cuda.shared.array(1, int32)
         mnum = cuda.local.array(OUTS, float32)
+        outv = cuda.local.array(OD, float32)
 
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -324,7 +276,7 @@ def decode_kernel_source(spec: DecodeSpec):
             qscale = sm_scale * Q_LOG2E
 
             for h in range(G):
-                qbase = (b * hq + hk * G + h) * D
+                qbase = int64(b) * q_stride_n + int64(hk * G + h) * q_stride_h  # strided q
                 for e in range(DPL):
                     d = u * DPL + e
                     x = q_to_f32(q[qbase + d])
@@ -348,7 +300,7 @@ def decode_kernel_source(spec: DecodeSpec):
             n_kv = U32(end - start)
             rounds = (n_kv + U32(NW * TG - 1)) // U32(NW * TG)
             last = U32(end - 1)
-            ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
+            ib, row_stride, head_off = request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h)
             head_off += (lane % CR) * CE  # this lane's column of its first chunk
             kv_base = shared_addr(kvs, warp * WARP_ELEMS)
             pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
@@ -398,10 +350,13 @@ def decode_kernel_source(spec: DecodeSpec):
                     pos = gstart + slot_t[rr]
                     s = sc[rr]
                     keep = pos <= last and h < G
+                    # Padding heads (h >= G when G is not a power of two) are masked; the hooks
+                    # see a real head (a slope table has Hq entries).
+                    hh = hk * G + min(h, G - 1)
                     if HAS_LOGITS:
-                        s = float32(hook_logits(s, q_pos, pos, hk * G + h)) * POST_LOG2E
+                        s = float32(hook_logits(s, q_pos, pos, hh)) * POST_LOG2E
                     if HAS_MASK:
-                        keep = keep and hook_mask(q_pos, pos, hk * G + h)
+                        keep = keep and hook_mask(q_pos, pos, hh)
                     sc[rr] = s if keep else MASKED
 
                 if SOFTMAX:
@@ -470,36 +425,50 @@ def decode_kernel_source(spec: DecodeSpec):
                     msmem[warp * (D + 2) + D + 1] = lsum
                 cuda.syncthreads()
                 qo_head = hk * G + h
-                for d in range(tid, D, NT):
-                    mmax = NEG_INF
+                mmax = NEG_INF
+                for w in range(NW):
+                    mmax = max(mmax, msmem[w * (D + 2) + D])
+                mref = mmax if mmax > NEG_INF else ZERO
+                total = ZERO
+                if SOFTMAX:
                     for w in range(NW):
-                        mmax = max(mmax, msmem[w * (D + 2) + D])
-                    mref = mmax if mmax > NEG_INF else ZERO
-                    total = ZERO
-                    num = ZERO
-                    for w in range(NW):
-                        if SOFTMAX:
-                            scale = exp2(msmem[w * (D + 2) + D] - mref)
-                            total += msmem[w * (D + 2) + D + 1] * scale
-                            num += msmem[w * (D + 2) + d] * scale
+                        total += msmem[w * (D + 2) + D + 1] * exp2(msmem[w * (D + 2) + D] - mref)
+                    inv, lse2 = finalize(mmax, total)
+                    lse_val = lse2 * F_LN2
+                else:
+                    inv = ONE
+                    lse_val = ZERO
+                nan_row = 0
+                for i in range(OD):
+                    d = tid + i * NT
+                    if d < D:
+                        num = ZERO
+                        for w in range(NW):
+                            if SOFTMAX:
+                                num += msmem[w * (D + 2) + d] * exp2(msmem[w * (D + 2) + D] - mref)
+                            else:
+                                num += msmem[w * (D + 2) + d]
+                        outv[i] = num * inv
+                        if outv[i] != outv[i]:
+                            nan_row = 1
+                # The non-finite rule: a NaN anywhere in the head's output (a NaN in q, or in
+                # the K or V row of a key it attends to) makes its whole row and LSE NaN.
+                if cuda.syncthreads_or(nan_row):
+                    lse_val = NAN
+                for i in range(OD):
+                    d = tid + i * NT
+                    if d < D:
+                        out = outv[i] if lse_val == lse_val else NAN
+                        if prow < 0:
+                            if HAS_OUT:
+                                out = float32(hook_output(out, lse_val, qo_head))
+                            store(o, (b * hq + qo_head) * D + d, out)
+                            if d == 0:
+                                lse[b * hq + qo_head] = lse_val
                         else:
-                            num += msmem[w * (D + 2) + d]
-                    if SOFTMAX:
-                        out = num / total if total > ZERO else ZERO
-                        lse_val = (mmax + log2(total)) * F_LN2 if total > ZERO else NEG_INF
-                    else:
-                        out = num
-                        lse_val = ZERO
-                    if prow < 0:
-                        if HAS_OUT:
-                            out = float32(hook_output(out, lse_val, qo_head))
-                        store(o, (b * hq + qo_head) * D + d, out)
-                        if d == 0:
-                            lse[b * hq + qo_head] = lse_val
-                    else:
-                        tmp_o[(prow * hq + qo_head) * D + d] = out
-                        if d == 0:
-                            tmp_lse[prow * hq + qo_head] = lse_val
+                            tmp_o[(prow * hq + qo_head) * D + d] = out
+                            if d == 0:
+                                tmp_lse[prow * hq + qo_head] = lse_val
                 cuda.syncthreads()
 
             if prow >= 0:
@@ -511,10 +480,5 @@ def decode_kernel_source(spec: DecodeSpec):
     return decode_kernel
 
 
-def decode_launch_config(num_work_items: int):
-    """(grid, block) for a decode launch: one CTA per work item."""
-    return (max(int(num_work_items), 1),), (NUM_THREADS,)
-
-
-__all__ = ["AttentionSpec", "DecodeSpec", "build_decode_kernel", "decode_kernel_source",
-           "decode_launch_config", "decode_signature", "WORK_FIELDS", "NUM_THREADS", "HEAD_DIMS", "KV_DTYPES"]
+__all__ = ["DecodeSpec", "NUM_THREADS", "NUM_WARPS", "build_decode_kernel", "decode_kernel_source",
+           "decode_signature"]

@@ -19,8 +19,9 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from ..variants import Variant
+from .common import F_LN2, state_finalize
 from .hooks import device_hooks
-from .primitives import LN2, LOG2E, primitives
+from .primitives import LOG2E, primitives
 
 
 @functools.cache
@@ -44,7 +45,8 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     GP = 1 << (G - 1).bit_length()
     MERGE_SMEM = smem_floats
     SOFTMAX, HAS_OUT, hook_output = hooks.use_softmax, hooks.has_output, hooks.output
-    exp2, log2, load_cg, to_bf16 = prims.exp2, prims.log2, prims.load_cg, prims.from_f32_bf16
+    exp2, load_cg, to_bf16 = prims.exp2, prims.load_cg, prims.from_f32_bf16
+    finalize = state_finalize(sim)
     shared_addr, cp_async16_to = prims.shared_addr, prims.cp_async16_to
     commit, wait0 = prims.commit, prims.wait(0)
     U32 = types.uint32
@@ -52,7 +54,6 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     NEG_INF = float32(-np.inf)
     ZERO = float32(0.0)
     ONE = float32(1.0)
-    F_LN2 = float32(LN2)
     F_LOG2E = float32(LOG2E)
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
 
@@ -144,10 +145,9 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                 d = idx % D
                 qo_head = hk * G + h
                 if SOFTMAX:
-                    den = msmem[W_DEN + h]
-                    mt = msmem[W_M + h]
-                    out = num[i] / den if den > ZERO else ZERO
-                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
+                    inv, lse2 = finalize(msmem[W_M + h], msmem[W_DEN + h])
+                    out = num[i] * inv
+                    lse_val = lse2 * F_LN2
                 else:
                     out = num[i]
                     lse_val = ZERO
@@ -277,13 +277,14 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
                     e = exp2(msmem[wb + j] - mref) if SOFTMAX else ONE
                     msmem[wb + j] = e
                     den += e
-                inv = ONE / den if (den > ZERO and SOFTMAX) else (ONE if not SOFTMAX else ZERO)
+                if SOFTMAX:
+                    inv, lse2 = finalize(mt, den)
+                    lse_val = lse2 * F_LN2
+                else:
+                    inv = ONE
+                    lse_val = ZERO
                 for j in range(maxn):
                     msmem[wb + j] = msmem[wb + j] * inv if j < n else ZERO
-                if SOFTMAX:
-                    lse_val = (mt + log2(den)) * F_LN2 if den > ZERO else NEG_INF
-                else:
-                    lse_val = ZERO
                 rowhead = plan[merge_rows_off + ml] * hq + hk * G + idx % G  # < 2**31: int32
                 lse[rowhead] = lse_val
                 flags[nrows + 3 + idx] = rowhead

@@ -2,7 +2,10 @@
 
 The only code that differs between paged (sparse, through the page table) and ragged or
 contiguous (dense, affine) KV: everything above the shared-memory load is the same. Built once
-per (addressing, page size, head_dim, layout) and inlined into the decode and prefill kernels.
+per (addressing, page size) and inlined into the decode and prefill kernels. The layout (NHD or
+HND, contiguous or a strided view) is not compiled in: it is the run-time strides
+``kv_stride_n`` (between consecutive tokens) and ``kv_stride_h`` (between KV heads), and
+``page_stride`` (between pages), all in elements (:mod:`.common`).
 """
 
 from __future__ import annotations
@@ -16,21 +19,20 @@ U32 = types.uint32
 
 
 @functools.cache
-def loading_module(sparse: bool, page_size: int, head_dim: int, kv_layout: str, sim: bool):
+def loading_module(sparse: bool, page_size: int, sim: bool):
     """Device functions, as a namespace:
 
     ``request_kv_len(kv_indptr, kv_last, b)``
         Tokens of request ``b``: from the page table, or ``kv_indptr`` of token offsets.
-    ``request_base(kv_indptr, b, hk, hkv, head_stride)``
+    ``request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h)``
         Per work item: ``(ib, row_stride, head_off)``: the request's first page (paged) or
         first token (dense) as uint32, the elements between consecutive tokens, and the offset
-        of kv head ``hk`` inside a token row (``head_stride``: HND dense only).
+        of kv head ``hk``.
     ``token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride)``
         Element offset of token ``pos`` (unsigned: ``//`` and ``%`` by the constant page size
         are shifts and the index needs no negative-wraparound code) of that head.
     """
-    PS, D = page_size, head_dim
-    NHD = kv_layout == "NHD"
+    PS = page_size
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
 
     @jit_dev
@@ -41,16 +43,8 @@ def loading_module(sparse: bool, page_size: int, head_dim: int, kv_layout: str, 
         return kv_indptr[b + 1] - kv_indptr[b]
 
     @jit_dev
-    def request_base(kv_indptr, b, hk, hkv, head_stride):
-        ib = U32(kv_indptr[b])
-        row_stride = int64(hkv * D) if NHD else int64(D)
-        if NHD:
-            head_off = int64(hk * D)
-        elif sparse:
-            head_off = int64(hk * PS * D)
-        else:
-            head_off = int64(hk) * head_stride
-        return ib, row_stride, head_off
+    def request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h):
+        return U32(kv_indptr[b]), int64(kv_stride_n), int64(hk) * int64(kv_stride_h)
 
     @jit_dev
     def token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride):

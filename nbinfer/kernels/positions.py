@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 from numba import cuda, int64
 
-from .decode import WORK_FIELDS
+from .common import WORK_FIELDS
 from .loading import loading_module
 
 
@@ -46,22 +46,21 @@ def position_module(page_size: int, block_positions: bool, sim: bool):
 
 
 @functools.cache
-def prefill_item_reader(sparse: bool, page_size: int, head_dim: int, kv_layout: str,
-                        block_positions: bool, sim: bool):
+def prefill_item_reader(sparse: bool, page_size: int, block_positions: bool, sim: bool):
     """``read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off, kv_indptr,
-    kv_last, hkv, head_stride)``: one prefill work item decoded, as the tuple
+    kv_last, kv_stride_n, kv_stride_h)``: one prefill work item decoded, as the tuple
     ``(b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off, pos0)``:
     request, kv head, first query row in the request and row count, KV range, partial row
     (-1: direct), the request's first query row, its KV length, the loading module's base
     (:func:`.loading.loading_module`) and the position of the item's first query row
     (bottom-right aligned; BSR: given by ``q_pos0``)."""
-    loader = loading_module(sparse, page_size, head_dim, kv_layout, sim)
+    loader = loading_module(sparse, page_size, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
     jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
 
     @jit_dev
     def read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off, kv_indptr,
-                  kv_last, hkv, head_stride):
+                  kv_last, kv_stride_n, kv_stride_h):
         w0 = work_off + item * WORK_FIELDS
         b = plan[w0]
         hk = plan[w0 + 1]
@@ -69,7 +68,7 @@ def prefill_item_reader(sparse: bool, page_size: int, head_dim: int, kv_layout: 
         q0 = plan[qo_indptr_off + b]
         qo_len = plan[qo_end_off + b] - q0
         kv_len = request_kv_len(kv_indptr, kv_last, b)
-        ib, row_stride, head_off = request_base(kv_indptr, b, hk, hkv, head_stride)
+        ib, row_stride, head_off = request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h)
         pos0 = (plan[q_pos0_off + b] if block_positions else kv_len - qo_len) + qs
         return (b, hk, qs, plan[w0 + 3] - qs, plan[w0 + 4], plan[w0 + 5], plan[w0 + 6], q0,
                 kv_len, ib, row_stride, head_off, pos0)

@@ -27,18 +27,23 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, int64, types
 
-from .decode import AttentionSpec, attention_signature
+from .common import (
+    F_LN2,
+    PREFILL_PLAN_SECTIONS,
+    AttentionSpec,
+    attention_signature,
+    compile_kernel,
+    state_finalize,
+)
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
 from .positions import position_module, prefill_item_reader
-from .primitives import LN2, LOG2E, primitives
+from .primitives import LOG2E, primitives
 
 NUM_THREADS = 128
-PLAN_OFFSETS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices",
-                "item_merge", "qo_indptr", "mask_indptr", "mask_words", "q_pos0", "qo_end")
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,7 @@ class PrefillSpec(AttentionSpec):
 
 
 def prefill_signature(spec: PrefillSpec):
-    return attention_signature(spec.kv_dtype, spec.q_dtype, len(PLAN_OFFSETS))
+    return attention_signature(spec.kv_dtype, spec.q_dtype, len(PREFILL_PLAN_SECTIONS))
 
 
 @functools.cache
@@ -87,9 +92,7 @@ def build_prefill_kernel(spec: PrefillSpec):
 def compile_prefill(spec, fn):
     """``fn`` (a kernel source of either prefill kernel) compiled for ``spec``: eagerly with the
     shared signature on the GPU, lazily in the simulator."""
-    if spec.sim:
-        return cuda.jit(fn)
-    return cuda.jit(prefill_signature(spec), fastmath=True)(fn)
+    return compile_kernel(fn, spec, prefill_signature(spec))
 
 
 def prefill_kernel_source(spec: PrefillSpec):
@@ -119,9 +122,8 @@ def prefill_kernel_source(spec: PrefillSpec):
     SMEM_ALIGN = prims.SMEM_ALIGN  # the merge's cp.async stage
     fused = build_merge_list(G, D, NT, MERGE_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
-    token_offset = loading_module(spec.sparse, PS, D, spec.kv_layout, sim).token_offset
-    read_item = prefill_item_reader(spec.sparse, PS, D, spec.kv_layout, spec.block_positions,
-                                    sim)
+    token_offset = loading_module(spec.sparse, PS, sim).token_offset
+    read_item = prefill_item_reader(spec.sparse, PS, spec.block_positions, sim)
     pos_fns = position_module(PS, spec.block_positions, sim)
     key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
@@ -133,16 +135,18 @@ def prefill_kernel_source(spec: PrefillSpec):
     Q_LOG2E = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
+    NAN = float32(np.nan)
     ZERO = float32(0.0)
-    F_LN2 = float32(LN2)
+    finalize = state_finalize(sim)
     MASKED = NEG_INF if SOFTMAX else ZERO
     U32 = types.uint32
-    exp2, log2 = prims.exp2, prims.log2
+    exp2 = prims.exp2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
     kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
 
     def prefill_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
-                       counters, hkv, page_stride, head_stride, sm_scale, work_off,
+                       counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n,
+                       q_stride_h, sm_scale, work_off,
                        cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                        mask_words_off, q_pos0_off, qo_end_off):
@@ -167,7 +171,7 @@ def prefill_kernel_source(spec: PrefillSpec):
             item = plan[cta_work_off + wi]
             (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
-                               kv_indptr, kv_last, hkv, head_stride)
+                               kv_indptr, kv_last, kv_stride_n, kv_stride_h)
 
             # Q tile: packed row p = (row p // G, head p % G), transformed and pre-scaled.
             for e in range(tid, TQ * D, NT):
@@ -175,7 +179,8 @@ def prefill_kernel_source(spec: PrefillSpec):
                 d = e % D
                 x = ZERO
                 if p < PR and p // G < nrows:
-                    base = ((q0 + qs + p // G) * hq + hk * G + p % G) * D
+                    base = (int64(q0 + qs + p // G) * q_stride_n
+                            + int64(hk * G + p % G) * q_stride_h)
                     x = q_f32(q[base + d])
                     if HAS_Q:
                         xp = q_f32(q[base + (d + HALF) % D])
@@ -259,18 +264,36 @@ def prefill_kernel_source(spec: PrefillSpec):
                         acc[i] += p * kv_[vrow + TPR * i]
 
             # Finish the rows: the output (whole KV seen) or a partial state (a chunk).
+            if SOFTMAX:
+                inv, lse2 = finalize(row_m[r], row_l[r])
+                lse_val = lse2 * F_LN2
+            else:
+                inv = float32(1.0)
+                lse_val = ZERO
+            nan_row = False
+            for i in range(DPT):
+                acc[i] *= inv
+                if acc[i] != acc[i]:
+                    nan_row = True
+            # The non-finite rule: a NaN anywhere in a packed row's output (a NaN in q, or in
+            # the K or V row of a key it attends to) makes the whole row and its LSE NaN. The
+            # row's TPR threads meet in row_a (free now: the loop is done with it).
+            cuda.syncthreads()
+            if tid < TQ:
+                row_a[tid] = ZERO
+            cuda.syncthreads()
+            if nan_row:
+                row_a[r] = float32(1.0)
+            cuda.syncthreads()
+            if row_a[r] != ZERO:
+                lse_val = NAN
+                for i in range(DPT):
+                    acc[i] = NAN
             if row_ok:
-                if SOFTMAX:
-                    lsum = row_l[r]
-                    inv = float32(1.0) / lsum if lsum > ZERO else ZERO
-                    lse_val = (row_m[r] + log2(lsum)) * F_LN2 if lsum > ZERO else NEG_INF
-                else:
-                    inv = float32(1.0)
-                    lse_val = ZERO
                 if prow < 0:
                     orow = q0 + qs + r // G
                     for i in range(DPT):
-                        out = acc[i] * inv
+                        out = acc[i]
                         if HAS_OUT:
                             out = float32(hook_output(out, lse_val, qo_head))
                         store(o, (orow * hq + qo_head) * D + sub + TPR * i, out)
@@ -279,7 +302,7 @@ def prefill_kernel_source(spec: PrefillSpec):
                 else:
                     prw = prow + r // G
                     for i in range(DPT):
-                        tmp_o[(prw * hq + qo_head) * D + sub + TPR * i] = acc[i] * inv
+                        tmp_o[(prw * hq + qo_head) * D + sub + TPR * i] = acc[i]
                     if sub == 0:
                         tmp_lse[prw * hq + qo_head] = lse_val
             if prow >= 0:
@@ -291,5 +314,5 @@ def prefill_kernel_source(spec: PrefillSpec):
     return prefill_kernel
 
 
-__all__ = ["NUM_THREADS", "PLAN_OFFSETS", "PrefillSpec", "build_prefill_kernel", "compile_prefill",
+__all__ = ["NUM_THREADS", "PrefillSpec", "build_prefill_kernel", "compile_prefill",
            "prefill_kernel_source", "prefill_signature"]

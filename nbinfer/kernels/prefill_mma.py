@@ -34,15 +34,16 @@ import functools
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda, float32, int32, types
+from numba import cuda, float32, int32, int64, types
 
+from .common import F_LN2, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
 from .mma import tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, compile_prefill
-from .primitives import LN2, LOG2E, primitives
+from .primitives import LOG2E, primitives
 
 TILE_KV = 32
 MMA_HEAD_DIMS = (64, 128)
@@ -122,9 +123,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
-    token_offset = loading_module(spec.sparse, spec.page_size, D, spec.kv_layout, sim).token_offset
-    read_item = prefill_item_reader(spec.sparse, spec.page_size, D, spec.kv_layout, spec.block_positions,
-                                    sim)
+    token_offset = loading_module(spec.sparse, spec.page_size, sim).token_offset
+    read_item = prefill_item_reader(spec.sparse, spec.page_size, spec.block_positions, sim)
     pos_fns = position_module(spec.page_size, spec.block_positions, sim)
     key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
@@ -137,12 +137,14 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     PRE = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
     POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
     NEG_INF = float32(-np.inf)
+    NAN = float32(np.nan)
     ZERO = float32(0.0)
-    F_LN2 = float32(LN2)
+    ONE = float32(1.0)
+    finalize = state_finalize(sim)
     MASKED = NEG_INF if SOFTMAX else ZERO
     SKIP_IDLE_WARPS = not sim  # the simulator twins meet at barriers: every warp computes
     U32 = types.uint32
-    exp2, log2 = prims.exp2, prims.log2
+    exp2 = prims.exp2
     shared_addr, cp_async16_to, commit, wait1 = (prims.shared_addr, prims.cp_async16_to,
                                                  prims.commit, prims.wait(1))
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16}
@@ -179,7 +181,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         commit()
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
-                           tmp_lse, counters, hkv, page_stride, head_stride, sm_scale, work_off,
+                           tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
+                           q_stride_n, q_stride_h, sm_scale, work_off,
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                            mask_words_off, q_pos0_off, qo_end_off):
@@ -206,7 +209,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             item = plan[cta_work_off + wi]
             (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
-                               kv_indptr, kv_last, hkv, head_stride)
+                               kv_indptr, kv_last, kv_stride_n, kv_stride_h)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
@@ -217,7 +220,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 x0 = ZERO
                 x1 = ZERO
                 if p // G < nrows:
-                    qb = ((q0 + qs + p // G) * hq + hk * G + p % G) * D
+                    qb = (int64(q0 + qs + p // G) * q_stride_n
+                          + int64(hk * G + p % G) * q_stride_h)
                     x0 = q_f32(q[qb + d])
                     x1 = q_f32(q[qb + d + 1])
                     if HAS_Q:
@@ -318,10 +322,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             # over the accumulators (constant indices: they stay in registers), rows by h.
             if SOFTMAX:
                 l0, l1 = quad_reduce(l0, l1, False, tid, scratch)
-                inv0 = float32(1.0) / l0 if l0 > ZERO else ZERO
-                inv1 = float32(1.0) / l1 if l1 > ZERO else ZERO
-                lse0 = (m0 + log2(l0)) * F_LN2 if l0 > ZERO else NEG_INF
-                lse1 = (m1 + log2(l1)) * F_LN2 if l1 > ZERO else NEG_INF
+                inv0, lse0 = finalize(m0, l0)
+                inv1, lse1 = finalize(m1, l1)
+                lse0 *= F_LN2
+                lse1 *= F_LN2
             else:
                 inv0 = inv1 = float32(1.0)
                 lse0 = lse1 = ZERO
@@ -333,8 +337,26 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             head1 = hk * G + pr1 % G
             ob0 = (row0 * hq + head0) * D + 2 * t
             ob1 = (row1 * hq + head1) * D + 2 * t
+            f0 = ZERO
+            f1 = ZERO
             for idx in range(NO):
                 acc[idx] *= inv1 if (idx % 4) // 2 else inv0
+                if acc[idx] != acc[idx]:
+                    if (idx % 4) // 2:
+                        f1 = ONE
+                    else:
+                        f0 = ONE
+            # The non-finite rule: a NaN anywhere in a row's output (a NaN in q, or in the K or
+            # V row of a key it attends to) makes the whole row and its LSE NaN. A row's D
+            # outputs are spread over the 4 lanes of its quad: sum their flags.
+            f0, f1 = quad_reduce(f0, f1, False, tid, scratch)
+            if f0 > ZERO:
+                lse0 = NAN
+            if f1 > ZERO:
+                lse1 = NAN
+            for idx in range(NO):
+                if (f1 if (idx % 4) // 2 else f0) > ZERO:
+                    acc[idx] = NAN
             # Accumulators 4 nt + (0, 1) are row 0's dims 8 nt + 2 t + (0, 1); + (2, 3) row 1's.
             for nt in range(D // 8):
                 for h in range(2):

@@ -256,6 +256,8 @@ def primitives(sim: bool):
             return np.int16(np.uint16(b & 0xFFFF).view(np.int16))
 
         def exp2(x):
+            if x != x:  # NaN stays NaN, as on the GPU
+                return float32(x)
             return float32(2.0 ** x) if x > -math.inf else float32(0.0)
 
         def log2(x):

@@ -3,8 +3,8 @@
 nbinfer's LSEs are natural logs; FlashInfer's are base 2 (``s = log2 sum 2^x``). The spec carries
 ``lse_base`` so each base is compiled in, not converted in extra passes: the exponent is always
 taken base 2, so a base-2 LSE is used as is and a natural one is multiplied by ``log2(e)`` on the
-way in and ``ln(2)`` on the way out. (``kernels.merge.build_merge_rows`` contracts a scheduler's
-reduction map with the natural-log operator.)
+way in and ``ln(2)`` on the way out. (A scheduler's reduction map is contracted inside the
+attention kernels, :mod:`.fused_merge`.)
 
 Both kernels run one thread per ``VEC`` consecutive outputs of one (row, head) (16 bytes: 8
 fp16/bf16 or 4 fp32 elements) on a 2-D grid: block ``x`` is the row, block ``y`` a chunk of the
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, types
 
-from .decode import ITEMSIZE, KV_DTYPES, STORAGE
+from .common import FASTMATH, ITEMSIZE, KV_DTYPES, STORAGE, state_finalize
 from .primitives import LN2, LOG2E, primitives
 
 STATE_THREADS = 128
@@ -90,7 +90,7 @@ def _codecs(spec: StateSpec):
 
 
 def _compile(spec: StateSpec, fn, sig):
-    return cuda.jit(fn) if spec.sim else cuda.jit(sig, fastmath=True)(fn)
+    return cuda.jit(fn) if spec.sim else cuda.jit(sig, fastmath=set(FASTMATH))(fn)
 
 
 @functools.cache
@@ -104,7 +104,7 @@ def build_merge_pair(spec: StateSpec):
     of a (row, head) writes its LSE while the head's other threads may still be reading ``sa``.
     """
     load, store, to_log2, from_log2 = _codecs(spec)
-    exp2, log2 = primitives(spec.sim).exp2, primitives(spec.sim).log2
+    exp2, finalize = primitives(spec.sim).exp2, state_finalize(spec.sim)
     D, VEC = spec.head_dim, spec.vec
     NEG_INF = float32(-np.inf)
     ZERO = float32(0.0)
@@ -136,12 +136,20 @@ def build_merge_pair(spec: StateSpec):
             mref = mmax if mmax > NEG_INF else ZERO
             wa = exp2(ma - mref)
             wb = exp2(mb - mref)
-            den = wa + wb
-            inv = ONE / den if den > ZERO else ZERO
+            # A NaN or +inf LSE makes den NaN (inf - inf): the merged row is NaN (the rule).
+            inv, lse2 = finalize(mmax, wa + wb)
             wa, wb = wa * inv, wb * inv
-            lse = from_log2(mmax + log2(den)) if den > ZERO else NEG_INF
+            lse = from_log2(lse2)
+        # An empty state (LSE -inf) is the identity: its values are never read (0 x NaN).
+        use_a = keep or la != NEG_INF
+        use_b = not keep and sb[row_head] != NEG_INF
         for k in range(VEC):
-            store(vo, t + k, a[k] if keep else wa * a[k] + wb * b[k])
+            x = ZERO
+            if use_a:
+                x = a[k] if keep else wa * a[k]
+            if use_b:
+                x += wb * b[k]
+            store(vo, t + k, x)
         if e % D == 0:
             so[row_head] = lse
 
@@ -160,11 +168,10 @@ def build_merge_stack(spec: StateSpec):
     exponent <= 0; with ``S == 0`` a row is empty: ``vo = 0``, ``so = -inf``.
     """
     load, store, to_log2, from_log2 = _codecs(spec)
-    exp2, log2 = primitives(spec.sim).exp2, primitives(spec.sim).log2
+    exp2, finalize = primitives(spec.sim).exp2, state_finalize(spec.sim)
     D, VEC = spec.head_dim, spec.vec
     NEG_INF = float32(-np.inf)
     ZERO = float32(0.0)
-    ONE = float32(1.0)
 
     def merge_stack(v, s, vo, so, num_states, num_heads):
         row = cuda.blockIdx.x
@@ -184,16 +191,17 @@ def build_merge_stack(spec: StateSpec):
         den = ZERO
         for j in range(num_states):
             p = (first + j) * num_heads + h
-            w = exp2(to_log2(s[p]) - mref)
-            for k in range(VEC):  # VEC independent loads in flight per state
-                acc[k] += w * load(v[p * D + d + k])
-            den += w
-        inv = ONE / den if den > ZERO else ZERO
+            if s[p] != NEG_INF:  # an empty state is the identity: its values are never read
+                w = exp2(to_log2(s[p]) - mref)
+                for k in range(VEC):  # VEC independent loads in flight per state
+                    acc[k] += w * load(v[p * D + d + k])
+                den += w
+        inv, lse2 = finalize(mmax, den)
         out = row * num_heads * D + e
         for k in range(VEC):
             store(vo, out + k, acc[k] * inv)
         if d == 0:
-            so[row * num_heads + h] = from_log2(mmax + log2(den)) if den > ZERO else NEG_INF
+            so[row * num_heads + h] = from_log2(lse2)
 
     vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
     f32 = types.Array(float32, 1, "C")

@@ -42,7 +42,7 @@ class Plan:
         Row ``merge_rows[i]`` merges partial rows ``merge_indices[merge_indptr[i]:merge_indptr[i+1]]``.
     merge_indices : ndarray [nnz], int32
         Partial rows, in increasing ``kv_start`` order per output row (the fixed merge order).
-        Exactly the ``indptr, indices, rows`` of :func:`nbinfer.kernels.merge.build_merge_rows`.
+        The attention kernels' fused merge (:mod:`nbinfer.kernels.fused_merge`) reads these.
     num_partials : int
         Partial rows the workspace must hold (``num_partials x num_qo_heads`` states).
     batch_size, num_qo_rows, num_qo_heads, num_kv_heads : int

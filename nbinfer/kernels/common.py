@@ -1,0 +1,143 @@
+"""What every attention kernel shares: the spec base, storage types, the argument list, the plan
+sections it reads, the compile options and the one state finalize.
+
+The decode kernel (:mod:`.decode`) and both prefill kernels (:mod:`.prefill`,
+:mod:`.prefill_mma`) take the same leading arguments, named in :data:`ATTENTION_ARGS`, then the
+word offsets of the plan sections they read (:data:`DECODE_PLAN_SECTIONS`,
+:data:`PREFILL_PLAN_SECTIONS`) inside the int32 ``plan`` array. The api binds arguments by these
+names, never by position.
+
+Strides are arguments, not constants: q and the KV may be strided views (a q sliced out of a
+fused QKV tensor, a cache that is a slice of a larger pool) as long as the last dimension is
+contiguous. Per token the kernels add ``pos * kv_stride_n`` (plus ``page * page_stride`` when
+paged) to ``hk * kv_stride_h``; per query row ``row * q_stride_n + head * q_stride_h``. All are
+element counts; cp.async moves 16 bytes at a time, so the KV strides must be multiples of
+16 bytes (checked on the host).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, int64, types
+from numba.core.types import float16
+
+from ..variants import Variant
+from .primitives import LN2, primitives
+
+HEAD_DIMS = (64, 128, 256)
+KV_DTYPES = ("float16", "bfloat16", "float32")
+# Numba storage type of each dtype: bf16 travels as its raw bits.
+STORAGE = {"float16": float16, "bfloat16": types.int16, "float32": float32}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# The scheduler's work table (nbinfer.scheduler): request, kv_head, qo_start, qo_end, kv_start,
+# kv_end, partial_row (-1: write the output directly).
+WORK_FIELDS = 7
+
+# The leading arguments of every attention kernel, in order (then the plan-section offsets).
+ATTENTION_ARGS = ("q", "k", "v", "kv_indptr", "kv_indices", "kv_last_page_len", "plan", "o",
+                  "lse", "tmp_o", "tmp_lse", "counters", "num_kv_heads", "page_stride",
+                  "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h", "sm_scale")
+ARG = {name: i for i, name in enumerate(ATTENTION_ARGS)}
+DECODE_PLAN_SECTIONS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr",
+                        "merge_indices", "item_merge")
+PREFILL_PLAN_SECTIONS = DECODE_PLAN_SECTIONS + ("qo_indptr", "mask_indptr", "mask_words",
+                                                "q_pos0", "qo_end")
+
+# Fast math without "no NaNs" / "no infinities": the kernels keep -inf as the empty state and
+# must let a NaN reach the output (nbinfer's non-finite rule), which nnan/ninf would let LLVM
+# fold away (e.g. ``den > 0`` assumed ordered).
+FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What every attention kernel is compiled for (hashable: part of the kernel cache key):
+    shapes, storage dtypes, layout, variant, paged (``sparse``) or affine KV, and the target."""
+
+    head_dim: int
+    group_size: int
+    page_size: int
+    kv_dtype: str
+    q_dtype: str
+    kv_layout: str
+    variant: Variant
+    sparse: bool = True
+    sim: bool = False
+
+    # Largest GQA group the kernel's tile holds (subclasses).
+    max_group = 32
+
+    def __post_init__(self):
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if not 1 <= self.group_size <= self.max_group:
+            raise ValueError(f"group size (num_qo_heads // num_kv_heads) must be in "
+                             f"[1, {self.max_group}], got {self.group_size}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        for name in ("kv_dtype", "q_dtype"):
+            if getattr(self, name) not in KV_DTYPES:
+                raise ValueError(f"{name} must be one of {KV_DTYPES}, got "
+                                 f"{getattr(self, name)!r}")
+        if self.kv_layout not in ("NHD", "HND"):
+            raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
+
+
+def attention_signature(kv_dtype: str, q_dtype: str, num_offsets: int):
+    """The signature of the plan-driven attention kernels: :data:`ATTENTION_ARGS` typed, then
+    ``num_offsets`` int32 word offsets into ``plan``."""
+    kv = types.Array(STORAGE[kv_dtype], 1, "C")
+    qo = types.Array(STORAGE[q_dtype], 1, "C")
+    i32 = types.Array(int32, 1, "C")
+    f32 = types.Array(float32, 1, "C")
+    return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
+                      int32, int64, int64, int64, int64, int64, float32,
+                      *([int32] * num_offsets))
+
+
+def compile_kernel(fn, spec, signature, **options):
+    """``fn`` compiled for ``spec``: eagerly for the GPU with :data:`FASTMATH` (and ``options``),
+    lazily in the simulator."""
+    if spec.sim:
+        return cuda.jit(fn)
+    return cuda.jit(signature, fastmath=set(FASTMATH), **options)(fn)
+
+
+@functools.cache
+def state_finalize(sim: bool):
+    """``finalize(m, den) -> (inv, lse2)``: the end of every softmax state, written once.
+
+    ``m`` is the running maximum and ``den`` the running sum of ``exp2(x - m)``, both in log2
+    units; returns the factor that normalises the accumulated output and the log-sum-exp, still
+    in log2 units (multiply by ln 2 for nbinfer's natural LSE):
+
+    - ``den > 0``: ``(1 / den, m + log2(den))``;
+    - ``den == 0`` (no kept key; an empty state): ``(0, -inf)``, so O = 0, never NaN;
+    - ``den`` NaN (a NaN logit or LSE reached the sum): ``(NaN, NaN)``, so the row's output and
+      LSE are NaN, as in the reference engine.
+    """
+    log2 = primitives(sim).log2
+    ZERO = float32(0.0)
+    ONE = float32(1.0)
+    NEG_INF = float32(-np.inf)
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def finalize(m, den):
+        if den > ZERO:
+            return ONE / den, m + log2(den)
+        if den == ZERO:
+            return ZERO, NEG_INF
+        return den, den  # NaN
+
+    return finalize
+
+
+F_LN2 = float32(LN2)
+
+__all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_LN2", "FASTMATH",
+           "HEAD_DIMS", "ITEMSIZE", "KV_DTYPES", "PREFILL_PLAN_SECTIONS", "STORAGE", "WORK_FIELDS",
+           "attention_signature", "compile_kernel", "state_finalize"]
