@@ -53,17 +53,41 @@ def check_float(name: str, a, allowed=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} must have dtype in ({names}), got {dtype_name(a)}")
 
 
-def as_index_array(name: str, a, ndim: int = 1) -> np.ndarray:
-    """Return ``a`` as a contiguous int32 NumPy array; reject non-integer input and int overflow."""
+INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+
+
+def as_integer_array(name: str, a, ndim: int = 1) -> np.ndarray:
+    """Return ``a`` as a NumPy array of its own integer dtype (nothing narrowed, nothing wrapped).
+
+    Any integer dtype is accepted (int8 ... uint64); booleans, floats and objects raise a
+    TypeError naming ``name``. An empty Python list counts as an empty int64 array. Range-check the
+    result (e.g. with :func:`check_range`, which compares exactly for every integer dtype) before
+    converting it to a narrower type.
+    """
     arr = np.asarray(a)
     if arr.size == 0 and not isinstance(a, np.ndarray):
-        arr = arr.astype(np.int32)  # np.asarray([]) is float64; an empty list is a valid index list
+        arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is a valid index list
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
-        raise TypeError(f"{name} must be an integer array (int32), got dtype {arr.dtype}")
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got {arr.ndim} (shape {arr.shape})")
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{name} has values outside the int32 range")
+    return arr
+
+
+def as_index_array(name: str, a, ndim: int = 1) -> np.ndarray:
+    """Return ``a`` as a contiguous int32 NumPy array; reject non-integer input and int overflow.
+
+    Values are range-checked in their own dtype before the conversion, so an int64 ``2**32 + 1``
+    raises instead of wrapping to 1.
+    """
+    arr = as_integer_array(name, a, ndim)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < INT32_MIN or hi > INT32_MAX:
+            flat = arr.reshape(-1)
+            bad = int(np.argmax((flat < INT32_MIN) | (flat > INT32_MAX)))
+            raise ValueError(f"{name} has values outside the int32 range [{INT32_MIN}, "
+                             f"{INT32_MAX}]: {name}[{bad}]={int(flat[bad])}")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
@@ -93,14 +117,18 @@ def check_indptr(name: str, indptr, *, length: int | None = None, total: int | N
 
 
 def check_range(name: str, arr: np.ndarray, low: int, high: int) -> None:
-    """Require every element of ``arr`` to lie in ``[low, high)``."""
+    """Require every element of ``arr`` to lie in ``[low, high)``.
+
+    Comparisons are exact for every integer dtype (uint64 included), so call it before narrowing.
+    """
     if arr.size == 0:
         return
     lo, hi = int(arr.min()), int(arr.max())
     if lo < low or hi >= high:
-        bad = int(np.argmax((arr < low) | (arr >= high)))
+        flat = arr.reshape(-1)
+        bad = int(np.argmax((flat < low) | (flat >= high)))
         raise ValueError(
-            f"{name} values must lie in [{low}, {high}), got {name}[{bad}]={int(arr.flat[bad])}"
+            f"{name} values must lie in [{low}, {high}), got {name}[{bad}]={int(flat[bad])}"
         )
 
 

@@ -82,6 +82,25 @@ def test_empty_matrices():
     assert not bsr.to_dense_mask().any() and bsr.row_kv_len().tolist() == [0, 0]
 
 
+def test_a_block_row_stores_a_column_once():
+    # Unsorted columns within a row and one column in many rows (shared pages) are fine ...
+    bsr = BSR([0, 3, 5], [2, 0, 1, 0, 2], (1, 1), (2, 3))
+    np.testing.assert_array_equal(bsr.row_blocks(0), [2, 0, 1])
+    # ... a column twice in one row is not (a kernel would count those keys twice).
+    with pytest.raises(ValueError, match=r"^indices must list each block column at most once "
+                                         r"per block row, but block row 1 stores column 0 twice: "
+                                         r"indices\[3\] and indices\[5\]"):
+        BSR([0, 3, 6], [2, 0, 1, 0, 2, 0], (1, 1), (2, 3))
+    with pytest.raises(ValueError, match=r"block row 0 stores column 4 twice: indices\[0\] and "
+                                         r"indices\[1\] \(indices\[0:2\] = \[4, 4\]\)"):
+        BSR([0, 2], [4, 4], (2, 3), (2, 15), last_block_len=[2])
+    # Every consumer that builds a BSR gets the check: a page table listing a page twice in one
+    # request cannot become a BSR.
+    table = PageTable([0, 2], [1, 1], [3], page_size=4, num_pages=2)
+    with pytest.raises(ValueError, match="indices"):
+        table.to_bsr()
+
+
 def test_arrays_are_copied_and_frozen():
     indptr = np.array([0, 1], dtype=np.int32)
     indices = np.array([0], dtype=np.int32)

@@ -1,12 +1,14 @@
-"""PageTable: lengths, token slots, the lossless PageTable <-> BSR round trip, allocation."""
+"""PageTable: lengths, token slots, the lossless PageTable <-> BSR round trip, allocation, and
+check_page_table (any integer dtype, range checks before narrowing, FlashInfer's cut of indices)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nbinfer.formats import BSR, PageTable
+from nbinfer.formats import BSR, PageTable, check_page_table
 
 SETTINGS = settings(max_examples=80, deadline=None)
 
@@ -104,3 +106,107 @@ def test_from_bsr_accepts_a_hand_made_bsr():
     assert (table.page_size, table.num_pages) == (3, 5)
     np.testing.assert_array_equal(table.kv_lens(), [2, 6])
     np.testing.assert_array_equal(table.token_slots(0), [12, 13])
+
+
+# ---------------------------------------------------------------------------------------------
+# check_page_table: the one validator of FlashInfer-style page tables (api and formats)
+
+# Request 0: pages 7, 2 (3 tokens on the last); request 1: none; request 2: page 2 again, full.
+PTR, IND, LAST = [0, 2, 2, 3], [7, 2, 2], [3, 0, 4]
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+                                   np.uint32, np.uint64])
+def test_check_page_table_takes_any_integer_dtype(dtype):
+    ptr, ind, last, kv_lens = check_page_table(np.array(PTR, dtype), np.array(IND, dtype),
+                                               np.array(LAST, dtype), 4, num_pages=8)
+    for arr, want in ((ptr, PTR), (ind, IND), (last, LAST)):
+        assert arr.dtype == np.int32
+        np.testing.assert_array_equal(arr, want)
+    assert kv_lens.dtype == np.int64
+    np.testing.assert_array_equal(kv_lens, [7, 0, 4])  # 0 for the request without pages
+    # Python lists too, and num_pages is optional.
+    np.testing.assert_array_equal(check_page_table(PTR, IND, LAST, 4)[3], [7, 0, 4])
+
+
+def test_check_page_table_reads_only_indptr_end_page_ids():
+    # FlashInfer reads kv_indices[:kv_indptr[-1]]: a longer (preallocated) buffer is fine ...
+    buffer = np.array(IND + [99, -5, 2**40], dtype=np.int64)  # the tail is never checked
+    _, ind, _, _ = check_page_table(PTR, buffer, LAST, 4, num_pages=8)
+    np.testing.assert_array_equal(ind, IND)
+    table = PageTable(PTR, buffer, LAST, page_size=4, num_pages=8)
+    np.testing.assert_array_equal(table.indices, IND)
+    # ... a shorter one is an error naming indices.
+    with pytest.raises(ValueError, match=r"^indices must have at least indptr\[-1\]=3 entries"):
+        check_page_table(PTR, IND[:2], LAST, 4)
+    with pytest.raises(ValueError, match=r"^kv_indices must have at least kv_indptr\[-1\]=3"):
+        check_page_table(PTR, [], LAST, 4, names=("kv_indptr", "kv_indices", "kv_last_page_len"))
+
+
+WIDE = 2**32 + 1  # wraps to 1 in int32: must raise, never become page 1
+
+
+@pytest.mark.parametrize("args, kw, match", [
+    ((PTR, [7, WIDE, 2], LAST, 4), {}, r"indices values must lie in \[0, 2147483648\), "
+                                       r"got indices\[1\]=4294967297"),
+    ((PTR, [7, WIDE, 2], LAST, 4), {"num_pages": 8}, r"indices values must lie in \[0, 8\), "
+                                                     r"got indices\[1\]=4294967297"),
+    ((PTR, [7, -WIDE, 2], LAST, 4), {}, r"indices values must lie in \[0, 2147483648\)"),
+    ((PTR, np.array([7, 2**63 + 1, 2], np.uint64), LAST, 4), {}, r"indices\[1\]=9223372036854775809"),
+    (([0, 2, WIDE + 1, 3], IND, LAST, 4), {}, r"indptr has values outside the int32 range"),
+    (([0, 2, 2, 3], IND, [3, 0, WIDE + 2], 4), {}, r"last_page_len values must lie in \[1, 5\) "
+                                                   r"for a request with pages"),
+    (([0, 2, 2, 3], IND, [WIDE + 2, 0, 4], 4), {}, r"last_page_len\[0\]=4294967299"),
+    (([0, 2, 2, 3], IND, [3, WIDE - 1, 4], 4), {}, r"last_page_len values must lie in \[0, 5\) "
+                                                   r"for a request without pages"),
+])
+def test_check_page_table_range_checks_before_narrowing(args, kw, match):
+    arrays = [np.asarray(a, dtype=np.int64) if not isinstance(a, np.ndarray) else a
+              for a in args[:3]]
+    with pytest.raises(ValueError, match=match):
+        check_page_table(*arrays, args[3], **kw)
+
+
+@pytest.mark.parametrize("change, error, match", [
+    ({"indptr": [1, 2, 2, 3]}, ValueError, r"^kv_indptr\[0\] must be 0, got 1"),
+    ({"indptr": [0, 3, 2, 3]}, ValueError, r"^kv_indptr must be non-decreasing"),
+    ({"indptr": []}, ValueError, r"^kv_indptr must have at least one entry"),
+    ({"indptr": [[0, 2, 2, 3]]}, ValueError, r"^kv_indptr must have 1 dimension"),
+    ({"indptr": np.array(PTR, float)}, TypeError, r"^kv_indptr must be an integer array"),
+    ({"indices": np.array(IND, float)}, TypeError, r"^kv_indices must be an integer array"),
+    ({"indices": np.array(IND, bool)}, TypeError, r"^kv_indices must be an integer array"),
+    ({"last": np.array(LAST, np.float32)}, TypeError,
+     r"^kv_last_page_len must be an integer array"),
+    ({"last": [3, 0]}, ValueError, r"^kv_last_page_len must have length 3 \(batch size"),
+    ({"indices": [7, 8, 2]}, ValueError, r"^kv_indices values must lie in \[0, 8\), "
+                                         r"got kv_indices\[1\]=8"),
+    ({"last": [0, 0, 4]}, ValueError, r"^kv_last_page_len values must lie in \[1, 5\).*"
+                                      r"got kv_last_page_len\[0\]=0"),
+    ({"page_size": 0}, ValueError, r"^page_size must be >= 1"),
+    ({"page_size": 4.0}, TypeError, r"^page_size must be an int"),
+    ({"num_pages": -1}, ValueError, r"^num_pages must be >= 0"),
+])
+def test_check_page_table_errors_name_the_argument(change, error, match):
+    kw = {"indptr": PTR, "indices": IND, "last": LAST, "page_size": 4, "num_pages": 8, **change}
+    with pytest.raises(error, match=match):
+        check_page_table(kw["indptr"], kw["indices"], kw["last"], kw["page_size"],
+                         num_pages=kw["num_pages"],
+                         names=("kv_indptr", "kv_indices", "kv_last_page_len"))
+
+
+def test_check_page_table_empty_batch_and_names_validated():
+    ptr, ind, last, kv_lens = check_page_table([0], [], [], 16)
+    assert ptr.tolist() == [0] and ind.size == last.size == kv_lens.size == 0
+    with pytest.raises(TypeError, match="names"):
+        check_page_table(PTR, IND, LAST, 4, names=("a", "b"))
+
+
+def test_page_table_uses_the_validator():
+    # PageTable takes any integer dtype, checks before narrowing, stores read-only int32.
+    table = PageTable(np.array(PTR, np.uint32), np.array(IND, np.int64), np.array(LAST, np.uint8),
+                      page_size=4, num_pages=8)
+    assert all(a.dtype == np.int32 and not a.flags.writeable
+               for a in (table.indptr, table.indices, table.last_page_len))
+    np.testing.assert_array_equal(table.kv_lens(), [7, 0, 4])
+    with pytest.raises(ValueError, match=r"indices values must lie in \[0, 8\)"):
+        PageTable(PTR, np.array([7, WIDE, 2], np.int64), LAST, page_size=4, num_pages=8)

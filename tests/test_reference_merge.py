@@ -1,4 +1,5 @@
-"""The merge operator: the paper's worked example, exactness of split-and-merge, edge cases."""
+"""The merge operator: the paper's worked example, exactness of split-and-merge, edge cases,
+and the non-finite rule (a NaN or +inf LSE poisons the merged row and head; -inf is empty)."""
 
 from __future__ import annotations
 
@@ -120,6 +121,7 @@ def test_empty_state_is_identity(rng):
     v = rng.standard_normal((n, h, d))
     s = rng.standard_normal((n, h))
     empty_v = rng.standard_normal((n, h, d))  # whatever the output, LSE -inf means "no keys"
+    empty_v[0, 0, 0], empty_v[1, 1, 3], empty_v[2, 0, 1] = np.nan, np.inf, -np.inf  # never read
     empty_s = np.full((n, h), -np.inf)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -130,6 +132,87 @@ def test_empty_state_is_identity(rng):
         merged_v, merged_s = merge_states(np.zeros((n, 0, h, d)), np.zeros((n, 0, h)))
     assert np.all(both_v == 0) and np.all(both_s == -np.inf)
     assert np.all(merged_v == 0) and np.all(merged_s == -np.inf)
+    in_v, in_s = v.copy(), s.copy()
+    merge_state_in_place(in_v, in_s, empty_v, empty_s)
+    np.testing.assert_array_equal(in_v, v)
+    np.testing.assert_array_equal(in_s, s)
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite LSEs: NaN and +inf poison the (row, head); -inf is the empty state
+
+
+def _poisoned_pair(rng, bad_value):
+    """Two states of shape [4, 2, 8]; state b's LSE is ``bad_value`` at (1, 0), state a's at
+    (2, 1); row 3 head 1 merges a poisoned state with an empty one."""
+    n, h, d = 4, 2, 8
+    va, vb = rng.standard_normal((2, n, h, d))
+    sa, sb = rng.standard_normal((2, n, h))
+    sb[1, 0] = bad_value
+    sa[2, 1] = bad_value
+    sa[3, 1], sb[3, 1] = bad_value, -np.inf
+    bad = np.zeros((n, h), dtype=bool)
+    bad[1, 0] = bad[2, 1] = bad[3, 1] = True
+    return va, sa, vb, sb, bad
+
+
+def _assert_poisoned(v, s, bad, want_v, want_s):
+    assert np.all(np.isnan(v[bad])) and np.all(np.isnan(s[bad]))  # every head_dim entry
+    # Every other (row, head) is the ordinary merge.
+    np.testing.assert_allclose(v[~bad], want_v[~bad], rtol=1e-12)
+    np.testing.assert_allclose(s[~bad], want_s[~bad], rtol=1e-12)
+
+
+@pytest.mark.parametrize("bad_value", [np.nan, np.inf])
+def test_nan_or_plus_inf_lse_poisons_the_merge(rng, bad_value):
+    va, sa, vb, sb, bad = _poisoned_pair(rng, bad_value)
+    clean = [np.where(bad, 0.0, x) for x in (sa, sb)]
+    want_v, want_s = merge_state(va, clean[0], vb, clean[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning on the way either
+        v, s = merge_state(va, sa, vb, sb)
+        _assert_poisoned(v, s, bad, want_v, want_s)
+        v2, s2 = merge_state(vb, sb, va, sa)  # either side
+        _assert_poisoned(v2, s2, bad, want_v, want_s)
+        # base 2: the same rule
+        v2, s2 = merge_state(va, sa / math.log(2), vb, sb / math.log(2), lse_base=2)
+        _assert_poisoned(v2, s2 * math.log(2), bad, want_v, want_s)
+        # merge_states: one poisoned state among several
+        vs, ss = np.stack([va, vb, va], axis=1), np.stack([sa, sb, np.full_like(sa, -np.inf)], 1)
+        vm, sm = merge_states(vs, ss)
+        _assert_poisoned(vm, sm, bad, want_v, want_s)
+        # in place: only merged rows change, poisoned merged rows become NaN
+        mask = np.array([True, False, True, True])
+        v_in, s_in = va.copy(), sa.copy()
+        merge_state_in_place(v_in, s_in, vb, sb, mask)
+        _assert_poisoned(v_in[mask], s_in[mask], bad[mask], want_v[mask], want_s[mask])
+        np.testing.assert_array_equal(v_in[1], va[1])  # row 1 is not merged: sb[1, 0] unused
+        np.testing.assert_array_equal(s_in[1], sa[1])
+
+
+def test_poisoned_attention_state_survives_merging(rng):
+    # A NaN key in one chunk: the chunk's state is NaN, and so is the merge with the clean chunk,
+    # exactly as attending to all keys at once gives.
+    q = rng.standard_normal((3, 2, 8))
+    k = rng.standard_normal((6, 1, 8))
+    v = rng.standard_normal((6, 1, 8))
+    k[4, 0, 5] = np.nan
+    o_all, s_all = attention_state(q, k, v)
+    o_a, s_a = attention_state(q, k[:3], v[:3])
+    o_b, s_b = attention_state(q, k[3:], v[3:])
+    assert np.all(np.isfinite(o_a)) and np.all(np.isnan(s_b))
+    o, s = merge_state(o_a, s_a, o_b, s_b)
+    assert np.all(np.isnan(o)) and np.all(np.isnan(s))
+    assert np.all(np.isnan(o_all)) and np.all(np.isnan(s_all))
+
+
+def test_non_finite_values_in_o_follow_ieee():
+    # With finite LSEs, O is plain arithmetic: NaN and inf stay in their own entry.
+    va = np.array([[[1.0, np.nan, 2.0]]])
+    vb = np.array([[[3.0, 4.0, np.inf]]])
+    v, s = merge_state(va, np.zeros((1, 1)), vb, np.zeros((1, 1)))
+    assert v[0, 0, 0] == 2.0 and np.isnan(v[0, 0, 1]) and v[0, 0, 2] == np.inf
+    assert s[0, 0] == pytest.approx(math.log(2))
 
 
 def test_lse_base_two(rng):

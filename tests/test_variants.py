@@ -18,6 +18,7 @@ from conftest import assert_close
 
 from nbinfer.variants import (
     HOOK_KINDS,
+    PARAMETER_FREE,
     POS_ENCODING_MODES,
     Variant,
     alibi,
@@ -27,6 +28,7 @@ from nbinfer.variants import (
     compose,
     from_flashinfer_args,
     host,
+    resolve,
     rope_llama,
     sigmoid_attention,
     sliding_window,
@@ -341,13 +343,73 @@ def test_from_flashinfer_args_behaviour(rng):
     ({"window_left": None}, TypeError, "window_left"),
     ({"causal": 1}, TypeError, "causal"),
     ({"causal": "yes"}, TypeError, "causal"),
-    ({"logits_soft_cap": -1.0}, ValueError, "cap"),
+    ({"logits_soft_cap": -1.0}, ValueError, "logits_soft_cap"),
+    ({"logits_soft_cap": -30}, ValueError, "logits_soft_cap"),
+    ({"logits_soft_cap": float("nan")}, ValueError, "logits_soft_cap"),
+    ({"logits_soft_cap": float("inf")}, ValueError, "logits_soft_cap"),
+    ({"logits_soft_cap": -float("inf")}, ValueError, "logits_soft_cap"),
+    ({"logits_soft_cap": 1e39}, ValueError, "logits_soft_cap"),  # overflows float32
+    ({"logits_soft_cap": "30"}, TypeError, "logits_soft_cap"),
+    ({"logits_soft_cap": True}, TypeError, "logits_soft_cap"),
     ({"pos_encoding_mode": "ROPE_LLAMA", "rope_theta": 0.0}, ValueError, "rope_theta"),
 ])
 def test_from_flashinfer_args_rejects(kwargs, error, match):
     with pytest.raises(error, match=match):
         from_flashinfer_args(**kwargs)
     assert POS_ENCODING_MODES == ("NONE", "ROPE_LLAMA", "ALIBI")
+
+
+def test_logits_soft_cap_message_says_what_is_accepted():
+    with pytest.raises(ValueError) as info:
+        from_flashinfer_args(logits_soft_cap=-2.5)
+    msg = str(info.value)
+    assert "logits_soft_cap must be a positive finite float" in msg
+    assert "-2.5" in msg and "None or 0.0" in msg
+
+
+@pytest.mark.parametrize("off", [None, 0.0, 0, -0.0, np.float32(0.0)])
+def test_logits_soft_cap_none_or_zero_is_off(off):
+    # FlashInfer's convention: 0.0 (and None) means no soft cap.
+    assert from_flashinfer_args(logits_soft_cap=off) == standard()
+    assert from_flashinfer_args(logits_soft_cap=np.float32(30.0)) == soft_cap(30.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# resolve: the variant= argument
+
+
+def test_resolve_passes_none_and_variants_through():
+    assert resolve(None) is None
+    v = compose(causal(), soft_cap(30.0))
+    assert resolve(v) is v
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("standard", standard),
+    ("causal", causal),
+    ("rope_llama", lambda: rope_llama(1.0, 1e4)),
+    ("sigmoid", lambda: sigmoid_attention(1.0, 0.0)),
+])
+def test_resolve_names_of_parameter_free_builtins(name, expected):
+    assert resolve(name) == expected()
+    assert name in PARAMETER_FREE
+
+
+def test_resolve_rejects_other_names_and_types():
+    with pytest.raises(ValueError) as info:
+        resolve("soft_cap")
+    msg = str(info.value)
+    assert msg.startswith("variant must be") and "'soft_cap'" in msg
+    for name in PARAMETER_FREE:  # lists what it accepts ...
+        assert repr(name) in msg
+    # ... and where the variants with parameters come from.
+    assert "nbinfer.variants.soft_cap(cap)" in msg and "nbinfer.variants.sliding_window" in msg
+    for bad in ("", "Causal", "sliding_window_4"):
+        with pytest.raises(ValueError, match="variant"):
+            resolve(bad)
+    for bad in (3, ["causal"], causal):  # a factory is not its product
+        with pytest.raises(TypeError, match="variant"):
+            resolve(bad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -515,7 +577,7 @@ def test_repr_and_params():
 
 
 @pytest.mark.parametrize("build, error, match", [
-    (lambda: soft_cap(0.0), ValueError, "cap"),
+    (lambda: soft_cap(0.0), ValueError, "cap must be a positive finite float"),
     (lambda: soft_cap(-3.0), ValueError, "cap"),
     (lambda: soft_cap(float("nan")), ValueError, "cap"),
     (lambda: soft_cap(float("inf")), ValueError, "cap"),

@@ -1,7 +1,8 @@
 """KV layouts as block-sparse (BSR) index arrays over one physical KV pool (pure NumPy).
 
 - :class:`BSR`: the one format every kernel reads (indptr, indices, block shape, shape).
-- :class:`PageTable`: a paged KV cache (FlashInfer's kv_indptr / kv_indices / last_page_len).
+- :class:`PageTable`: a paged KV cache (FlashInfer's kv_indptr / kv_indices / last_page_len);
+  :func:`check_page_table` validates such arrays (any integer dtype) for every consumer.
 - :func:`bsr_from_ragged`, :func:`ragged_mask`: padding-free batches (qo_indptr / kv_indptr).
 - :func:`bsr_from_mask`, :func:`block_element_mask`, :func:`causal_mask`,
   :func:`sliding_window_mask`, :func:`causal_bsr`: element masks and their block cover.
@@ -23,7 +24,7 @@ from .masks import (
     sliding_window_mask,
     unpackbits,
 )
-from .paged import PageTable
+from .paged import PageTable, check_page_table
 from .radix import CascadeLevels, RadixTree
 from .ragged import bsr_from_ragged, ragged_mask
 from .topk import TopKPages, page_key_summaries, quest_page_scores, select_topk_pages
@@ -58,6 +59,7 @@ __all__ = [
     "bsr_from_ragged",
     "causal_bsr",
     "causal_mask",
+    "check_page_table",
     "packbits",
     "ragged_mask",
     "segment_packbits",

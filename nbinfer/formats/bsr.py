@@ -50,6 +50,27 @@ def _frozen_copy(arr: np.ndarray) -> np.ndarray:
     return out
 
 
+def _check_no_repeated_block(indptr: np.ndarray, indices: np.ndarray) -> None:
+    """A block row may store a block column once: a matrix entry is kept or not, never twice.
+
+    (A kernel visiting the block twice would count its keys twice in the softmax.)
+    """
+    if indices.size < 2:
+        return
+    rows = np.repeat(np.arange(indptr.size - 1, dtype=np.int64), np.diff(indptr))
+    order = np.lexsort((indices, rows))  # by row, then column; stable, so positions ascend
+    same = (rows[order][1:] == rows[order][:-1]) & (indices[order][1:] == indices[order][:-1])
+    if np.any(same):
+        k = int(np.argmax(same))
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        row = int(rows[first])
+        raise ValueError(
+            f"indices must list each block column at most once per block row, but block row "
+            f"{row} stores column {int(indices[first])} twice: indices[{first}] and "
+            f"indices[{second}] (indices[{int(indptr[row])}:{int(indptr[row + 1])}] = "
+            f"{indices[indptr[row]:indptr[row + 1]].tolist()})")
+
+
 @dataclass(frozen=True, eq=False)
 class BSR:
     """A validated block-sparse row matrix of shape ``(M, N)`` with blocks ``(Br, Bc)``.
@@ -61,7 +82,8 @@ class BSR:
     indices : array of int, shape [nnz_blocks]
         Block column of each stored block, in ``[0, ceil(N / Bc))``. Order within a row is the
         order in which a kernel visits the blocks (for a page table: logical page order), so it
-        need not be sorted; a column may appear in many rows (shared pages). Stored as int32.
+        need not be sorted; a column may appear in many rows (shared pages) but at most once in
+        a row (a ValueError naming ``indices`` otherwise). Stored as int32.
     block_shape : (int, int)
         ``(Br, Bc)``. Any positive sizes, ``(1, 1)`` included.
     shape : (int, int)
@@ -89,6 +111,7 @@ class BSR:
         indices = as_index_array("indices", self.indices)
         indptr = check_indptr("indptr", self.indptr, length=rows + 1, total=indices.size)
         check_range("indices", indices, 0, cols)
+        _check_no_repeated_block(indptr, indices)
         last = None
         if self.last_block_len is not None:
             last = as_index_array("last_block_len", self.last_block_len)

@@ -9,6 +9,9 @@ be partly filled; ``last_page_len[b]`` says how many of its slots hold tokens.
 Read as a matrix with one row per request and one column per physical token slot, the table is a
 BSR with blocks ``(1, page_size)`` (Figure 2 of the FlashInfer paper): :meth:`PageTable.to_bsr`
 and :meth:`PageTable.from_bsr` convert without losing anything.
+
+:func:`check_page_table` is the one validator of FlashInfer-style page tables: the api wrappers
+and :class:`PageTable` both call it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,96 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._checks import as_index_array, check_indptr, check_positive_int, check_range
+from .._checks import (
+    INT32_MAX,
+    as_index_array,
+    as_integer_array,
+    check_indptr,
+    check_positive_int,
+    check_range,
+)
 from .bsr import BSR
+
+PAGE_TABLE_NAMES = ("indptr", "indices", "last_page_len")
+
+
+def check_page_table(indptr, indices, last_page_len, page_size, *, num_pages=None,
+                     names=PAGE_TABLE_NAMES):
+    """Validate a page table given as host arrays of any integer dtype; return it narrowed.
+
+    Every value is range-checked in its own dtype *before* it is narrowed to int32, so an int64
+    page id ``2**32 + 1`` raises instead of wrapping to page 1.
+
+    Parameters
+    ----------
+    indptr : array of int, shape [batch_size + 1]
+        FlashInfer's ``kv_indptr``: starts at 0, non-decreasing, fits int32.
+    indices : array of int, shape [>= indptr[-1]]
+        FlashInfer's ``kv_indices``. Only the first ``indptr[-1]`` entries are read (as FlashInfer
+        does): a longer array (a preallocated buffer) is accepted and cut, a shorter one raises.
+        Page ids lie in ``[0, num_pages)``, or in ``[0, 2**31)`` when ``num_pages`` is None.
+    last_page_len : array of int, shape [batch_size]
+        FlashInfer's ``kv_last_page_len``: in ``[1, page_size]`` for a request with pages; for a
+        request without pages it is ignored and may be anything in ``[0, page_size]``.
+    page_size : int
+        Token slots per page, >= 1.
+    num_pages : int, optional
+        Pages in the KV pool, >= 0; ``None`` skips the upper bound of the page ids.
+    names : tuple of 3 str
+        The names of ``(indptr, indices, last_page_len)`` in error messages, e.g.
+        ``("kv_indptr", "kv_indices", "kv_last_page_len")`` or ``("paged_kv_indptr_arr[1]", ...)``.
+
+    Returns
+    -------
+    indptr : ndarray, int32, shape [batch_size + 1]
+    indices : ndarray, int32, shape [indptr[-1]]
+    last_page_len : ndarray, int32, shape [batch_size]
+    kv_lens : ndarray, int64, shape [batch_size]
+        Tokens of each request: ``(pages - 1) * page_size + last_page_len``, 0 without pages.
+
+    The int32 arrays may share memory with the inputs when those already are contiguous int32.
+
+    Raises
+    ------
+    TypeError
+        An argument is not an integer array (or ``page_size`` / ``num_pages`` not an int).
+    ValueError
+        A value is out of range or a length disagrees; the message names the argument (from
+        ``names``), the expected and the actual value.
+    """
+    if not (isinstance(names, tuple) and len(names) == 3 and all(isinstance(n, str)
+                                                                  for n in names)):
+        raise TypeError(f"names must be a tuple of 3 str, got {names!r}")
+    n_ptr, n_idx, n_last = names
+    page_size = check_positive_int("page_size", page_size)
+    if num_pages is not None:
+        num_pages = check_positive_int("num_pages", num_pages, minimum=0)
+    ptr = check_indptr(n_ptr, indptr)  # range-checked against int32 before it is narrowed
+    nnz = int(ptr[-1])
+    idx = as_integer_array(n_idx, indices)
+    if idx.size < nnz:
+        raise ValueError(f"{n_idx} must have at least {n_ptr}[-1]={nnz} entries (the pages "
+                         f"{n_ptr} refers to), got {idx.size}")
+    idx = idx[:nnz]
+    check_range(n_idx, idx, 0, INT32_MAX + 1 if num_pages is None else num_pages)
+    last = as_integer_array(n_last, last_page_len)
+    batch = ptr.size - 1
+    if last.size != batch:
+        raise ValueError(f"{n_last} must have length {batch} (batch size, len({n_ptr}) - 1), "
+                         f"got {last.size}")
+    pages = np.diff(ptr).astype(np.int64)
+    for has_pages, low, what in ((True, 1, "a request with pages"),
+                                 (False, 0, "a request without pages")):
+        rows = np.flatnonzero((pages > 0) == has_pages)
+        vals = last[rows]
+        bad = (vals < low) | (vals > page_size)  # exact in the input's own dtype
+        if np.any(bad):
+            b = int(rows[np.argmax(bad)])
+            raise ValueError(f"{n_last} values must lie in [{low}, {page_size + 1}) for {what} "
+                             f"(page_size {page_size}), got {n_last}[{b}]={int(last[b])}")
+    last = np.ascontiguousarray(last, dtype=np.int32)
+    kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
+    return ptr, np.ascontiguousarray(idx, dtype=np.int32), last, kv_lens
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,8 +121,9 @@ class PageTable:
     ----------
     indptr : array of int, shape [B + 1]
         FlashInfer's ``kv_indptr``: request ``b`` owns ``indices[indptr[b]:indptr[b + 1]]``.
-    indices : array of int, shape [indptr[-1]]
+    indices : array of int, shape [>= indptr[-1]]
         FlashInfer's ``kv_indices``: physical page ids in ``[0, num_pages)``, in logical order.
+        Only the first ``indptr[-1]`` entries are kept (FlashInfer reads no more).
     last_page_len : array of int, shape [B]
         FlashInfer's ``kv_last_page_len``: filled slots of each request's last page, in
         ``[1, page_size]``; for a request with no pages it is ignored and may be 0.
@@ -42,7 +134,8 @@ class PageTable:
 
     Notes
     -----
-    Index arrays are stored as read-only int32 copies. The KV length of request ``b`` is
+    Index arrays of any integer dtype are validated by :func:`check_page_table` and stored as
+    read-only int32 copies. The KV length of request ``b`` is
     ``(pages_b - 1) * page_size + last_page_len[b]``, or 0 when it has no pages.
     """
 
@@ -53,24 +146,15 @@ class PageTable:
     num_pages: int
 
     def __post_init__(self):
-        page_size = check_positive_int("page_size", self.page_size)
         num_pages = check_positive_int("num_pages", self.num_pages, minimum=0)
-        indices = as_index_array("indices", self.indices)
-        indptr = check_indptr("indptr", self.indptr, total=indices.size)
-        check_range("indices", indices, 0, num_pages)
-        last = as_index_array("last_page_len", self.last_page_len)
-        batch = indptr.size - 1
-        if last.size != batch:
-            raise ValueError(
-                f"last_page_len must have length {batch} (batch size), got {last.size}")
-        nonempty = np.diff(indptr) > 0
-        check_range("last_page_len", np.where(nonempty, last, 1), 1, page_size + 1)
-        check_range("last_page_len", last, 0, page_size + 1)
+        indptr, indices, last, _ = check_page_table(self.indptr, self.indices,
+                                                    self.last_page_len, self.page_size,
+                                                    num_pages=num_pages)
         for name, value in (("indptr", indptr), ("indices", indices), ("last_page_len", last)):
             frozen = np.array(value, dtype=np.int32, copy=True)  # never freeze the caller's array
             frozen.setflags(write=False)
             object.__setattr__(self, name, frozen)
-        object.__setattr__(self, "page_size", page_size)
+        object.__setattr__(self, "page_size", int(self.page_size))
         object.__setattr__(self, "num_pages", num_pages)
 
     @property

@@ -21,7 +21,7 @@ from .._checks import (
     check_positive_int,
     check_sm_scale,
 )
-from ..variants import Variant, compose, from_flashinfer_args
+from ..variants import Variant, compose, from_flashinfer_args, resolve
 
 LSE_BASES = (math.e, 2.0)
 
@@ -116,10 +116,12 @@ def _prepare_contiguous(q, k, v, kv_layout, sm_scale, lse_base):
 def build_variant(*, num_qo_heads: int, causal=False, window_left=-1, logits_soft_cap=None,
                   pos_encoding_mode="NONE", rope_scale=None, rope_theta=None,
                   variant=None) -> Variant:
-    """The variant FlashInfer's flags describe, composed with an optional user ``variant``."""
-    if variant is not None and not isinstance(variant, Variant):
-        raise TypeError(f"variant must be a nbinfer.variants.Variant or None, "
-                        f"got {type(variant).__name__}")
+    """The variant FlashInfer's flags describe, composed with an optional user ``variant``.
+
+    ``variant`` is None, a :class:`~nbinfer.variants.Variant` or the name of a parameter-free
+    built-in (``"causal"``, ``"sigmoid"`` ...), as :func:`nbinfer.variants.resolve` reads it.
+    """
+    variant = resolve(variant)
     base = from_flashinfer_args(
         causal=causal, window_left=window_left, logits_soft_cap=logits_soft_cap,
         pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale, rope_theta=rope_theta,

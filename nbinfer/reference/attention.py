@@ -14,6 +14,12 @@ operations is the specification that the GPU kernels follow:
 
 The output transform (e.g. attention sink) needs the LSE of the *final* state, so it is not part
 of :func:`attention_state`; :func:`finalize` applies it once after all merging.
+
+Non-finite values (the rule on every backend): a NaN in a query row, or in the K or V row of a key
+that the query keeps (after both masks), makes that (row, head)'s whole output (every head_dim
+entry) and its LSE NaN; so does a kept logit that is NaN or ``+inf`` after the variant's
+transforms. A masked key's K and V never matter, and keys outside the given key set are never
+read. A row with no kept key has ``O = 0`` and ``LSE = -inf``, whatever its query holds.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import math
 import numpy as np
 
 from .._checks import as_index_array, check_ndim, check_sm_scale
-from ..variants import Variant, standard
+from ..variants import resolve, standard
 from ..variants.host import logits_keep, transform_logits, transform_output, transform_vectors
 from ._common import as_f64, check_lse_base, check_q_kv, lse_from_base, lse_to_base
 
@@ -64,9 +70,10 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
         ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)`` (GQA).
     sm_scale : float, optional
         Logit scale; ``None`` means ``1 / sqrt(head_dim)``.
-    variant : Variant, optional
+    variant : Variant or str, optional
         Attention variant whose query/key/logits transforms and masks are applied. Its output
-        transform is *not* applied (see :func:`finalize`). ``None`` means standard attention.
+        transform is *not* applied (see :func:`finalize`). ``None`` means standard attention; a
+        string names a parameter-free built-in (see :func:`nbinfer.variants.resolve`).
     q_pos : array of int, shape [qo_len], optional
         Absolute query positions given to the hooks. Default: bottom-right aligned,
         ``i + kv_len - qo_len``.
@@ -80,10 +87,11 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
     Returns
     -------
     o : ndarray, float64, shape [qo_len, num_qo_heads, head_dim]
-        Softmax-weighted values; 0 for a query with no kept key.
+        Softmax-weighted values; 0 for a query with no kept key; NaN (every entry of the row and
+        head) under the non-finite rule of the module docstring.
     lse : ndarray, float64, shape [qo_len, num_qo_heads]
-        Log-sum-exp of the kept logits in ``lse_base`` (``-inf`` for no kept key); all zeros when
-        the variant does not use softmax.
+        Log-sum-exp of the kept logits in ``lse_base`` (``-inf`` for no kept key, NaN under the
+        non-finite rule); zeros when the variant does not use softmax (NaN under the rule).
     """
     lse_base = check_lse_base(lse_base)
     q = as_f64("q", q, 3)
@@ -95,14 +103,14 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
         raise ValueError(f"v.shape must equal k.shape {k.shape}, got {v.shape}")
     group = check_q_kv(q, hkv, k.shape[2])
     scale = check_sm_scale(sm_scale, d)
-    if variant is None:
-        variant = standard()
-    elif not isinstance(variant, Variant):
-        raise TypeError(f"variant must be a Variant or None, got {type(variant).__name__}")
+    variant = resolve(variant) or standard()
     qp = _positions("q_pos", q_pos, lq, lkv - lq)
     kp = _positions("kv_pos", kv_pos, lkv, 0)
     mask = _check_mask(mask, lq, lkv)
 
+    # NaN in the inputs, per query row and per key row (the non-finite rule reads the inputs).
+    q_nan = np.isnan(q).any(axis=-1)
+    kv_nan = np.isnan(k).any(axis=-1) | np.isnan(v).any(axis=-1)
     q = transform_vectors(variant, "query_transform", q, qp, np.arange(hq))
     k = transform_vectors(variant, "key_transform", k, kp, np.arange(hkv))
 
@@ -118,21 +126,72 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
     if mask is not None:
         keep = keep & mask[None, :, :]
 
+    # The non-finite rule: NaN inputs of a kept (query, key) pair poison that (row, head).
+    bad = _nan_pairs(q_nan, kv_nan, keep, group)
     if variant.use_softmax:
-        p, lse = _softmax_weights(s, keep)
+        p, lse, bad_logit = _softmax_weights(s, keep)
     else:
         p = np.where(keep, s, 0.0)
         lse = np.zeros((hq, lq))
-    o = np.einsum("hgqk,khd->qhgd", p.reshape(hkv, group, lq, lkv), v).reshape(lq, hq, d)
+        bad_logit = np.any(keep & np.isnan(s), axis=-1)
+    bad |= bad_logit
+    p = np.where(bad[..., None], 0.0, p)
+    o = _weighted_values(p, keep, v, hkv, group)
+    # A (row, head) whose output has a NaN anywhere (e.g. p == 0 times an infinite V) is
+    # poisoned whole, as in the kernels' epilogue.
+    bad |= np.isnan(o).any(axis=-1).T
+    o[bad.T] = np.nan  # every head_dim entry of a poisoned (row, head)
+    lse = np.where(bad, np.nan, lse)
     return o, lse_to_base(lse.T.copy(), lse_base)
 
 
+def _nan_pairs(q_nan, kv_nan, keep, group: int) -> np.ndarray:
+    """bool ``[Hq, Lq]``: the (head, row) keeps a key while its query or that key's K/V has a NaN.
+
+    ``q_nan`` is ``[Lq, Hq]``, ``kv_nan`` ``[Lkv, Hkv]`` and ``keep`` ``[Hq, Lq, Lkv]``.
+    """
+    kv_nan = np.repeat(kv_nan.T, group, axis=0)  # [Hq, Lkv]: qo head h reads kv head h // group
+    return np.any(keep & (q_nan.T[:, :, None] | kv_nan[:, None, :]), axis=-1)
+
+
+def _weighted_values(p, keep, v, hkv: int, group: int) -> np.ndarray:
+    """``O = sum_j p_j v_j`` over kept keys only: a masked key's V (even NaN or inf) adds nothing.
+
+    ``p`` is 0 for masked keys, but ``0 * inf`` and ``0 * NaN`` are NaN, so non-finite values are
+    taken out of ``v`` and an infinite V entry of a *kept* key is put back with IEEE semantics
+    (``p * inf``: +-inf by the sign of ``p``, NaN for ``p == 0`` or opposite infinities).
+    """
+    hq, lq, lkv = p.shape
+    d = v.shape[-1]
+
+    def contract(weights, values):
+        return np.einsum("hgqk,khd->qhgd", weights.reshape(hkv, group, lq, lkv),
+                         values).reshape(lq, hq, d)
+
+    finite = np.isfinite(v)
+    o = contract(p, np.where(finite, v, 0.0))
+    if finite.all():
+        return o
+    pos, neg = (v == np.inf).astype(np.float64), (v == -np.inf).astype(np.float64)
+    up, down = (keep & (p > 0)).astype(np.float64), (keep & (p < 0)).astype(np.float64)
+    zero = (keep & (p == 0)).astype(np.float64)
+    to_pos = (contract(up, pos) + contract(down, neg)) > 0
+    to_neg = (contract(up, neg) + contract(down, pos)) > 0
+    to_nan = (contract(zero, pos + neg) > 0) | (to_pos & to_neg)
+    o = np.where(to_pos, np.inf, np.where(to_neg, -np.inf, o))
+    return np.where(to_nan, np.nan, o)
+
+
 def _softmax_weights(s: np.ndarray, keep: np.ndarray):
-    """Normalised softmax weights over kept entries of the last axis, and the natural LSE.
+    """Normalised softmax weights over kept entries of the last axis, the natural LSE, bad rows.
 
     Subtracting the row maximum keeps ``exp`` in range for any logit size. A row with no kept
-    entry gets weights 0 and LSE ``-inf`` (not NaN: the max is replaced by 0 before use).
+    entry gets weights 0 and LSE ``-inf`` (not NaN: the max is replaced by 0 before use). A row
+    that keeps a NaN or ``+inf`` logit is *bad*: weights 0 here, LSE NaN (the caller makes its
+    output NaN). Returns ``(p, lse, bad)``.
     """
+    bad = np.any(keep & (np.isnan(s) | (s == np.inf)), axis=-1)
+    keep = keep & ~bad[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         masked = np.where(keep, s, -np.inf)
         m = np.max(masked, axis=-1, initial=-np.inf)
@@ -142,7 +201,7 @@ def _softmax_weights(s: np.ndarray, keep: np.ndarray):
         has = l > 0
         p = e / np.where(has, l, 1.0)[..., None]
         lse = np.where(has, m_safe + np.log(np.where(has, l, 1.0)), -np.inf)
-    return p, lse
+    return p, np.where(bad, np.nan, lse), bad
 
 
 def finalize(o, lse, variant, *, lse_base=math.e):
@@ -154,7 +213,7 @@ def finalize(o, lse, variant, *, lse_base=math.e):
         Merged attention output.
     lse : ndarray, float, shape [..., num_qo_heads]
         Its LSE in ``lse_base``; the hooks receive it as a natural log.
-    variant : Variant or None
+    variant : Variant, str or None
         Variant whose ``output_transform`` hooks run (head index = qo head). ``None`` or a
         variant without output hooks returns ``o`` unchanged (as float64).
     lse_base : float
@@ -169,11 +228,8 @@ def finalize(o, lse, variant, *, lse_base=math.e):
     lse = as_f64("lse", lse, range(1, 7))
     if lse.shape != o.shape[:-1]:
         raise ValueError(f"lse.shape must be o.shape[:-1] = {o.shape[:-1]}, got {lse.shape}")
-    if variant is None:
-        return o
-    if not isinstance(variant, Variant):
-        raise TypeError(f"variant must be a Variant or None, got {type(variant).__name__}")
-    if not variant.output_transform:
+    variant = resolve(variant)
+    if variant is None or not variant.output_transform:
         return o
     heads = np.arange(o.shape[-2], dtype=np.int64)[:, None]
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):

@@ -28,20 +28,34 @@ from .paged import _prepare_paged, check_page_table
 __all__ = ["multi_level_cascade_attention"]
 
 
+# The names of MultiLevelCascadeAttentionWrapper.plan()'s arguments (FlashInfer's), which are the
+# names errors use: the api's plan() and the reference entry point both call _check_levels.
+LEVEL_NAMES = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
+               "paged_kv_last_page_len")
+
+
 def _check_levels(nnz, qo_indptr_arr, indptr_arr, indices_arr, last_arr):
-    names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
-             "paged_kv_last_page_len_arr")
+    """Check that the per-level lists agree with each other; return ``(levels, qo_ptrs)``.
+
+    Every list holds one entry per level; each ``qo_indptr_arr[l]`` ends at ``nnz`` (the query
+    rows) and coarsens ``qo_indptr_arr[l + 1]``; level ``l``'s page table has one request per qo
+    segment (``len(paged_kv_indptr_arr[l]) == len(qo_indptr_arr[l])`` and as many
+    ``paged_kv_last_page_len[l]`` entries as segments). The page tables' values are checked by
+    the caller (it knows the pool). Errors name the plan() arguments, e.g.
+    ``paged_kv_last_page_len[1]``.
+    """
     lists = (qo_indptr_arr, indptr_arr, indices_arr, last_arr)
-    for name, lst in zip(names, lists, strict=True):
+    for name, lst in zip(LEVEL_NAMES, lists, strict=True):
         if not isinstance(lst, (list, tuple)):
             raise TypeError(f"{name} must be a list with one array per level, "
                             f"got {type(lst).__name__}")
     levels = len(qo_indptr_arr)
     if levels == 0:
         raise ValueError("qo_indptr_arr must hold at least one level, got an empty list")
-    for name, lst in zip(names[1:], lists[1:], strict=True):
+    for name, lst in zip(LEVEL_NAMES[1:], lists[1:], strict=True):
         if len(lst) != levels:
-            raise ValueError(f"{name} must have one entry per level ({levels}), got {len(lst)}")
+            raise ValueError(f"{name} must have one entry per level ({levels}, the length of "
+                             f"qo_indptr_arr), got {len(lst)}")
     qo_ptrs = [check_qo_indptr(p, nnz, name=f"qo_indptr_arr[{lvl}]")
                for lvl, p in enumerate(qo_indptr_arr)]
     for lvl in range(levels - 1):
@@ -51,7 +65,20 @@ def _check_levels(nnz, qo_indptr_arr, indptr_arr, indices_arr, last_arr):
                 f"qo_indptr_arr[{lvl}] must be a coarsening of qo_indptr_arr[{lvl + 1}] (every "
                 f"segment boundary of a level is a boundary of the next level), but boundary "
                 f"{int(missing[0])} of level {lvl} is missing from level {lvl + 1}")
+    for lvl, ptr in enumerate(qo_ptrs):
+        segments = ptr.size - 1
+        for name, arr, want in ((LEVEL_NAMES[1], indptr_arr[lvl], segments + 1),
+                                (LEVEL_NAMES[3], last_arr[lvl], segments)):
+            if np.ndim(arr) != 1 or np.size(arr) != want:
+                raise ValueError(
+                    f"{name}[{lvl}] must have length {want} (one request per qo segment of level "
+                    f"{lvl}: len(qo_indptr_arr[{lvl}]) = {ptr.size}), got shape {np.shape(arr)}")
     return levels, qo_ptrs
+
+
+def _level_names(lvl: int) -> tuple:
+    """Error names of level ``lvl``'s page table: ``paged_kv_indptr_arr[lvl]`` ..."""
+    return tuple(f"{name}[{lvl}]" for name in LEVEL_NAMES[1:])
 
 
 def _segment_of_rows(qo_ptr: np.ndarray, nnz: int) -> np.ndarray:
@@ -61,7 +88,7 @@ def _segment_of_rows(qo_ptr: np.ndarray, nnz: int) -> np.ndarray:
 
 
 def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_indptr_arr,
-                                  paged_kv_indices_arr, paged_kv_last_page_len_arr, *,
+                                  paged_kv_indices_arr, paged_kv_last_page_len, *,
                                   causal=False, kv_layout="NHD", pos_encoding_mode="NONE",
                                   window_left=-1, logits_soft_cap=None, sm_scale=None,
                                   rope_scale=None, rope_theta=None, variant=None,
@@ -76,8 +103,9 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
         is also a boundary of level ``l + 1``.
     paged_kv_cache : ndarray or (ndarray, ndarray)
         The one cache all levels read (see :func:`~nbinfer.reference.paged.split_paged_kv_cache`).
-    paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len_arr : lists of arrays
-        One page table per level, with ``B_l`` requests (one per qo segment).
+    paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len : lists of arrays
+        One page table per level, with ``B_l`` requests (one per qo segment). The names are those
+        of FlashInfer's ``MultiLevelCascadeAttentionWrapper.plan()``, which errors use.
     causal : bool
         Bottom-right aligned causal mask inside the last level only.
     kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta,
@@ -94,17 +122,12 @@ def multi_level_cascade_attention(q, qo_indptr_arr, paged_kv_cache, paged_kv_ind
         q, paged_kv_cache, kv_layout, sm_scale, lse_base)
     nnz, hq, _ = q.shape
     levels, qo_ptrs = _check_levels(nnz, qo_indptr_arr, paged_kv_indptr_arr,
-                                    paged_kv_indices_arr, paged_kv_last_page_len_arr)
+                                    paged_kv_indices_arr, paged_kv_last_page_len)
     lens, get_kvs = [], []  # per level: kv length and KV getter of each request (qo segment)
     for lvl in range(levels):
-        names = (f"paged_kv_indptr_arr[{lvl}]", f"paged_kv_indices_arr[{lvl}]",
-                 f"paged_kv_last_page_len_arr[{lvl}]")
-        if np.size(paged_kv_indptr_arr[lvl]) != qo_ptrs[lvl].size:
-            raise ValueError(f"{names[0]} must have length {qo_ptrs[lvl].size} (one request per "
-                             f"qo segment of level {lvl}), got {np.size(paged_kv_indptr_arr[lvl])}")
         table = check_page_table(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
-                                 paged_kv_last_page_len_arr[lvl], num_pages, page_size,
-                                 names=names)
+                                 paged_kv_last_page_len[lvl], num_pages, page_size,
+                                 names=_level_names(lvl))
         kv_lens, get_kv = paged_requests(k_cache, v_cache, table, page_size)
         lens.append(kv_lens)
         get_kvs.append(get_kv)

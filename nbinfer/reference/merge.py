@@ -8,8 +8,15 @@ exp(s_j)`` and ``O(I)`` the softmax-weighted mean of the values. For disjoint ``
 
 which is associative and commutative, so keys can be split anywhere (chunks of one long sequence,
 a shared prefix and a suffix, pages on different CTAs) and the pieces combined exactly. An empty
-key set has ``LSE = -inf`` and is the identity. Exponentials are taken relative to the larger LSE,
-so logits of any size neither overflow nor lose the smaller state.
+key set has ``LSE = -inf`` and is the identity: its ``O`` is never read (even a NaN there is
+ignored). Exponentials are taken relative to the larger LSE, so logits of any size neither
+overflow nor lose the smaller state.
+
+Non-finite LSEs (the rule on every backend): a state whose LSE is NaN or ``+inf`` is poisoned,
+and merging it with anything gives NaN in every entry of that (row, head)'s ``O`` and in its LSE;
+a poisoned state is what attention returns for a row that read a NaN (see
+:mod:`nbinfer.reference.attention`), so the NaN survives every merge instead of vanishing. NaN or
+infinite values in the ``O`` of a state with a finite LSE follow IEEE arithmetic.
 """
 
 from __future__ import annotations
@@ -31,15 +38,14 @@ def _check_pair(v_name, v, s_name, s):
     if s64.shape != v64.shape[:2]:
         raise ValueError(f"{s_name}.shape must be {v_name}.shape[:2] = {v64.shape[:2]}, "
                          f"got {s64.shape}")
-    if np.any(np.isnan(s64) | (s64 == np.inf)):
-        raise ValueError(f"{s_name} must hold finite LSEs or -inf (empty), found NaN or +inf")
     return v64, s64
 
 
 def _combine(v_a, s_a, v_b, s_b, axis_states=None):
     """Merge natural-log states; with ``axis_states`` reduce along that axis of stacked states.
 
-    ``s`` has the shape of ``v`` without its last axis. Returns float64 ``(v, s)``.
+    ``s`` has the shape of ``v`` without its last axis. Returns float64 ``(v, s)``. An LSE of NaN
+    or ``+inf`` in any merged state makes the (row, head) NaN; ``-inf`` states add nothing.
     """
     if axis_states is None:
         v = np.stack([v_a, v_b], axis=0)
@@ -47,6 +53,10 @@ def _combine(v_a, s_a, v_b, s_b, axis_states=None):
         axis_states = 0
     else:
         v, s = v_a, s_a
+    poisoned = np.isnan(s) | (s == np.inf)
+    bad = np.any(poisoned, axis=axis_states)
+    empty = np.isneginf(s) | poisoned  # neither adds to the sum; `bad` overrides the result
+    s = np.where(empty, -np.inf, s)
     with np.errstate(invalid="ignore", over="ignore"):
         m = np.max(s, axis=axis_states, initial=-np.inf)
         # All-empty rows have m = -inf; shifting by 0 instead keeps exp(-inf - 0) = 0, not NaN.
@@ -55,9 +65,12 @@ def _combine(v_a, s_a, v_b, s_b, axis_states=None):
         total = w.sum(axis=axis_states)
         has = total > 0
         denom = np.where(has, total, 1.0)
-        out = (w[..., None] * v).sum(axis=axis_states) / denom[..., None]
+        # An empty state's O is never read: 0 * NaN would be NaN.
+        part = np.where(empty[..., None], 0.0, w[..., None] * v)
+        out = part.sum(axis=axis_states) / denom[..., None]
         lse = np.where(has, m_safe + np.log(denom), -np.inf)
-    return out, lse
+    out[bad] = np.nan
+    return out, np.where(bad, np.nan, lse)
 
 
 def merge_state(v_a, s_a, v_b, s_b, *, lse_base=math.e):
@@ -68,7 +81,8 @@ def merge_state(v_a, s_a, v_b, s_b, *, lse_base=math.e):
     v_a, v_b : ndarray, float, shape [seq_len, num_heads, head_dim]
         Outputs of the two states.
     s_a, s_b : ndarray, float, shape [seq_len, num_heads]
-        Their LSEs in ``lse_base`` (``-inf`` for an empty key set).
+        Their LSEs in ``lse_base`` (``-inf`` for an empty key set; NaN or ``+inf`` makes the
+        merged row and head NaN, see the module docstring).
     lse_base : float
         ``math.e`` (default) or ``2`` (FlashInfer's convention).
 
@@ -76,7 +90,8 @@ def merge_state(v_a, s_a, v_b, s_b, *, lse_base=math.e):
     -------
     v : ndarray, float64, shape [seq_len, num_heads, head_dim]
     s : ndarray, float64, shape [seq_len, num_heads]
-        The state over the union of the key sets, LSE in ``lse_base``.
+        The state over the union of the key sets, LSE in ``lse_base``; NaN (all of ``v[i, h]``
+        and ``s[i, h]``) where either LSE is NaN or ``+inf``.
     """
     base = check_lse_base(lse_base)
     v_a, s_a = _check_pair("v_a", v_a, "s_a", s_a)
@@ -95,7 +110,8 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None, *, lse_base=math.e):
     v : ndarray, float, shape [seq_len, num_heads, head_dim]
         Output of the state to update; written in place (rounded to its own dtype).
     s : ndarray, float, shape [seq_len, num_heads]
-        Its LSE in ``lse_base``; written in place.
+        Its LSE in ``lse_base``; written in place. A merged row and head whose LSE (here or in
+        ``s_other``) is NaN or ``+inf`` becomes NaN in ``v`` and ``s``.
     v_other, s_other : ndarray
         The other state, same shapes.
     mask : ndarray of bool, shape [seq_len], optional
@@ -141,7 +157,8 @@ def merge_states(v, s, *, lse_base=math.e):
     v : ndarray, float, shape [seq_len, num_states, num_heads, head_dim]
         Outputs of the states.
     s : ndarray, float, shape [seq_len, num_states, num_heads]
-        Their LSEs in ``lse_base``.
+        Their LSEs in ``lse_base``; ``-inf`` states are empty, and one NaN or ``+inf`` LSE makes
+        the merged row and head NaN.
     lse_base : float
         ``math.e`` (default) or ``2``.
 
@@ -156,7 +173,5 @@ def merge_states(v, s, *, lse_base=math.e):
     s64 = as_f64("s", s, 3)
     if s64.shape != v64.shape[:3]:
         raise ValueError(f"s.shape must be v.shape[:3] = {v64.shape[:3]}, got {s64.shape}")
-    if np.any(np.isnan(s64) | (s64 == np.inf)):
-        raise ValueError("s must hold finite LSEs or -inf (empty), found NaN or +inf")
     out, lse = _combine(v64, lse_from_base(s64, base), None, None, axis_states=1)
     return out, lse_to_base(lse, base)

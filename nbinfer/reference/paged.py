@@ -101,16 +101,49 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
     return k_cache, v_cache
 
 
+def _as_int64(name: str, a) -> np.ndarray:
+    """A 1-D integer array as int64, exactly: any integer dtype, uint64 only below ``2**63``.
+
+    The reference engine checks every index in int64 and narrows nothing, so no value wraps.
+    """
+    arr = np.asarray(a)
+    if arr.size == 0 and not isinstance(a, np.ndarray):
+        arr = arr.astype(np.int64)  # an empty Python list is an empty index list
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    check_ndim(name, arr, 1)
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        b = int(np.argmax(arr > np.iinfo(np.int64).max))
+        raise ValueError(f"{name} values must fit in int64, got {name}[{b}]={int(arr[b])}")
+    return arr.astype(np.int64)
+
+
+def _first_outside(name: str, arr: np.ndarray, low, high, what: str) -> None:
+    """Raise naming ``name[i]`` for the first element outside ``[low, high)`` (bounds may be
+    per-element arrays)."""
+    bad = (arr < low) | (arr >= high)
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        lo = low if np.ndim(low) == 0 else low[i]
+        hi = high if np.ndim(high) == 0 else high[i]
+        raise ValueError(f"{name} values must lie in [{lo}, {hi}) ({what}), "
+                         f"got {name}[{i}]={arr[i]}")
+
+
 def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, page_size: int,
                      *, names=PAGE_TABLE_NAMES):
     """Validate a page table and return it as int32 arrays.
 
+    Every value is checked in int64 before anything is narrowed to int32, so an int64 page id
+    ``2**32 + 1`` raises instead of wrapping to page 1.
+
     Parameters
     ----------
     kv_indptr : array of int, shape [batch_size + 1]
-        Non-decreasing, starts at 0, ends at ``len(kv_indices)``.
-    kv_indices : array of int, shape [nnz_pages]
-        Physical page ids in ``[0, num_pages)``, any order.
+        Non-decreasing, starts at 0, at most ``len(kv_indices)`` at the end.
+    kv_indices : array of int, shape [>= kv_indptr[-1]]
+        Physical page ids in ``[0, num_pages)``, any order. Only the first ``kv_indptr[-1]``
+        entries are read (as FlashInfer does): the rest of a longer array is ignored.
     kv_last_page_len : array of int, shape [batch_size]
         Filled slots of each request's last page, in ``[1, page_size]`` (a request with no pages
         has kv_len 0 and its entry may be anything in ``[0, page_size]``).
@@ -122,23 +155,37 @@ def check_page_table(kv_indptr, kv_indices, kv_last_page_len, num_pages: int, pa
     Returns
     -------
     (kv_indptr, kv_indices, kv_last_page_len) : int32 ndarrays
+        ``kv_indices`` cut to ``kv_indptr[-1]`` entries.
     """
     n_ptr, n_idx, n_last = names
-    indices = as_index_array(n_idx, kv_indices)
-    indptr = check_indptr(n_ptr, kv_indptr, total=indices.size)
-    last = as_index_array(n_last, kv_last_page_len)
+    indptr = _as_int64(n_ptr, kv_indptr)
+    indices = _as_int64(n_idx, kv_indices)
+    last = _as_int64(n_last, kv_last_page_len)
+    if indptr.size == 0:
+        raise ValueError(f"{n_ptr} must have batch_size + 1 >= 1 entries, got an empty array")
+    if indptr[0] != 0:
+        raise ValueError(f"{n_ptr}[0] must be 0, got {indptr[0]}")
+    drop = np.diff(indptr) < 0
+    if np.any(drop):
+        b = int(np.argmax(drop)) + 1
+        raise ValueError(f"{n_ptr} must be non-decreasing, got {n_ptr}[{b}]={indptr[b]} < "
+                         f"{n_ptr}[{b - 1}]={indptr[b - 1]}")
+    if indptr[-1] > np.iinfo(np.int32).max:
+        raise ValueError(f"{n_ptr}[-1] must fit in int32, got {indptr[-1]}")
+    if indptr[-1] > indices.size:
+        raise ValueError(f"{n_idx} must have at least {n_ptr}[-1]={indptr[-1]} entries (the "
+                         f"pages {n_ptr} counts), got {indices.size}")
+    indices = indices[:indptr[-1]]
     batch = indptr.size - 1
     if last.size != batch:
         raise ValueError(f"{n_last} must have length batch_size={batch} "
                          f"(len({n_ptr}) - 1), got {last.size}")
-    check_range(n_idx, indices, 0, num_pages)
+    _first_outside(n_idx, indices, 0, num_pages, f"page ids of a pool of {num_pages} pages")
     low = np.where(np.diff(indptr) > 0, 1, 0)
-    bad = (last < low) | (last > page_size)
-    if np.any(bad):
-        b = int(np.argmax(bad))
-        raise ValueError(f"{n_last}[{b}]={last[b]} must lie in [{low[b]}, {page_size}] "
-                         f"(1 <= last_page_len <= page_size for a request with pages)")
-    return indptr, indices, last
+    _first_outside(n_last, last, low, page_size + 1,
+                   "1 <= last_page_len <= page_size for a request with pages")
+    # Every value is now in [0, len(kv_indices)] or [0, max(num_pages, page_size)]: int32 is exact.
+    return indptr.astype(np.int32), indices.astype(np.int32), last.astype(np.int32)
 
 
 def kv_lengths(kv_indptr, kv_last_page_len, page_size: int) -> np.ndarray:
@@ -259,8 +306,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         check_dim(name, arr, 2, d, "head_dim of paged_kv_cache")
     nnz = append_key.shape[0]
     check_dim("append_value", append_value, 0, nnz, "nnz of append_key")
-    bi = as_index_array("batch_indices", batch_indices)
-    pos = as_index_array("positions", positions)
+    bi = _as_int64("batch_indices", batch_indices)  # int64: checked below, never narrowed
+    pos = _as_int64("positions", positions)
     if bi.size != nnz:
         raise ValueError(f"batch_indices must have length nnz={nnz}, got {bi.size}")
     if pos.size != nnz:

@@ -41,8 +41,9 @@ _FLAGS_DOC = """
         Default ``1 / sqrt(head_dim)``.
     rope_scale, rope_theta : float, optional
         Rotary embedding parameters (defaults 1 and 1e4) for ``"ROPE_LLAMA"``.
-    variant : Variant, optional
-        Extra variant composed after the one the flags describe.
+    variant : Variant or str, optional
+        Extra variant composed after the one the flags describe; a str names a parameter-free
+        built-in (``"causal"``, ``"sigmoid"`` ...; see :func:`nbinfer.variants.resolve`).
     return_lse : bool
         Also return the LSE.
     lse_base : float

@@ -1,12 +1,18 @@
-"""Attention variants: hashable specs of scalar hooks (see :mod:`nbinfer.variants.spec`)."""
+"""Attention variants: hashable specs of scalar hooks (see :mod:`nbinfer.variants.spec`).
+
+:func:`resolve` turns a ``variant=`` argument (None, a Variant, or the name of a parameter-free
+built-in such as ``"causal"``) into a Variant.
+"""
 
 from .builtins import (
+    PARAMETER_FREE,
     POS_ENCODING_MODES,
     alibi,
     alibi_slopes,
     attention_sink,
     causal,
     from_flashinfer_args,
+    resolve,
     rope_llama,
     sigmoid_attention,
     sliding_window,
@@ -17,6 +23,7 @@ from .spec import HOOK_KINDS, Variant, compose
 
 __all__ = [
     "HOOK_KINDS",
+    "PARAMETER_FREE",
     "POS_ENCODING_MODES",
     "Variant",
     "alibi",
@@ -25,6 +32,7 @@ __all__ = [
     "causal",
     "compose",
     "from_flashinfer_args",
+    "resolve",
     "rope_llama",
     "sigmoid_attention",
     "sliding_window",

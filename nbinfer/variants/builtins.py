@@ -59,10 +59,20 @@ def sliding_window(window_left: int) -> Variant:
 
 
 def soft_cap(cap: float) -> Variant:
-    """Logits soft-capping (Gemma 2, Grok): ``s -> cap * tanh(s / cap)``."""
-    cap = _positive_float("cap", cap)
-    c = _float32("cap", cap)
-    inv = _float32("1 / cap", 1.0 / cap)
+    """Logits soft-capping (Gemma 2, Grok): ``s -> cap * tanh(s / cap)``; ``cap`` positive, finite."""
+    return _soft_cap(cap, "cap")
+
+
+def _soft_cap(cap, name: str) -> Variant:
+    """:func:`soft_cap` with errors naming ``name`` (``logits_soft_cap`` for FlashInfer's flag)."""
+    accepted = "a positive finite float that fits in float32"
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be {accepted}, got {type(cap).__name__}")
+    cap = float(cap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"{name} must be {accepted}, got {cap}")
+    c = _float32(name, cap)
+    inv = _float32(f"1 / {name}", 1.0 / cap)
 
     def logits_transform(s, q_pos, kv_pos, qo_head):
         return c * math.tanh(s * inv)
@@ -176,7 +186,8 @@ def from_flashinfer_args(
 
     Order: rotary embedding (query/key transform), ALiBi then soft-cap (logits transforms, in
     FlashInfer's ``DefaultAttention`` order, so the cap bounds the biased logit), causal and window
-    masks. ``window_left=-1`` and ``logits_soft_cap`` of ``None``/``0`` disable those.
+    masks. ``window_left=-1`` and ``logits_soft_cap`` of ``None``/``0.0`` disable those (0.0 is
+    FlashInfer's "no soft cap"); any other ``logits_soft_cap`` must be a positive finite float.
     (FlashInfer folds ``sm_scale / cap`` into the query, so with ALiBi *and* a soft cap its bias
     is divided by ``cap``; nbinfer adds the bias to ``sm_scale * q.k`` as in every other case.)
     """
@@ -194,8 +205,13 @@ def from_flashinfer_args(
         if num_qo_heads is None:
             raise ValueError("pos_encoding_mode='ALIBI' needs num_qo_heads")
         parts.append(alibi(num_qo_heads))
-    if logits_soft_cap:
-        parts.append(soft_cap(logits_soft_cap))
+    if logits_soft_cap is not None and not (
+            isinstance(logits_soft_cap, (int, float, np.integer, np.floating))
+            and not isinstance(logits_soft_cap, bool) and logits_soft_cap == 0):
+        try:
+            parts.append(_soft_cap(logits_soft_cap, "logits_soft_cap"))
+        except (TypeError, ValueError) as err:
+            raise type(err)(f"{err} (None or 0.0 means no soft cap)") from None
     if causal:
         parts.append(_causal_variant())
     if window_left is None or isinstance(window_left, bool) or not isinstance(
@@ -207,6 +223,58 @@ def from_flashinfer_args(
     if window_left >= 0:
         parts.append(sliding_window(int(window_left)))
     return compose(*parts) if parts else standard()
+
+
+# Built-ins that need no parameter, by the name that ``resolve`` accepts -> their factory.
+PARAMETER_FREE = {
+    "standard": standard,
+    "causal": causal,
+    "rope_llama": rope_llama,  # Llama's rope_scale 1, rope_theta 1e4
+    "sigmoid": sigmoid_attention,  # scale 1, bias 0
+}
+_PARAMETRISED = ("sliding_window(window_left)", "soft_cap(cap)", "alibi(num_heads)",
+                 "attention_sink(sinks)", "rope_llama(rope_scale, rope_theta)",
+                 "sigmoid_attention(scale, bias)")
+
+
+def resolve(variant) -> Variant | None:
+    """The :class:`Variant` that a ``variant=`` argument names.
+
+    Parameters
+    ----------
+    variant : None, Variant or str
+        ``None`` (no extra variant) and a ``Variant`` are returned as they are; a string names a
+        built-in that needs no parameter: ``"standard"``, ``"causal"``, ``"rope_llama"``
+        (``rope_llama()``: scale 1, theta 1e4) or ``"sigmoid"`` (``sigmoid_attention()``: scale 1,
+        bias 0). Variants with parameters are built by their factories,
+        ``nbinfer.variants.sliding_window(window_left)``, ``soft_cap(cap)``, ``alibi(num_heads)``,
+        ``attention_sink(sinks)``, and passed as the ``Variant`` they return.
+
+    Returns
+    -------
+    Variant or None
+
+    Raises
+    ------
+    ValueError
+        An unknown string (the message lists the accepted names and the factories).
+    TypeError
+        Any other type.
+    """
+    if variant is None or isinstance(variant, Variant):
+        return variant
+    if isinstance(variant, str):
+        factory = PARAMETER_FREE.get(variant)
+        if factory is None:
+            names = ", ".join(repr(n) for n in PARAMETER_FREE)
+            made = ", ".join(f"nbinfer.variants.{f}" for f in _PARAMETRISED)
+            raise ValueError(f"variant must be None, a Variant or the name of a built-in without "
+                             f"parameters ({names}), got {variant!r}; variants with parameters "
+                             f"come from their factories: {made}")
+        return factory()
+    raise TypeError(f"variant must be None, a nbinfer.variants.Variant or a str naming a "
+                    f"built-in ({', '.join(repr(n) for n in PARAMETER_FREE)}), "
+                    f"got {type(variant).__name__}")
 
 
 def _positive_float(name, value) -> float:
