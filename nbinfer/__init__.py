@@ -17,6 +17,7 @@ from .api.prefill import (
 from .api.single import single_decode_with_kv_cache
 from .api.sparse import BlockSparseAttentionWrapper
 from .api.state import merge_state, merge_state_in_place, merge_states
+from .api.step import StepPlan
 from .formats import (
     BSR,
     PageTable,
@@ -40,6 +41,7 @@ __all__ = [
     "PageTable",
     "Plan",
     "PlanLayout",
+    "StepPlan",
     "Variant",
     "__version__",
     "append_paged_kv_cache",

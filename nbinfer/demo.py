@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     ws = np.zeros(16 << 20, dtype=np.uint8)
     wrapper = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
-    backend = wrapper._backend
+    backend = wrapper.backend
     if backend == "cuda":
         from numba import cuda
 
@@ -84,8 +84,10 @@ def main(argv=None) -> int:
     err_lse = float(np.abs(np.asarray(lse) - ref_lse).max())
 
     print(f"\nreference engine (float64) vs dense attention: max |diff| = {err_ref:.2e}")
-    where = "GPU" if backend == "cuda" else "CUDA simulator (no GPU here)"
-    print(f"decode kernel on the {where}: {elapsed * 1e3:.1f} ms, rel. error vs reference "
+    where = {"cuda": "decode kernel on the GPU",
+             "sim": "decode kernel in the CUDA simulator (no GPU here)",
+             "reference": "reference engine (no GPU and no simulator)"}[backend]
+    print(f"{where}: {elapsed * 1e3:.1f} ms, rel. error vs reference "
           f"{err_kernel:.2e}, max LSE error {err_lse:.2e}")
     print(f"output[0, 0, :4] = {np.round(out[0, 0, :4], 4).tolist()}  "
           f"(reference {np.round(ref_o[0, 0, :4], 4).tolist()})")

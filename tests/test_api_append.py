@@ -88,11 +88,13 @@ def test_bf16_bits_kernel(rng):
     reference.append_paged_kv_cache(key, value, bi, pos, want, indices, indptr, last,
                                     kv_layout="HND")
     rw = 6 * 2 // 2
-    kernel = build_append_kernel(AppendSpec(2, rw, PAGE, "HND", combined=False, sim=SIMULATOR))
+    kernel = build_append_kernel(AppendSpec(2, rw, PAGE, combined=False, sim=SIMULATOR))
     grid, block = append_launch_config(key.shape[0], HKV * rw)
+    # HND cache [P, H, PS, rw] and sources [nnz, H, rw], strides in words.
+    strides = (0, PAGE * HKV * rw, rw, PAGE * rw, HKV * rw, rw, HKV * rw, rw)
     kernel[grid, block](*(b.ravel().view(np.uint16) for b in bits), bi, pos, indptr, indices,
-                        *(c.ravel().view(np.uint16) for c in caches), np.int32(HKV), np.int64(0),
-                        np.int64(PAGE * HKV * rw))
+                        *(c.ravel().view(np.uint16) for c in caches), np.int32(HKV),
+                        *(np.int64(x) for x in strides))
     assert _equal(cache, want)
 
 
@@ -129,7 +131,7 @@ def test_get_batch_indices_positions_matches_reference(rng):
         (dict(key=lambda a: a.astype(np.float32)), TypeError, "append_key must have the cache's"),
         (dict(value=lambda a: a[:, :1]), ValueError, r"append_value.shape\[1\]"),
         (dict(key=lambda a: a[:-1], value=lambda a: a[:-1]), ValueError, "batch_indices.shape"),
-        (dict(cache=np.asfortranarray), ValueError, "paged_kv_cache must be contiguous"),
+        (dict(cache=np.asfortranarray), ValueError, "paged_kv_cache must have a contiguous last"),
         (dict(cache=lambda c: (c[:, 0], c[:2, 1])), ValueError, "v_cache.shape must equal"),
         (dict(layout="NDH"), ValueError, "kv_layout must be one of"),
     ],

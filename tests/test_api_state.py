@@ -143,7 +143,7 @@ def test_errors(rng):
         merge_state(v, s, v, s[:2])
     with pytest.raises(TypeError, match="v_b must have v_a's dtype float16"):
         merge_state(v, s, v.astype(np.float32), s)
-    with pytest.raises(TypeError, match="v_a: expected a float16"):
+    with pytest.raises(TypeError, match="v_a must have dtype float16"):
         merge_state(v.astype(np.float64), s, v, s)
     with pytest.raises(ValueError, match="v_b.shape must equal"):
         merge_state(v, s, v[:2], s[:2])

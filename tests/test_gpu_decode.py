@@ -136,11 +136,14 @@ def test_fast_and_careful_paths_agree_bitwise(rng):
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
                                                        device="cuda"), "NHD")
     w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16, q_data_type="bfloat16")
-    assert w._plan["fast"] is not None
+    assert w.step_plan.fast is not None
     fast_o, fast_lse = w.run(q, cache, return_lse=True)
     tuple_o = w.run(q, (cache[:, 0].contiguous(), cache[:, 1].contiguous()))
-    w._plan["fast"] = None  # force the careful path
-    slow_o, slow_lse = w.run(q, cache, return_lse=True)
+    # The careful path: a cache that is a view of a larger pool (strides read in place).
+    pool = torch.empty((cache.shape[0] + 3, *cache.shape[1:]), dtype=cache.dtype,
+                       device=cache.device)
+    pool[1:1 + cache.shape[0]] = cache
+    slow_o, slow_lse = w.run(q, pool[1:1 + cache.shape[0]], return_lse=True)
     torch.cuda.synchronize()
     assert torch.equal(fast_o, slow_o) and torch.equal(fast_lse, slow_lse)
     assert torch.equal(fast_o, tuple_o)

@@ -57,7 +57,7 @@ def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout,
            q_data_type=dtype, **kw)
     # fp16/bf16 at head_dim 64/128 run on tensor cores, the rest on the CUDA-core tile kernel.
     mma = dtype != "float32" and d in (64, 128)
-    assert (type(w._plan["spec"]).__name__ == "MmaPrefillSpec") == mma
+    assert (type(w.step_plan.spec).__name__ == "MmaPrefillSpec") == mma
     out, lse = w.run(_t(q, dtype), _t(cache, dtype), return_lse=True)
     torch.cuda.synchronize()
     kw.pop("fixed_split_size", None)

@@ -66,14 +66,14 @@ def test_bitwise_deterministic_over_100_runs(rng):
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=torch.uint8,
                                                        device="cuda"), "NHD")
     w.plan(pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, q_data_type="float16")
-    assert w._plan["schedule"].num_merge_rows > 0  # the fused merge is exercised
+    assert w.schedule.num_merge_rows > 0  # the fused merge is exercised
     first, first_lse = w.run(q, cache, return_lse=True)
     for _ in range(99):
         o, lse = w.run(q, cache, return_lse=True)
         assert torch.equal(o, first) and torch.equal(lse, first_lse)
-    sched = w._plan["schedule"]
+    sched = w.schedule
     w.plan(pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, q_data_type="float16")
-    assert w._plan["schedule"] == sched  # same lengths -> same plan
+    assert w.schedule == sched  # same lengths -> same plan
     assert torch.equal(w.run(q, cache), first)
 
 

@@ -54,7 +54,7 @@ def test_cascade_errors(rng):
     with pytest.raises(ValueError, match="position-independent"):
         w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], 4, 2, 64, 4,
                pos_encoding_mode="ROPE_LLAMA")
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="no valid plan"):
         w.run(np.zeros((3, 4, 64), np.float32), np.zeros((8, 2, 4, 2, 64), np.float32))
 
 
@@ -94,7 +94,7 @@ def test_cascade_prefill_levels_one_launch_or_level_by_level(rng):
     w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 22, np.uint8))
     for causal, fused in ((False, True), (True, False)):
         w.plan(qo, indptr, indices, last, hq, hkv, d, ps, causal=causal, q_data_type="float16")
-        assert w._plan["fused"] is fused
+        assert w.one_launch is fused
         out, lse = w.run(q, cache, return_lse=True)
         ref, ref_lse = reference.multi_level_cascade_attention(
             q, qo, cache, indptr, indices, last, causal=causal, return_lse=True)
@@ -115,10 +115,9 @@ def test_one_launch_cascade_with_split_levels(rng):
     ref = reference.multi_level_cascade_attention(q, lv["qo"], cache, lv["indptr"],
                                                   lv["indices"], lv["last"])
     for alpha in (1.0, 64.0):
-        w._fused.plan_levels(w._plan["qo"], w._plan["tables"], hq, hkv, d, ps,
-                             logits_soft_cap=None, sm_scale=None, q_data_type="float16",
-                             kv_data_type=None, fixed_split_size=4, alpha=alpha)
-        sched = w._fused._plan["schedule"]
+        w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+               q_data_type="float16", fixed_split_size=4, alpha=alpha)
+        sched = w.fused_wrapper.schedule
         assert np.diff(sched.merge_indptr).min() >= 4  # 3 prefix chunks + >= 1 own chunk
         assert rel_err(w.run(q, cache), ref) <= TOLERANCE["float16"]
 
@@ -129,7 +128,6 @@ def test_tile_merge_reads_only_written_partials(rng):
     # longest list must not read another row's partial before it is written (0 * NaN is NaN).
     import dataclasses
 
-    from nbinfer.kernels.prefill_mma import build_prefill_mma_kernel
     from nbinfer.scheduler.cascade import cascade_plan
 
     ps, hq, hkv, d = 4, 2, 1, 64
@@ -142,9 +140,10 @@ def test_tile_merge_reads_only_written_partials(rng):
     ws = np.zeros(1 << 22, np.uint8)
     w = MultiLevelCascadeAttentionWrapper(2, ws)
     w.plan(qo, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16")
-    fp = w._fused._plan
+    fw = w.fused_wrapper
     sched, qs, qe, _ = cascade_plan(qo, [np.array([8, 8]), np.array([4, 4, 4, 8])], hq, hkv, 2,
-                                    granule=256, tile_q=fp["spec"].tile_q, fixed_split_size=4)
+                                    granule=256, tile_q=fw.step_plan.spec.tile_q,
+                                    fixed_split_size=4)
     assert sched.num_work == 9 and np.diff(sched.merge_indptr).tolist() == [3, 3, 3, 4]
     # Partial rows: items 0, 1 (prefix chunks of rows 0-1), 2, 3 (rows 2-3), 4-8 (own KV).
     assert sched.work[:, 6].tolist() == [0, 2, 4, 6, 10, 11, 12, 8, 9]
@@ -153,10 +152,8 @@ def test_tile_merge_reads_only_written_partials(rng):
     order = [6, 7, 8, 4, 5, 2, 3, 0, 1]
     sched = dataclasses.replace(sched, cta_indptr=np.array([0, 9, 9], np.int32),
                                 cta_work=np.array(order, np.int32))
-    spec = fp["spec"]
-    fp.update(w._fused._upload(fp, spec, build_prefill_mma_kernel(spec), spec.num_threads,
-                               sched, qs, qe))
-    ws.view(np.float32)[fp["layout"].float_offsets()[0]:] = np.nan
+    fw.with_schedule(sched, qs, qe)
+    ws.view(np.float32)[fw.step_plan.launch.layout.float_offsets()[0]:] = np.nan
     out = w.run(q, cache)
     ref = reference.multi_level_cascade_attention(q, qo, cache, indptr, indices, last)
     assert not np.isnan(out).any()

@@ -79,14 +79,14 @@ def test_persistent_grid_runs_many_items_per_cta_and_merges_in_kernel(rng, varia
     # softmax, and one with an output hook), and leave every counter at zero.
     pt, cache, q = _case(rng, [700, 3, 40], 4, 2, 64, 8, np.float16, "NHD")
     w, (out, lse) = _run(pt, cache, q, 2, 8, "NHD", fixed_split_size=256, variant=variant)
-    sched = w._plan["schedule"]
+    sched = w.schedule
     assert sched.num_merge_rows >= 1 and sched.num_work > sched.num_ctas
     ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
         q, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True, variant=variant)
     assert rel_err(out, ref) <= TOLERANCE["float16"]
     if variant is None or variant.use_softmax:
         np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
-    launch = w._plan["launch"]
+    launch = w.step_plan.launch
     words = launch.layout.words
     assert not launch.ints[words["counters"]:words["kv_indptr"]].any()
 
@@ -138,7 +138,7 @@ def test_fused_merge_walks_more_partials_than_fit_in_shared_memory(rng):
     # the running (m, den) rescaling across blocks is exercised.
     pt, cache, q = _case(rng, [300], 8, 1, 64, 4, np.float32, "HND")
     w, (out, lse) = _run(pt, cache, q, 1, 4, "HND", fixed_split_size=8)
-    assert w._plan["schedule"].num_merge_nnz == 38
+    assert w.schedule.num_merge_nnz == 38
     ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
         q, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout="HND", return_lse=True)
     assert rel_err(out, ref) <= TOLERANCE["float32"]

@@ -58,7 +58,7 @@ def test_paged_prefill(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw)
     w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
            q_data_type=q.dtype, **kw)
     if "fixed_split_size" in kw:
-        assert w._plan["schedule"].num_merge_rows > 0
+        assert w.schedule.num_merge_rows > 0
     out, lse = w.run(q, cache, return_lse=True)
     kw.pop("fixed_split_size", None)
     ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(

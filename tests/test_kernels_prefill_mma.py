@@ -26,7 +26,7 @@ def _ws():
 
 
 def _check(w, out, lse, ref, ref_lse):
-    assert isinstance(w._plan["spec"], MmaPrefillSpec)
+    assert isinstance(w.step_plan.spec, MmaPrefillSpec)
     assert rel_err(out, ref) <= TOLERANCE["float16"]
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3)
@@ -57,7 +57,7 @@ def test_paged_prefill_mma(rng, qo_lens, kv_lens, hq, hkv, d, ps, layout, kw):
     w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
            q_data_type="float16", **kw)
     if "fixed_split_size" in kw:
-        assert w._plan["schedule"].num_merge_rows > 0
+        assert w.schedule.num_merge_rows > 0
     out, lse = w.run(q, cache, return_lse=True)
     kw.pop("fixed_split_size", None)
     ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
@@ -116,7 +116,7 @@ def test_tile_merge_stage_batches_and_long_lists(rng):
     v = rng.standard_normal((244, 1, 64)).astype(np.float16)
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo_indptr, kv_indptr, 2, 1, 64, q_data_type="float16", fixed_split_size=4)
-    assert np.diff(w._plan["schedule"].merge_indptr).tolist() == [12] * 3 + [49] * 2
+    assert np.diff(w.schedule.merge_indptr).tolist() == [12] * 3 + [49] * 2
     out, lse = w.run(q, k, v, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(q, k, v, qo_indptr, kv_indptr,
                                                                 return_lse=True)

@@ -73,7 +73,7 @@ def test_block_sparse_causal_rows_span_tiles(rng, M, N, R, C, indptr, indices, m
     w = BlockSparseAttentionWrapper(np.zeros(1 << 22, np.uint8))
     w.plan(indptr, indices, M, N, R, C, hq, hkv, d, causal=True, q_data_type="float32",
            mask=elem)
-    assert w._plan["schedule"].tile_rows < R  # block rows span several query tiles
+    assert w.schedule.tile_rows < R  # block rows span several query tiles
     out, lse = w.run(q, k, v, return_lse=True)
     ref, ref_lse = reference.block_sparse_attention(q, k, v, indptr, indices, R, C, mask=elem,
                                                     causal=True, return_lse=True)

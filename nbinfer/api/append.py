@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import reference
 from .._checks import KV_LAYOUTS, check_choice, check_dim, check_ndim, check_range, dtype_name
+from ..formats.paged import check_page_table
 from ..kernels.append import (
     WORD_DTYPES,
     AppendSpec,
@@ -21,7 +22,7 @@ from ..kernels.append import (
     choose_word_bytes,
 )
 from . import arrays
-from .state import check_contiguous, check_placement, check_writable, is_contiguous, named_dtype
+from .state import check_placement, is_contiguous, named_dtype
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions"]
 
@@ -64,12 +65,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     batch_indices, positions : int array [nnz]
         Request and position (within the request's KV) of each new token, see
         :func:`get_batch_indices_positions`.
-    paged_kv_cache : array or (array, array), contiguous
+    paged_kv_cache : array or (array, array), views with a contiguous last dimension
         NHD ``[num_pages, 2, page_size, Hkv, D]`` / HND ``[num_pages, 2, Hkv, page_size, D]``, or
         a ``(k_cache, v_cache)`` pair of ``[num_pages, page_size, Hkv, D]`` /
         ``[num_pages, Hkv, page_size, D]``. Updated in place.
-    kv_indices : int array [nnz_pages]
-        Physical pages of every request, in logical order; values in ``[0, num_pages)``.
+    kv_indices : int array [>= kv_indptr[-1]]
+        Physical pages of every request, in logical order; values in ``[0, num_pages)``. Only
+        the first ``kv_indptr[-1]`` entries are read.
     kv_indptr : int array [batch_size + 1]
         Request ``b`` owns ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]``.
     kv_last_page_len : int array [batch_size]
@@ -83,8 +85,9 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
 
     Notes
     -----
-    The index arrays are copied to the host and checked there (every token's slot must lie in a
-    page its request owns) before the launch, so device index arrays cost a synchronising copy
+    The index arrays (any integer dtype, range-checked before narrowing to int32) are copied to
+    the host and checked there (every token's slot must lie in a page its request owns) before
+    the launch, so a rejected append writes nothing, so device index arrays cost a synchronising copy
     per call. The kernel then reads contiguous int32 device index arrays in place and uploads
     the checked host copies of any others.
     """
@@ -108,46 +111,85 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                                                                         v_cache=v_cache)
     kind = check_placement(be, append_key=append_key, append_value=append_value, **caches)
     for name, a in caches.items():
-        check_writable(name, a)
-    if kind != "numpy":
-        check_contiguous("append_key", append_key)
-        check_contiguous("append_value", append_value)
+        if isinstance(a, np.ndarray) and not a.flags.writeable:
+            raise ValueError(f"{name} must be writable (it is updated in place)")
     table = _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
                            nnz, num_pages, page_size)
     if be == "reference":
-        reference.append_paged_kv_cache(append_key, append_value, batch_indices, positions,
-                                        paged_kv_cache, kv_indices, kv_indptr, kv_last_page_len,
-                                        kv_layout=kv_layout)
+        bi, pos, indptr, indices, last = table
+        reference.append_paged_kv_cache(append_key, append_value, bi, pos, paged_kv_cache,
+                                        indices[:indptr[-1]], indptr, last, kv_layout=kv_layout)
         return None
     if nnz == 0 or heads * dim == 0:
         return None
 
     itemsize = 4 if kv_dtype == "float32" else 2
-    src = [arrays.to_kernel(a, be) for a in (append_key, append_value)]
-    flat = {name: arrays.to_kernel(a, be) for name, a in caches.items()}
-    word = choose_word_bytes(dim * itemsize, [_address(a) for a in (*src, *flat.values())])
-    rw = dim * itemsize // word
-    k_src, v_src = (a.view(WORD_DTYPES[word]) for a in src)
-    words = [a.view(WORD_DTYPES[word]) for a in flat.values()]
+    # Every array is read or written in place through its strides (last dimension contiguous):
+    # the cache as the views it is, the new keys/values as the views they are.
+    srcs = [arrays.kernel_view(a, be, name) for name, a in (("append_key", append_key),
+                                                            ("append_value", append_value))]
+    dsts = {name: arrays.kernel_view(a, be, name) for name, a in caches.items()}
+    for name, (view, _) in dsts.items():
+        if isinstance(view, np.ndarray) and not np.shares_memory(view, caches[name]):
+            raise ValueError(f"{name} must be writable memory the kernel can update in place")
+    # Device views come as (pointer, elements): make them (pointer, bytes) for _words.
+    srcs = [((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st) for v, st in srcs]
+    dsts = {n: ((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st)
+            for n, (v, st) in dsts.items()}
+    views = [v for v, _ in (*srcs, *dsts.values())]
+    strides = [st for _, st in (*srcs, *dsts.values())]
+    word = choose_word_bytes(dim * itemsize, [_address(v) for v in views]
+                             + [x * itemsize for st in strides for x in st[:-1]])
+    per = word // itemsize  # elements per word
+    rw = dim // per
+    k_src, v_src = (_words(v, word, be) for v, _ in srcs)
+    (ksn, ksh, _), (vsn, vsh, _) = (st for _, st in srcs)
+    kst = next(iter(dsts.values()))[1]  # [P, (2,) PS, H, D] / [P, (2,) H, PS, D]
+    first = 2 if combined else 1
+    ps_axis, h_axis = (first, first + 1) if kv_layout == "NHD" else (first + 1, first)
+    words = [_words(v, word, be) for v, _ in dsts.values()]
     if combined:
-        # One page holds K then V: [2, page_size * H * D] elements; V starts half a page in.
-        # The kernel ignores v_cache then; k_src stands in (never written, so the simulator's
-        # copy-back of it is harmless, and nothing is allocated).
-        k_words, v_words = words[0], k_src
-        v_offset, page_stride = page_size * heads * rw, 2 * page_size * heads * rw
+        # One page holds K then V: V starts kst[1] elements in. The kernel ignores v_cache then;
+        # k_src stands in (never written, so the simulator's copy-back of it is harmless).
+        k_words, v_words, v_offset = words[0], k_src, kst[1] // per
     else:
-        k_words, v_words = words
-        v_offset, page_stride = 0, page_size * heads * rw
+        vst = list(dsts.values())[1][1]
+        if vst != kst:
+            raise ValueError(f"v_cache must have the same strides as k_cache: got {vst} and "
+                             f"{kst} (elements)")
+        k_words, v_words, v_offset = words[0], words[1], 0
     users = (batch_indices, positions, kv_indptr, kv_indices)
-    idx = [_index_arg(u, h, be) for u, h in zip(users, table, strict=True)]
-    kernel = build_append_kernel(AppendSpec(word, rw, page_size, kv_layout, combined,
-                                            be == "sim"))
+    idx = [_index_arg(u, h, be) for u, h in zip(users, table[:4], strict=True)]
+    kernel = build_append_kernel(AppendSpec(word, rw, page_size, combined, be == "sim"))
     grid, block = append_launch_config(nnz, heads * rw)
     kernel[grid, block](k_src, v_src, *idx, k_words, v_words, np.int32(heads),
-                        np.int64(v_offset), np.int64(page_stride))
-    for user, view in zip(caches.values(), flat.values(), strict=True):
-        arrays.finish(kind, user, view, be)
+                        *(np.int64(x) for x in (v_offset, kst[0] // per, kst[ps_axis] // per,
+                                                kst[h_axis] // per, ksn // per, ksh // per,
+                                                vsn // per, vsh // per)))
+    if be == "cuda" and kind == "numpy":
+        for user, (view, _) in zip(caches.values(), dsts.values(), strict=True):
+            _copy_back(view, user)
     return None
+
+
+def _words(view, word: int, backend: str):
+    """A 1-D kernel view (NumPy, a Numba device array, or ``(pointer, nitems)`` of device
+    memory) reinterpreted as ``word``-byte machine words, without a copy."""
+    if not isinstance(view, tuple):
+        n = view.size * view.dtype.itemsize // word
+        return view.view(np.uint8)[: n * word].view(WORD_DTYPES[word])
+    from numba import cuda
+
+    ptr, nbytes = view
+    desc = {"shape": (nbytes // word,), "typestr": np.dtype(WORD_DTYPES[word]).str,
+            "data": (ptr, False), "version": 3, "strides": None}
+    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+
+
+def _copy_back(view, user: np.ndarray) -> None:
+    """The device copy of a NumPy cache (backend 'cuda') back into the caller's array."""
+    host = view.copy_to_host().view(user.dtype).reshape(user.shape)
+    user[...] = host
 
 
 def _split_cache(paged_kv_cache):
@@ -179,18 +221,18 @@ def _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page
     for name, a in (("batch_indices", bi), ("positions", pos)):
         check_ndim(name, a, 1)
         check_dim(name, a, 0, nnz, "nnz of append_key")
-    indptr, indices, last = reference.check_page_table(
-        arrays.host_int32(kv_indptr, "kv_indptr"), arrays.host_int32(kv_indices, "kv_indices"),
-        arrays.host_int32(kv_last_page_len, "kv_last_page_len"), num_pages, page_size)
+    indptr, indices, last, kv_len = check_page_table(
+        arrays.host_index(kv_indptr, "kv_indptr"), arrays.host_index(kv_indices, "kv_indices"),
+        arrays.host_index(kv_last_page_len, "kv_last_page_len"), page_size, num_pages=num_pages,
+        names=("kv_indptr", "kv_indices", "kv_last_page_len"))
     check_range("batch_indices", bi, 0, indptr.size - 1)
-    kv_len = reference.kv_lengths(indptr, last, page_size)
     beyond = (pos < 0) | (pos >= kv_len[bi])
     if np.any(beyond):
         t = int(np.argmax(beyond))
         raise ValueError(f"positions[{t}]={pos[t]} must lie in [0, kv_len) of request {bi[t]} "
                          f"(kv_len {kv_len[bi[t]]} from the page table)")
     # The kernel indexes kv_indices, so an empty table still needs one element to pass.
-    return bi, pos, indptr, indices if indices.size else np.zeros(1, np.int32)
+    return bi, pos, indptr, indices if indices.size else np.zeros(1, np.int32), last
 
 
 def _index_arg(user, host: np.ndarray, backend: str):
@@ -199,13 +241,15 @@ def _index_arg(user, host: np.ndarray, backend: str):
     else the checked host copy."""
     on_device = not isinstance(user, (list, tuple, np.ndarray)) and arrays.device_of(user) != "host"
     if backend == "cuda" and on_device and dtype_name(user) == "int32" and is_contiguous(user) \
-            and host.size == int(np.prod(user.shape)):
+            and host.size == int(np.prod(user.shape)) and int(np.prod(user.shape)) > 0:
         return arrays.to_kernel(user, backend)
     return arrays.to_kernel(host, backend)
 
 
 def _address(a) -> int:
     """Base address of a kernel argument (device or host)."""
+    if isinstance(a, tuple):
+        return int(a[0])
     iface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
     return int(iface["data"][0])
 

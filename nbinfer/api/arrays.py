@@ -7,16 +7,20 @@ converts whatever the caller passed, zero-copy where the array already lives on 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 from numba import cuda
 
 from .._checks import dtype_name
 
 BACKENDS = ("auto", "cuda", "sim", "reference")
+_SAID = []  # the one-time note of backend="auto" falling back to the reference engine
 
 
-def array_kind(x) -> str:
-    """``"numpy"``, ``"numba"``, ``"torch"`` or ``"cupy"``; raises TypeError for anything else."""
+def array_kind(x, name: str | None = None) -> str:
+    """``"numpy"``, ``"numba"``, ``"torch"`` or ``"cupy"``; a TypeError (naming ``name``) for
+    anything else."""
     mod = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
         return "numpy"
@@ -26,7 +30,8 @@ def array_kind(x) -> str:
         return "cupy"
     if hasattr(x, "copy_to_host") or (not _sim() and cuda.is_cuda_array(x)):
         return "numba"
-    raise TypeError(f"expected a numpy array, numba device array, torch or cupy tensor, "
+    what = f"{name} must be" if name else "expected"
+    raise TypeError(f"{what} a numpy array, numba device array, torch or cupy tensor, "
                     f"got {type(x).__name__}")
 
 
@@ -37,11 +42,21 @@ def _sim() -> bool:
 
 
 def resolve_backend(backend: str) -> str:
-    """Map ``"auto"`` to ``"cuda"`` when a GPU is usable, else ``"sim"``; validate the name."""
-    if backend not in BACKENDS:
+    """Validate the name and map ``"auto"``: the simulator when it is active
+    (``NUMBA_ENABLE_CUDASIM=1``), else the GPU when one is usable, else the float64 reference
+    engine (said once on stderr: the kernels need a GPU or the simulator)."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "sim" if _sim() or not cuda.is_available() else "cuda"
+        if _sim():
+            return "sim"
+        if cuda.is_available():
+            return "cuda"
+        if not _SAID:
+            _SAID.append(True)
+            print("nbinfer: no CUDA GPU and no simulator (NUMBA_ENABLE_CUDASIM=1 before importing "
+                  "nbinfer): backend='auto' runs the float64 reference engine", file=sys.stderr)
+        return "reference"
     if backend == "sim" and not _sim():
         raise ValueError("backend='sim' needs NUMBA_ENABLE_CUDASIM=1 set before numba is imported")
     if backend == "cuda" and (_sim() or not cuda.is_available()):
@@ -49,12 +64,17 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def storage_dtype(x) -> str:
-    """``"float16"``, ``"bfloat16"`` or ``"float32"`` for a float array of any kind."""
-    name = dtype_name(x)
-    if name in ("float16", "bfloat16", "float32"):
-        return name
-    raise TypeError(f"expected a float16, bfloat16 or float32 array, got {name}")
+def storage_dtype(x, name: str = "array") -> str:
+    """``"float16"``, ``"bfloat16"`` or ``"float32"`` for a float array of any kind; a TypeError
+    naming the argument otherwise (float64 included: the kernels store 16 or 32 bits)."""
+    dt = dtype_name(x)
+    if dt in ("float16", "bfloat16", "float32"):
+        if isinstance(x, np.ndarray) and dt == "bfloat16":
+            # ml_dtypes' NumPy bfloat16 would reach the kernels as values, not as the bits.
+            raise TypeError(f"{name}: NumPy bfloat16 arrays are not supported; pass torch "
+                            f"bfloat16 tensors or float16/float32 arrays")
+        return dt
+    raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {dt}")
 
 
 def device_of(x):
@@ -99,6 +119,89 @@ def to_kernel(x, backend: str):
         # The simulator copies every argument back after the launch, so it needs writable memory.
         return arr if arr.flags.writeable else arr.copy()
     return cuda.to_device(arr)
+
+
+def element_strides(x) -> tuple[int, ...]:
+    """Strides of ``x`` (any kind) in elements."""
+    kind = array_kind(x)
+    if kind == "torch":
+        return tuple(int(s) for s in x.stride())
+    if kind == "numba":
+        cai = x.__cuda_array_interface__
+        if cai.get("strides") is None:
+            return contiguous_strides(x.shape)
+        return tuple(int(s) // np.dtype(cai["typestr"]).itemsize for s in cai["strides"])
+    item = np.dtype(x.dtype).itemsize
+    return tuple(int(s) // item for s in x.strides)
+
+
+def contiguous_strides(shape) -> tuple[int, ...]:
+    out, n = [], 1
+    for dim in reversed(tuple(shape)):
+        out.append(n)
+        n *= int(dim)
+    return tuple(reversed(out))
+
+
+def span(shape, strides) -> int:
+    """Elements from an array's first element to its last, inclusive (0 if it is empty)."""
+    if any(int(n) == 0 for n in shape):
+        return 0
+    return 1 + sum((int(n) - 1) * int(s) for n, s in zip(shape, strides, strict=True))
+
+
+def check_strided(name: str, x) -> tuple[int, ...]:
+    """Require a layout the kernels can read in place: non-negative strides and a contiguous
+    last dimension (FlashInfer's rule); return the element strides."""
+    st = element_strides(x)
+    if any(s < 0 for s in st) or (x.shape[-1] > 1 and st[-1] != 1):
+        raise ValueError(f"{name} must have a contiguous last dimension and non-negative strides, "
+                         f"got strides {st} (elements) for shape {tuple(x.shape)}")
+    return st
+
+
+def kernel_view(x, backend: str, name: str):
+    """``(view, strides)``: ``x`` as the kernels read it, without a copy where possible.
+
+    ``view`` is a 1-D array starting at ``x``'s first element and covering its span (the
+    simulator: a NumPy view; the GPU: a device array, or ``(pointer, nitems)`` for memory already
+    on the device) and ``strides`` are the element strides the kernel must use: ``x``'s own,
+    or contiguous ones when ``x`` had to be copied (host memory on the GPU backend).
+    """
+    kind = array_kind(x)
+    st = check_strided(name, x)
+    if backend == "cuda" and on_device(x):
+        if kind == "torch":
+            return (x.data_ptr(), span(x.shape, st)), st
+        cai = x.__cuda_array_interface__
+        return (cai["data"][0], span(x.shape, st)), st
+    if backend == "cuda":
+        host = np.ascontiguousarray(to_host_exact(x))
+        return cuda.to_device(host.reshape(-1)), contiguous_strides(host.shape)
+    host = to_host_exact(x)
+    if not host.flags.writeable:  # the simulator copies every argument back after a launch
+        host = np.ascontiguousarray(host).copy()
+        st = contiguous_strides(host.shape)
+    n = span(host.shape, st)
+    flat = np.lib.stride_tricks.as_strided(host, shape=(max(n, 1),), strides=(host.itemsize,))
+    return (flat if n else flat[:0]), st
+
+
+def to_host_exact(x) -> np.ndarray:
+    """``x`` as host NumPy memory with its bits unchanged (torch bf16 as its int16 bits), a view
+    where ``x`` already is host memory."""
+    kind = array_kind(x)
+    if kind == "torch":
+        import torch
+
+        t = x.detach()
+        t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
+    if kind == "cupy":
+        return x.get()
+    if kind == "numba":
+        return x.copy_to_host()
+    return x
 
 
 def device_pointer(x):
@@ -167,12 +270,31 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def host_int32(x, name: str) -> np.ndarray:
-    """An index array (any kind) as a host int32 NumPy array."""
-    arr = to_host(x)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+def host_index(x, name: str) -> np.ndarray:
+    """An index array of any kind and integer dtype as a fresh host NumPy array of its own
+    integer dtype (a snapshot: later changes to ``x`` do not reach it). Range checks come
+    before any narrowing to int32 (:func:`host_int32`, :mod:`nbinfer.formats.paged`)."""
+    if isinstance(x, (list, tuple)):
+        arr = np.array(x)
+        if arr.size == 0:
+            arr = arr.astype(np.int32)
+    else:
+        arr = np.array(to_host(x), copy=True)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
-    return arr.astype(np.int32, copy=False)
+    return arr
+
+
+def host_int32(x, name: str) -> np.ndarray:
+    """An index array (any kind, any integer dtype) as a fresh host int32 NumPy array; values
+    outside int32 raise a ValueError naming ``name`` (never wrapped)."""
+    arr = host_index(x, name)
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
+            bad = lo if lo < np.iinfo(np.int32).min else hi
+            raise ValueError(f"{name} values must fit int32, got {bad}")
+    return arr.astype(np.int32)
 
 
 def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):

@@ -1,19 +1,24 @@
-"""Binding caller arrays to prepared launches: outputs, pointers, workspace, device checks.
+"""Binding caller arrays to prepared launches: outputs, strided inputs, workspace, device checks.
 
 Shared by the plan/run wrappers. Arrays of every kind arrive here; on the GPU, device arrays are
-bound by address (no conversion), host arrays are copied; in the simulator everything is NumPy.
+bound by address (no conversion, strides passed to the kernel), host arrays are copied; in the
+simulator everything is NumPy.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._checks import check_dim, check_indptr, check_ndim, check_range
+from .._checks import check_dim, check_ndim
 from . import arrays
 
 
 def output(given, name, kind, template, shape, dtype, backend):
-    """``(user_array, kernel_array)`` for an output: the caller's array, checked, or a new one."""
+    """``(user_array, kernel_array)`` for an output: the caller's array, checked, or a new one.
+
+    A given ``out``/``lse`` must have exactly ``shape`` and ``dtype``, live where ``template``
+    (q) lives, be writable and C-contiguous: the kernels write it in place, never a copy.
+    """
     if given is None:
         if backend == "cuda" and arrays.on_device(template) and kind != "numba":
             if kind == "torch":
@@ -27,27 +32,71 @@ def output(given, name, kind, template, shape, dtype, backend):
                 t = cupy.empty(shape, dtype=dtype)
             return t, t
         return arrays.empty_like_kind(kind, template, shape, dtype, backend)
-    check_ndim(name, given, len(shape))
-    for axis, n in enumerate(shape):
-        check_dim(name, given, axis, n, "expected")
-    if arrays.storage_dtype(given) != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {arrays.storage_dtype(given)}")
+    check_output(name, given, template, shape, dtype)
     if backend == "cuda" and arrays.on_device(given):
         return given, given
     return given, arrays.to_kernel(given, backend)
 
 
-def bind(launch, i, x, backend, offset: int = 0):
-    """Bind array argument ``i`` to ``x`` (any kind), starting ``offset`` elements in."""
+def check_output(name, given, template, shape, dtype) -> None:
+    """The rules of a caller-provided output buffer (see :func:`output`)."""
+    if arrays.array_kind(given, name) != arrays.array_kind(template):
+        raise TypeError(f"{name} must be of q's kind ({arrays.array_kind(template)}), got "
+                        f"{arrays.array_kind(given)}")
+    check_ndim(name, given, len(shape))
+    for axis, n in enumerate(shape):
+        check_dim(name, given, axis, n, "expected")
+    if arrays.dtype_name(given) != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {arrays.dtype_name(given)}")
+    if arrays.device_of(given) != arrays.device_of(template):
+        raise ValueError(f"{name} must be on q's device {arrays.device_of(template)}, got "
+                         f"{arrays.device_of(given)}")
+    if isinstance(given, np.ndarray) and not given.flags.writeable:
+        raise ValueError(f"{name} must be writable (the result is written into it)")
+    st = arrays.element_strides(given)
+    want = arrays.contiguous_strides(given.shape)
+    if any(n > 1 and a != b for n, a, b in zip(given.shape, st, want, strict=True)):
+        raise ValueError(f"{name} must be C-contiguous (the kernels write it in place), got "
+                         f"strides {st} (elements) for shape {tuple(given.shape)}")
+
+
+def bind(launch, i, x, backend):
+    """Bind array argument ``i`` to the contiguous array ``x`` (outputs, flat buffers)."""
     if backend == "cuda" and arrays.on_device(x):
-        ptr, n, itemsize = arrays.device_pointer(x)
-        if i in (1, 2) and (ptr + offset * itemsize) % 16:
-            raise ValueError("the KV cache must start at a 16-byte aligned address (cp.async)")
-        launch.set_pointer(i, ptr + offset * itemsize, n - offset)
+        ptr, n, _ = arrays.device_pointer(x)
+        launch.set_pointer(i, ptr, n)
         return
     flat = x if getattr(x, "ndim", 1) == 1 and arrays.array_kind(x) != "torch" else \
         arrays.to_kernel(x, backend)
-    launch.set_array(i, flat[offset:] if offset else flat)
+    launch.set_array(i, flat)
+
+
+def bind_view(launch, i, x, backend, name, *, align: int = 1) -> tuple[int, ...]:
+    """Bind array argument ``i`` to ``x``, which may be a strided view (contiguous last
+    dimension); return the element strides the kernel must use. ``align``: the byte alignment
+    the kernel needs of the start and of every stride (16 for cp.async)."""
+    view, st = arrays.kernel_view(x, backend, name)
+    if isinstance(view, tuple):
+        ptr, n = view
+        itemsize = _itemsize(x)
+        if align > 1 and ptr % align:
+            raise ValueError(f"{name} must start at a {align}-byte aligned address (cp.async), "
+                             f"got one {ptr % align} bytes past it")
+        launch.set_pointer(i, ptr, n)
+    else:
+        itemsize = view.dtype.itemsize
+        launch.set_array(i, view)
+    if align > 1:
+        bad = [s for s, n in zip(st[:-1], x.shape[:-1], strict=True) if n > 1 and s * itemsize % align]
+        if bad:
+            raise ValueError(f"{name} strides must be multiples of {align} bytes (cp.async), got "
+                             f"strides {st} (elements of {itemsize} bytes)")
+    return st
+
+
+def _itemsize(x) -> int:
+    kind = arrays.array_kind(x)
+    return x.element_size() if kind == "torch" else np.dtype(x.dtype).itemsize
 
 
 def nbytes(buf) -> int:
@@ -64,6 +113,19 @@ def workspace_f32(buf, backend):
     return byte_view[: n * 4].view(np.float32)
 
 
+def check_workspace(buf, backend: str):
+    """``float_workspace_buffer``: an array of any kind, C-contiguous, where the kernels run."""
+    kind = arrays.array_kind(buf, "float_workspace_buffer")
+    st = arrays.element_strides(buf)
+    if st != arrays.contiguous_strides(buf.shape):
+        raise ValueError("float_workspace_buffer must be C-contiguous")
+    if backend == "cuda" and not arrays.on_device(buf) and kind != "numpy":
+        raise ValueError("float_workspace_buffer must be GPU memory (or NumPy) for backend='cuda'")
+    if backend == "sim" and arrays.device_of(buf) != "host":
+        raise ValueError("backend='sim' needs a host (NumPy) float_workspace_buffer")
+    return buf
+
+
 def same_device(**named):
     devices = {k: arrays.device_of(v) for k, v in named.items()}
     if len(set(devices.values())) > 1:
@@ -72,22 +134,23 @@ def same_device(**named):
 
 def page_table(indptr, indices, last_page_len, page_size: int,
                names=("indptr", "indices", "last_page_len")):
-    """A FlashInfer page table (arrays of any kind) checked on the host: int32 ``indptr``,
-    ``indices``, ``last_page_len`` and the int64 KV length of every request. ``names`` are the
-    caller's argument names, used in the errors."""
+    """A FlashInfer page table (arrays of any kind and integer dtype) checked on the host by the
+    formats' validator: int32 ``indptr``, ``indices`` (its first ``indptr[-1]`` entries),
+    ``last_page_len`` and the int64 KV length of every request; snapshots of the caller's
+    arrays, read-only."""
+    from ..formats.paged import check_page_table
+
     n_ptr, n_idx, n_last = names
-    indptr = check_indptr(n_ptr, arrays.host_int32(indptr, n_ptr))
-    indices = arrays.host_int32(indices, n_idx)
-    if indices.size != indptr[-1]:
-        raise ValueError(f"{n_idx} must have length {n_ptr}[-1]={indptr[-1]}, got {indices.size}")
-    check_range(n_idx, indices, 0, np.iinfo(np.int32).max)
-    last = arrays.host_int32(last_page_len, n_last)
-    if last.shape != (indptr.size - 1,):
-        raise ValueError(f"{n_last} must have shape ({indptr.size - 1},), got {last.shape}")
-    pages = np.diff(indptr)
-    check_range(n_last, last[pages > 0], 1, page_size + 1)
-    kv_lens = np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64)
-    return indptr, indices, last, kv_lens
+    out = check_page_table(arrays.host_index(indptr, n_ptr), arrays.host_index(indices, n_idx),
+                           arrays.host_index(last_page_len, n_last), page_size, names=names)
+    return tuple(frozen(a) for a in out)
+
+
+def frozen(a: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``a`` (plans hold snapshots, never the caller's arrays)."""
+    a = np.array(a, copy=True)
+    a.flags.writeable = False
+    return a
 
 
 def workspace_like(template, nbytes: int, backend: str):
@@ -108,5 +171,5 @@ def workspace_like(template, nbytes: int, backend: str):
     return np.zeros(nbytes, dtype=np.uint8)
 
 
-__all__ = ["bind", "nbytes", "output", "page_table", "same_device", "workspace_f32",
-           "workspace_like"]
+__all__ = ["bind", "bind_view", "check_output", "check_workspace", "frozen", "nbytes", "output",
+           "page_table", "same_device", "workspace_f32", "workspace_like"]

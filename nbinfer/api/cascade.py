@@ -26,26 +26,29 @@ import math
 import numpy as np
 
 from .. import reference
-from .._checks import KV_LAYOUTS, check_choice, check_heads, check_positive_int, check_sm_scale
+from .._checks import check_heads, check_positive_int, check_sm_scale
 from ..reference.cascade import _check_levels
 from ..scheduler.cascade import cascade_plan
 from ..variants import from_flashinfer_args
 from . import arrays, binding
+from .base import WrapperBase, write_reference
 from .decode import MIN_CHUNK
 from .dtypes import normalize_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper
 from .state import merge_state_in_place
+from .step import StepPlan
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
 
 
-class MultiLevelCascadeAttentionWrapper:
+class MultiLevelCascadeAttentionWrapper(WrapperBase):
     """Attention over KV split into shared-prefix levels.
 
     Parameters
     ----------
     num_levels : int
-    float_workspace_buffer : array on the device that runs the kernels (split between levels)
+    float_workspace_buffer : array on the device that runs the kernels (partial states;
+        shareable with other wrappers)
     kv_layout : {"NHD", "HND"}
     backend : {"auto", "cuda", "sim", "reference"}
     """
@@ -53,125 +56,180 @@ class MultiLevelCascadeAttentionWrapper:
     def __init__(self, num_levels: int, float_workspace_buffer, kv_layout: str = "NHD", *,
                  backend: str = "auto"):
         self._levels = check_positive_int("num_levels", num_levels)
-        check_choice("kv_layout", kv_layout, KV_LAYOUTS)
-        self._backend = arrays.resolve_backend(backend)
-        nbytes = binding.nbytes(float_workspace_buffer)
-        share = nbytes // self._levels // 256 * 256
-        self._kv_layout = kv_layout
-        self._wrappers = [
-            BatchPrefillWithPagedKVCacheWrapper(_byte_slice(float_workspace_buffer, i * share,
-                                                            (i + 1) * share), kv_layout,
-                                                backend=self._backend)
-            for i in range(self._levels)]
-        self._fused = _FusedCascade(float_workspace_buffer, kv_layout, backend=self._backend)
-        self._plan = None
+        super().__init__(float_workspace_buffer, kv_layout, backend=backend)
+        # The levels run one after another on one stream: they share the float workspace.
+        self._wrappers = [_LevelWrapper(self._workspace, kv_layout, backend=self._backend)
+                          for _ in range(self._levels)]
+        self._fused = _FusedCascade(self._workspace, kv_layout, backend=self._backend)
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
              page_size: int, *, causal: bool = False, pos_encoding_mode: str = "NONE",
              window_left: int = -1, logits_soft_cap: float | None = None,
              sm_scale: float | None = None, rope_scale: float | None = None,
-             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None) -> None:
+             rope_theta: float | None = None, q_data_type="float16", kv_data_type=None,
+             fixed_split_size: int | None = None, alpha: float = 1.0,
+             beta: float = 1.0) -> None:
         """One list entry per level (``num_levels`` of them): ``qo_indptr_arr[l]`` segments the
         query rows (each level a coarsening of the next), and level ``l``'s page table gives one
-        entry per segment. ``causal`` masks inside the last level only."""
-        if pos_encoding_mode != "NONE" or window_left != -1:
+        entry per segment. ``causal`` masks inside the last level only.
+
+        Schedule options of the one-launch cascade (nbinfer's, not FlashInfer's):
+        ``fixed_split_size`` (KV chunk length in tokens, default: chosen from the total work)
+        and the LPT cost weights ``alpha`` (per query row) and ``beta`` (per KV token), as in
+        :func:`nbinfer.scheduler.plan`.
+        """
+        self._install(self._build, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+                      paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      causal=causal, pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                      logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                      rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                      schedule=dict(fixed_split_size=fixed_split_size, alpha=alpha, beta=beta))
+
+    def _build(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+               paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+               causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+               rope_theta, q_data_type, kv_data_type, schedule):
+        if pos_encoding_mode != "NONE" or window_left != -1 or rope_scale is not None or \
+                rope_theta is not None:
             raise ValueError("MultiLevelCascadeAttentionWrapper supports position-independent "
                              "flags only (pos_encoding_mode='NONE', window_left=-1); positions "
                              "across levels are in nbinfer.reference.multi_level_cascade_attention")
-        tables = [paged_kv_indptr_arr, paged_kv_indices_arr, paged_kv_last_page_len]
-        if isinstance(qo_indptr_arr, (list, tuple)) and len(qo_indptr_arr) != self._levels:
-            raise ValueError(f"qo_indptr_arr must have num_levels={self._levels} entries, got "
-                             f"{len(qo_indptr_arr)}")
-        qo = [arrays.host_int32(p, f"qo_indptr_arr[{i}]") for i, p in enumerate(qo_indptr_arr)]
-        host = [[arrays.host_int32(a, "page table") for a in t] if isinstance(t, (list, tuple))
-                else t for t in tables]
-        nnz = int(qo[-1][-1]) if qo and qo[-1].size else 0
+        if schedule["fixed_split_size"] is not None:
+            check_positive_int("fixed_split_size", schedule["fixed_split_size"])
+        for name in ("alpha", "beta"):
+            if not isinstance(schedule[name], (int, float)) or not schedule[name] >= 0:
+                raise ValueError(f"{name} must be a non-negative number, got {schedule[name]!r}")
+        page_size = check_positive_int("page_size", page_size)
+        names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
+                 "paged_kv_last_page_len")
+        lists = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
+                 paged_kv_last_page_len)
+        for name, lst in zip(names, lists, strict=True):
+            if not isinstance(lst, (list, tuple)) or len(lst) != self._levels:
+                got = len(lst) if isinstance(lst, (list, tuple)) else type(lst).__name__
+                raise ValueError(f"{name} must be a list of num_levels={self._levels} arrays, "
+                                 f"got {got}")
+        qo = [binding.frozen(arrays.host_int32(p, f"qo_indptr_arr[{i}]"))
+              for i, p in enumerate(qo_indptr_arr)]
+        tables = [binding.page_table(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
+                                     paged_kv_last_page_len[lvl], page_size,
+                                     names=(f"paged_kv_indptr_arr[{lvl}]",
+                                            f"paged_kv_indices_arr[{lvl}]",
+                                            f"paged_kv_last_page_len[{lvl}]"))
+                  for lvl in range(self._levels)]
+        host = [[t[i] for t in tables] for i in range(3)]
+        nnz = int(qo[-1][-1]) if qo[-1].size else 0
         _check_levels(nnz, qo, *host)
+        q_dtype = normalize_dtype("q_data_type", q_data_type)
+        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
+        check_heads(num_qo_heads, num_kv_heads)
+        head_dim = check_positive_int("head_dim", head_dim)
+        var = from_flashinfer_args(causal=causal, logits_soft_cap=logits_soft_cap,
+                                   num_qo_heads=num_qo_heads)
         fused = self._backend != "reference" and (
             not causal or int(np.diff(qo[-1]).max(initial=0)) <= 1)
-        self._plan = None
         if fused:  # one launch; a single query row per last-level segment sees every key
             self._fused.plan_levels(qo, host, num_qo_heads, num_kv_heads, head_dim, page_size,
                                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                                    q_data_type=q_data_type, kv_data_type=kv_data_type)
-        for lvl, w in enumerate([] if fused else self._wrappers):
+                                    q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                    **schedule)
+        for lvl, w in enumerate([] if fused or self._backend == "reference" else self._wrappers):
             w.plan(qo[lvl], host[0][lvl], host[1][lvl], host[2][lvl], num_qo_heads, num_kv_heads,
                    head_dim, page_size, causal=causal and lvl == self._levels - 1,
                    logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                   q_data_type=q_data_type, kv_data_type=kv_data_type)
-        self._plan = dict(qo=qo, tables=host, causal=causal, logits_soft_cap=logits_soft_cap,
-                          sm_scale=sm_scale, fused=fused)
+                   q_data_type=q_data_type, kv_data_type=kv_data_type,
+                   fixed_split_size=schedule["fixed_split_size"])
+        empty = binding.frozen(np.zeros(0, np.int32))
+        lens = binding.frozen(np.zeros(0, np.int64))
+        return StepPlan(len(qo[-1]) - 1, nnz, num_qo_heads, num_kv_heads, head_dim, page_size,
+                        q_dtype, kv_dtype, check_sm_scale(sm_scale, head_dim), var, qo[-1],
+                        empty, empty, empty, lens,
+                        schedule=self._fused.schedule if fused else None,
+                        extra=dict(levels=tuple(qo), tables=tuple(tuple(t) for t in host),
+                                   causal=causal, logits_soft_cap=logits_soft_cap, fused=fused))
 
-    def run(self, q, paged_kv_cache, *, return_lse: bool = False):
+    @property
+    def one_launch(self) -> bool:
+        """Whether the current plan runs all levels as one launch (else level by level)."""
+        return bool(self.step_plan.extra["fused"])
+
+    @property
+    def fused_wrapper(self):
+        """The one-launch prefill wrapper the cascade runs (its ``step_plan`` and ``schedule``
+        are the launch's)."""
+        return self._fused
+
+    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
         """``q [nnz_qo, Hq, D]``; ``paged_kv_cache`` as in decode. Returns ``out`` (q's kind and
         dtype) and, with ``return_lse``, the LSE over all levels (natural log)."""
-        p = self._plan
-        if p is None:
-            raise RuntimeError("run() called before plan()")
+        step = self._slot.get()
+        x = step.extra
         if self._backend == "reference":
             cache = paged_kv_cache
-            cache = tuple(arrays.to_host(c) for c in cache) if isinstance(cache, (tuple, list)) else \
-                arrays.to_host(cache)
-            return reference.multi_level_cascade_attention(
-                arrays.to_host(q), p["qo"], cache, *p["tables"], causal=p["causal"],
-                kv_layout=self._kv_layout, logits_soft_cap=p["logits_soft_cap"],
-                sm_scale=p["sm_scale"], return_lse=return_lse)
-        if p["fused"]:
-            return self._fused.run(q, paged_kv_cache, return_lse=return_lse)
-        out, lse = self._wrappers[0].run(q, paged_kv_cache, return_lse=True)
+            cache = tuple(arrays.to_host(c) for c in cache) if isinstance(cache, (tuple, list)) \
+                else arrays.to_host(cache)
+            res = reference.multi_level_cascade_attention(
+                arrays.to_host(q), list(x["levels"]), cache, *[list(t) for t in x["tables"]],
+                causal=x["causal"], kv_layout=self._kv_layout,
+                logits_soft_cap=x["logits_soft_cap"], sm_scale=step.sm_scale,
+                return_lse=return_lse or lse is not None)
+            return write_reference(res, out, lse, q, (step.num_qo_rows, step.num_qo_heads,
+                                                      step.head_dim), step.q_dtype, return_lse)
+        if x["fused"]:
+            return self._fused.run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse)
+        o, s = self._wrappers[0].run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
         for w in self._wrappers[1:]:
             o_l, s_l = w.run(q, paged_kv_cache, return_lse=True)
-            merge_state_in_place(out, lse, o_l, s_l, lse_base=math.e, backend=self._backend)
-        return (out, lse) if return_lse else out
+            merge_state_in_place(o, s, o_l, s_l, lse_base=math.e, backend=self._backend)
+        return (o, s) if return_lse else o
 
 
 class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     """All levels of a cascade as one paged-prefill launch (virtual requests, one merge map)."""
 
+    _indices_name = "paged_kv_indices_arr"
+
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                     logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
         """``qo``: per-level query indptrs (validated); ``tables``: ``[indptrs, indices,
-        last_page_lens]``, one array per level each; ``schedule``: ``fixed_split_size``,
-        ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan` (benchmarks sweep them;
-        FlashInfer's plan() has no such arguments)."""
+        last_page_lens]``, one validated array per level each; ``schedule``:
+        ``fixed_split_size``, ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan`."""
+        self._install(self._build_levels, qo, tables, num_qo_heads, num_kv_heads, head_dim,
+                      page_size, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                      q_data_type=q_data_type, kv_data_type=kv_data_type, **schedule)
+
+    def _build_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+                      logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
         group = check_heads(num_qo_heads, num_kv_heads)
-        indptrs, kv_lens, indices, lasts, offset = [], [], [], [], 0
+        indptrs, kv_lens, offset = [], [], 0
         for lvl in range(len(qo)):
-            ptr, idx, last, lens = binding.page_table(
-                tables[0][lvl], tables[1][lvl], tables[2][lvl], page_size,
-                names=(f"paged_kv_indptr_arr[{lvl}]", f"paged_kv_indices_arr[{lvl}]",
-                       f"paged_kv_last_page_len[{lvl}]"))
+            ptr, _, last = tables[0][lvl], tables[1][lvl], tables[2][lvl]
+            pages = np.diff(ptr)
+            kv_lens.append(np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64))
             indptrs.append(ptr[:-1] + offset)
             offset += int(ptr[-1])
-            indices.append(idx)
-            lasts.append(last)
-            kv_lens.append(lens)
-        table = (np.append(np.concatenate(indptrs), offset).astype(np.int32),
-                 np.concatenate(indices).astype(np.int32), np.concatenate(lasts).astype(np.int32))
+        table = tuple(binding.frozen(a) for a in (
+            np.append(np.concatenate(indptrs), offset).astype(np.int32),
+            np.concatenate(tables[1]).astype(np.int32), np.concatenate(tables[2]).astype(np.int32)))
         nnz = int(qo[0][-1])
         batch = table[2].size
         q_dtype = normalize_dtype("q_data_type", q_data_type)
-        p = dict(qo_indptr=np.array([0, nnz], np.int32), kv_lens=np.concatenate(kv_lens),
-                 table=table, batch=batch, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
-                 kv_dtype=normalize_dtype("kv_data_type", kv_data_type or q_data_type),
-                 sm_scale=check_sm_scale(sm_scale, head_dim),
-                 variant=from_flashinfer_args(logits_soft_cap=logits_soft_cap,
-                                              num_qo_heads=num_qo_heads),
-                 masks=[None] * batch, custom=False, q_pos0=None)
-        spec, kernel, threads, num_ctas = self._kernel(p, group)
+        step = StepPlan(batch, nnz, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
+                        normalize_dtype("kv_data_type", kv_data_type or q_data_type),
+                        check_sm_scale(sm_scale, head_dim),
+                        from_flashinfer_args(logits_soft_cap=logits_soft_cap,
+                                             num_qo_heads=num_qo_heads),
+                        binding.frozen(np.array([0, nnz], np.int32)), *table,
+                        binding.frozen(np.concatenate(kv_lens)), (None,) * batch)
+        spec, kernel, threads, num_ctas = self._kernel(step, group)
         sched, qo_start, qo_end, _ = cascade_plan(qo, kv_lens, num_qo_heads, num_kv_heads,
                                                   num_ctas, granule=MIN_CHUNK,
                                                   tile_q=spec.tile_q, **schedule)
-        p.update(self._upload(p, spec, kernel, threads, sched, qo_start, qo_end))
-        self._plan = p
+        return self._upload(step, spec, kernel, threads, sched, qo_start, qo_end)
 
 
-def _byte_slice(buf, lo: int, hi: int):
-    """Bytes ``[lo, hi)`` of a workspace buffer of any kind, as a view of the same kind."""
-    if arrays.array_kind(buf) == "torch":
-        import torch
+class _LevelWrapper(BatchPrefillWithPagedKVCacheWrapper):
+    """One level of a cascade run level by level (errors name the cascade's arguments)."""
 
-        return buf.reshape(-1).view(torch.uint8)[lo:hi]
-    return buf.reshape(-1).view(np.uint8)[lo:hi]
+    _indices_name = "paged_kv_indices_arr"

@@ -1,9 +1,9 @@
-"""FlashInfer-compatible batch decode: ``BatchDecodeWithPagedKVCacheWrapper`` and single decode.
+"""FlashInfer-compatible batch decode: ``BatchDecodeWithPagedKVCacheWrapper``.
 
 ``plan()`` runs on the CPU once per generation step: it validates the page table, splits long
-requests into KV chunks so that every SM has work, and builds the work list and the merge map.
-``run()`` launches the decode kernel (and, when some request was split, the merge kernel) and is
-called once per layer with the same plan.
+requests into KV chunks so that every SM has work, and builds the work list and the merge map
+into a :class:`~nbinfer.api.step.StepPlan`. ``run()`` launches the decode kernel (split rows
+merged inside it) and is called once per layer with the same plan.
 """
 
 from __future__ import annotations
@@ -11,23 +11,25 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference, scheduler
-from .._checks import (
-    KV_LAYOUTS,
-    check_choice,
-    check_dim,
-    check_heads,
-    check_ndim,
-    check_positive_int,
-    check_sm_scale,
-)
+from .._checks import check_dim, check_heads, check_ndim, check_positive_int, check_sm_scale
 from ..kernels.decode import DecodeSpec
 from ..scheduler import PlanLayout
 from ..variants import compose, from_flashinfer_args
+from ..variants import resolve as resolve_variant
 from . import arrays, binding
-from .decode_fast import TorchFastPath, run_fast
-from .decode_launch import ARG, DecodeLaunch
+from .base import WrapperBase, kv_strides, write_reference
 from .dtypes import normalize_dtype
+from .fast_path import TorchFastPath, run_fast
+from .launch import AttentionLaunch
+from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
+
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "persistent_ctas", "split_cache"]
+
+# A chunk shorter than this costs more in merge traffic than it gains in parallelism; chunk
+# boundaries are multiples of it (the scheduler's granule).
+MIN_CHUNK = 256
+CTAS_PER_SM = 4
 
 
 def persistent_ctas(backend: str, per_sm: int = 0) -> int:
@@ -40,49 +42,52 @@ def persistent_ctas(backend: str, per_sm: int = 0) -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT * (per_sm or CTAS_PER_SM)
 
 
-# A chunk shorter than this costs more in merge traffic than it gains in parallelism; chunk
-# boundaries are multiples of it (the scheduler's granule).
-MIN_CHUNK = 256
-CTAS_PER_SM = 4
+def attention_variant(num_qo_heads, variant, **flags):
+    """The variant FlashInfer's flags describe, composed with a user ``variant`` (a Variant, a
+    built-in name or None)."""
+    var = from_flashinfer_args(num_qo_heads=num_qo_heads, **flags)
+    extra = resolve_variant(variant)
+    return var if extra is None else compose(var, extra)
 
 
-class BatchDecodeWithPagedKVCacheWrapper:
+class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
     """Batch decode attention over a paged KV cache, with FlashInfer's plan/run interface.
 
     Parameters
     ----------
     float_workspace_buffer : array (uint8 or any dtype), on the device that runs the kernels
-        Scratch for partial states of split requests (FlashInfer suggests 128 MiB).
+        Scratch for partial states of split requests (FlashInfer suggests 128 MiB); any number
+        of wrappers may share one (each keeps its plan in memory of its own).
     kv_layout : {"NHD", "HND"}
+    use_cuda_graph : bool
+        Fixed buffers for the page table (the ``paged_kv_*_buffer`` arguments) and a fixed
+        workspace layout, so that a captured ``run()`` replays correctly after any ``plan()``.
     backend : {"auto", "cuda", "sim", "reference"}
-        ``"auto"`` runs the CUDA kernels when a GPU is present, else the simulator.
+        ``"auto"``: the simulator when active, else the GPU, else the reference engine.
     """
 
     def __init__(self, float_workspace_buffer, kv_layout: str = "NHD",
                  use_cuda_graph: bool = False, use_tensor_cores: bool = False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, *, backend: str = "auto"):
-        check_choice("kv_layout", kv_layout, KV_LAYOUTS)
-        self._backend = arrays.resolve_backend(backend)
-        arrays.array_kind(float_workspace_buffer)
+        super().__init__(float_workspace_buffer, kv_layout, backend=backend)
         if use_tensor_cores:
             raise NotImplementedError("use_tensor_cores: nbinfer's decode runs on CUDA cores only")
         buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
+        names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
+                 "paged_kv_last_page_len_buffer")
         if use_cuda_graph and any(b is None for b in buffers):
             raise ValueError("use_cuda_graph=True needs paged_kv_indptr_buffer, "
                              "paged_kv_indices_buffer and paged_kv_last_page_len_buffer (fixed "
                              "addresses the captured kernel reads every step)")
         if use_cuda_graph:
-            for name, buf in zip(("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
-                                  "paged_kv_last_page_len_buffer"), buffers, strict=True):
+            for name, buf in zip(names, buffers, strict=True):
+                arrays.array_kind(buf, name)
                 check_ndim(name, buf, 1)
                 if arrays.dtype_name(buf) != "int32":
                     raise TypeError(f"{name} must be int32, got {arrays.dtype_name(buf)}")
-        self._workspace = float_workspace_buffer
-        self._kv_layout = kv_layout
         self._graph_buffers = buffers if use_cuda_graph else None
         self._graph_layout = None
-        self._plan = None
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -97,57 +102,68 @@ class BatchDecodeWithPagedKVCacheWrapper:
              fixed_split_size: int | None = None, variant=None) -> None:
         """Validate the page table and build the work list for this step (CPU only).
 
-        ``indptr [B+1]``, ``indices [nnz_pages]``, ``last_page_len [B]`` are int32 page-table
-        arrays as in FlashInfer; ``variant`` is an extra :class:`~nbinfer.variants.Variant`
-        composed after the one the keyword flags describe. ``fixed_split_size`` cuts every
-        request's KV into chunks of exactly that many tokens, so a request's output bits do not
-        depend on the rest of the batch (batch invariance).
+        ``indptr [B+1]``, ``indices [>= indptr[-1]]`` (only the first ``indptr[-1]`` are read),
+        ``last_page_len [B]``: the page table as in FlashInfer, any integer dtype (range-checked
+        before narrowing to int32) and array kind; ``variant`` is an extra
+        :class:`~nbinfer.variants.Variant` (or a built-in name) composed after the one the
+        keyword flags describe. ``fixed_split_size`` cuts every request's KV into chunks of
+        exactly that many tokens, so a request's output bits do not depend on the rest of the
+        batch (batch invariance).
 
         The work list comes from :func:`nbinfer.scheduler.plan` (LPT over a fixed persistent
-        grid); it is copied into the workspace with the page table in one transfer on the
-        current stream, and serves every run() until the next plan().
+        grid); it is copied into the wrapper's plan memory with the page table in one transfer
+        on the current stream, and serves every run() until the next plan(). A failed plan()
+        leaves no plan: run() raises until plan() succeeds.
         """
+        self._install(self._build, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                      head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+                      window_left=window_left, logits_soft_cap=logits_soft_cap,
+                      sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                      q_data_type=q_data_type, kv_data_type=kv_data_type,
+                      fixed_split_size=fixed_split_size, variant=variant)
+
+    def _build(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+               page_size, *, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+               rope_scale, rope_theta, q_data_type, kv_data_type, fixed_split_size, variant):
         group = check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
         page_size = check_positive_int("page_size", page_size)
+        if fixed_split_size is not None:
+            check_positive_int("fixed_split_size", fixed_split_size)
         indptr, indices, last, kv_lens = binding.page_table(indptr, indices, last_page_len,
                                                             page_size)
         batch = indptr.size - 1
         q_dtype = normalize_dtype("q_data_type", q_data_type)
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         sm_scale = check_sm_scale(sm_scale, head_dim)
-        var = from_flashinfer_args(window_left=window_left, logits_soft_cap=logits_soft_cap,
-                                   pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
-                                   rope_theta=rope_theta, num_qo_heads=num_qo_heads)
-        if variant is not None:
-            var = compose(var, variant)
-        plan = dict(indptr=indptr, indices=indices, last=last, batch=batch,
-                    num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype, sm_scale=sm_scale,
-                    variant=var, kv_lens=kv_lens,
-                    flags=dict(pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                               rope_scale=rope_scale, rope_theta=rope_theta))
-        if self._backend != "reference":
-            spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
-                              kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
-                              variant=var, sparse=True, sim=self._backend == "sim")
-            num_ctas = persistent_ctas(self._backend)
-            sched = scheduler.plan(np.arange(batch + 1), kv_lens, num_qo_heads, num_kv_heads,
-                                   num_ctas, granule=max(MIN_CHUNK, spec.tokens_per_group * 4),
-                                   fixed_split_size=fixed_split_size)
-            layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
-                                      head_dim, page_size, fixed_split_size)
-            launch = DecodeLaunch(spec, self._workspace, layout, self._backend, num_ctas,
-                                  sm_scale, self._graph_buffers)
-            table = (indptr, indices, last)
-            staged = layout.stage(sched, item_merge_lists(sched),
-                                  None if self._graph_buffers else table)
-            launch.upload(staged, table, arrays.current_stream(self._workspace))
-            plan.update(spec=spec, schedule=sched, layout=layout, launch=launch)
-            if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
-                plan["fast"] = TorchFastPath(plan, self._kv_layout, self._workspace.device)
-        self._plan = plan
+        var = attention_variant(num_qo_heads, variant, window_left=window_left,
+                                logits_soft_cap=logits_soft_cap,
+                                pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                                rope_theta=rope_theta)
+        step = StepPlan(batch, batch, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
+                        kv_dtype, sm_scale, var, binding.frozen(np.arange(batch + 1, dtype=np.int32)),
+                        indptr, indices, last, kv_lens)
+        if self._backend == "reference":
+            return step
+        spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
+                          kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
+                          variant=var, sparse=True, sim=self._backend == "sim")
+        num_ctas = persistent_ctas(self._backend)
+        sched = scheduler.plan(np.arange(batch + 1), kv_lens, num_qo_heads, num_kv_heads,
+                               num_ctas, granule=max(MIN_CHUNK, spec.tokens_per_group * 4),
+                               fixed_split_size=fixed_split_size)
+        layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
+                                  head_dim, page_size, fixed_split_size)
+        launch = AttentionLaunch(spec, self._workspace, layout, self._backend, num_ctas,
+                                 sm_scale, self._memory, self._graph_buffers)
+        table = (indptr, indices, last)
+        staged = layout.stage(sched, item_merge_lists(sched),
+                              None if self._graph_buffers else table)
+        launch.upload(staged, table, arrays.current_stream(self._workspace))
+        fast = None
+        if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
+            fast = TorchFastPath(step, launch, self._kv_layout, self._workspace.device)
+        return _replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
@@ -177,11 +193,14 @@ class BatchDecodeWithPagedKVCacheWrapper:
 
         Parameters
         ----------
-        q : array [batch_size, num_qo_heads, head_dim], dtype ``q_data_type``
+        q : array [batch_size, num_qo_heads, head_dim], dtype ``q_data_type``; a strided view
+            (contiguous last dimension) is read in place.
         paged_kv_cache : array ``[num_pages, 2, page_size, Hkv, D]`` (NHD) /
             ``[num_pages, 2, Hkv, page_size, D]`` (HND), or a ``(k_cache, v_cache)`` pair of
-            ``[num_pages, page_size, Hkv, D]`` / ``[num_pages, Hkv, page_size, D]``.
-        out, lse : optional preallocated outputs ([B, Hq, D] in q's dtype, [B, Hq] float32)
+            ``[num_pages, page_size, Hkv, D]`` / ``[num_pages, Hkv, page_size, D]``; views with a
+            contiguous last dimension and 16-byte strides are read in place.
+        out, lse : optional outputs ([B, Hq, D] in q's dtype, [B, Hq] float32), C-contiguous,
+            writable, on q's device: the result is written into them.
         return_lse : bool
 
         Returns
@@ -189,73 +208,73 @@ class BatchDecodeWithPagedKVCacheWrapper:
         out [B, Hq, D] of q's kind and dtype, and ``lse [B, Hq]`` float32 (natural log) if
         ``return_lse``.
         """
-        p = self._plan
-        if p is None:
-            raise RuntimeError("run() called before plan()")
-        res = run_fast(p, q, paged_kv_cache, out, lse, return_lse)
+        step = self._slot.get()
+        res = run_fast(step, q, paged_kv_cache, out, lse, return_lse)
         if res is not None:
             return res
-        B, Hq, Hkv, D, PS = p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], \
-            p["page_size"]
-        check_ndim("q", q, 3)
-        check_dim("q", q, 0, B, "batch_size planned")
-        check_dim("q", q, 1, Hq, "num_qo_heads")
-        check_dim("q", q, 2, D, "head_dim")
-        if arrays.storage_dtype(q) != p["q_dtype"]:
-            raise TypeError(f"q must have dtype {p['q_dtype']} (planned q_data_type), "
-                            f"got {arrays.storage_dtype(q)}")
-        k_cache, v_cache, combined = _split_cache(paged_kv_cache, self._kv_layout, PS, Hkv, D,
-                                                  p["kv_dtype"])
-        num_pages = k_cache.shape[0]
-        if p["indices"].size and int(p["indices"].max()) >= num_pages:
-            raise ValueError(f"indices values must lie in [0, {num_pages}) (pages in the cache), "
-                             f"got {int(p['indices'].max())}")
+        B, Hq, D = step.batch_size, step.num_qo_heads, step.head_dim
+        check_q("q", q, (B, Hq, D), ("batch_size planned", "num_qo_heads", "head_dim"),
+                step.q_dtype)
+        k_cache, v_cache, _ = split_cache(paged_kv_cache, self._kv_layout, step)
         binding.same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
-            return _reference_decode(q, (k_cache, v_cache), p, self._kv_layout, return_lse)
-
-        be = self._backend
-        kind = arrays.array_kind(q)
-        out_user, out_k = binding.output(out, "out", kind, q, (B, Hq, D), p["q_dtype"], be)
-        lse_user, lse_k = binding.output(lse, "lse", kind, q, (B, Hq), "float32", be)
-        dec = p["launch"].launch
-        binding.bind(dec, ARG["q"], q, be)
-        if combined:
-            page_stride = 2 * PS * Hkv * D
-            binding.bind(dec, ARG["k"], paged_kv_cache, be)
-            binding.bind(dec, ARG["v"], paged_kv_cache, be, offset=PS * Hkv * D)
-        else:
-            page_stride = PS * Hkv * D
-            binding.bind(dec, ARG["k"], k_cache, be)
-            binding.bind(dec, ARG["v"], v_cache, be)
-        dec.set_scalar(ARG["page_stride"], page_stride)
-        binding.bind(dec, ARG["o"], out_k, be)
-        binding.bind(dec, ARG["lse"], lse_k, be)
-        dec(arrays.current_stream(q))
-        out_user = arrays.finish(kind, out_user, out_k, be)
-        if return_lse:
-            return out_user, arrays.finish(kind, lse_user, lse_k, be)
-        return out_user
+            host = arrays.to_host
+            res = reference.batch_decode_with_paged_kv_cache(
+                host(q), (host(k_cache), host(v_cache)), *step.page_table,
+                kv_layout=self._kv_layout, variant=step.variant, sm_scale=step.sm_scale,
+                return_lse=return_lse or lse is not None)
+            return write_reference(res, out, lse, q, (B, Hq, D), step.q_dtype, return_lse)
+        names = ("paged_kv_cache", "paged_kv_cache") if not isinstance(
+            paged_kv_cache, (tuple, list)) else ("k_cache", "v_cache")
+        return self._launch(step, q, (k_cache, v_cache), names,
+                            kv_strides(self._kv_layout, paged=True), out, lse, return_lse)
 
 
-def _split_cache(paged_kv_cache, layout, page_size, num_kv_heads, head_dim, kv_dtype):
-    """Validate the cache's shape/dtype; return ``(k, v, combined)`` with 4-D k/v views."""
+def _replace(step, **changes):
+    import dataclasses
+
+    return dataclasses.replace(step, **changes)
+
+
+def check_q(name, q, shape, what, dtype):
+    """Require ``q`` of ``shape`` (``what`` names each axis) and the planned dtype."""
+    check_ndim(name, q, len(shape))
+    for axis, n in enumerate(shape):
+        check_dim(name, q, axis, n, what[axis])
+    if arrays.storage_dtype(q, name) != dtype:
+        raise TypeError(f"{name} must have dtype {dtype} (planned q_data_type), "
+                        f"got {arrays.storage_dtype(q, name)}")
+
+
+def split_cache(paged_kv_cache, layout, step, indices_name="indices"):
+    """Validate a paged cache against the plan; return ``(k, v, combined)`` 4-D K and V views.
+    Every page id of the plan must lie in the cache."""
+    PS, Hkv, D, kv_dtype = step.page_size, step.num_kv_heads, step.head_dim, step.kv_dtype
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2:
             raise ValueError(f"paged_kv_cache tuple must be (k_cache, v_cache), "
                              f"got {len(paged_kv_cache)} items")
         k, v = paged_kv_cache
         for name, a in (("k_cache", k), ("v_cache", v)):
+            arrays.array_kind(a, name)
             check_ndim(name, a, 4)
-            _check_page_dims(name, a, 1, layout, page_size, num_kv_heads, head_dim, kv_dtype)
+            _check_page_dims(name, a, 1, layout, PS, Hkv, D, kv_dtype)
         if tuple(k.shape) != tuple(v.shape):
-            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-        return k, v, False
-    check_ndim("paged_kv_cache", paged_kv_cache, 5)
-    check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
-    _check_page_dims("paged_kv_cache", paged_kv_cache, 2, layout, page_size, num_kv_heads,
-                     head_dim, kv_dtype)
-    return paged_kv_cache[:, 0], paged_kv_cache[:, 1], True
+            raise ValueError(f"k_cache and v_cache shapes differ: {tuple(k.shape)} vs "
+                             f"{tuple(v.shape)}")
+        out = (k, v, False)
+    else:
+        arrays.array_kind(paged_kv_cache, "paged_kv_cache")
+        check_ndim("paged_kv_cache", paged_kv_cache, 5)
+        check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
+        _check_page_dims("paged_kv_cache", paged_kv_cache, 2, layout, PS, Hkv, D, kv_dtype)
+        out = (paged_kv_cache[:, 0], paged_kv_cache[:, 1], True)
+    num_pages = int(out[0].shape[0])
+    indices = step.kv_indices
+    if indices.size and int(indices.max()) >= num_pages:
+        raise ValueError(f"{indices_name} values must lie in [0, {num_pages}) (pages in "
+                         f"paged_kv_cache), got {int(indices.max())}")
+    return out
 
 
 def _check_page_dims(name, a, first, layout, page_size, num_kv_heads, head_dim, kv_dtype):
@@ -263,17 +282,6 @@ def _check_page_dims(name, a, first, layout, page_size, num_kv_heads, head_dim, 
     check_dim(name, a, ps_axis, page_size, "page_size planned")
     check_dim(name, a, h_axis, num_kv_heads, "num_kv_heads")
     check_dim(name, a, first + 2, head_dim, "head_dim")
-    if arrays.storage_dtype(a) != kv_dtype:
+    if arrays.storage_dtype(a, name) != kv_dtype:
         raise TypeError(f"{name} must have dtype {kv_dtype} (planned kv_data_type), "
-                        f"got {arrays.storage_dtype(a)}")
-
-
-def _reference_decode(q, cache, p, layout, return_lse):
-    host = arrays.to_host
-    res = reference.batch_decode_with_paged_kv_cache(
-        host(q), (host(cache[0]), host(cache[1])), p["indptr"], p["indices"], p["last"],
-        kv_layout=layout, variant=p["variant"], sm_scale=p["sm_scale"], return_lse=return_lse)
-    return res
-
-
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "persistent_ctas"]
+                        f"got {arrays.storage_dtype(a, name)}")

@@ -2,45 +2,52 @@
 
 A careful run() validates each argument with descriptive errors and converts any array kind;
 in Python that costs ~75 us per call, more than the GPU needs for a small decode step. When the
-caller passes torch CUDA tensors that match the plan, all of those checks reduce to comparisons
-against values plan() fixed, and the launch to patching a few pointers in a prepared argument
-block.
+caller passes contiguous torch CUDA tensors that match the plan, all of those checks reduce to
+comparisons against values plan() fixed, and the launch to patching a few pointers in a
+prepared argument block.
 """
 
 from __future__ import annotations
 
-from .decode_launch import ARG
+from ..kernels.common import ARG
+
+__all__ = ["TorchFastPath", "run_fast"]
 
 
 class TorchFastPath:
-    """run() for torch CUDA tensors that match the plan exactly, in a few comparisons.
+    """run() for contiguous torch CUDA tensors that match the plan exactly, in a few comparisons.
 
     Every check of the careful path is here as a comparison against a value plan() fixed
     (shapes, dtypes, device, contiguity, alignment, enough pages); on any mismatch the call
-    returns None and run() takes the careful path, which raises the descriptive error.
+    returns None and run() takes the careful path, which handles strided views or raises the
+    descriptive error.
     """
 
-    def __init__(self, p, layout, device, *, rows=None, indices=None):
-        """``p``: the plan dict; ``rows``: query rows (default ``p["batch"]``, decode);
-        ``indices``: the page indices run() must find in the cache (default ``p["indices"]``)."""
+    def __init__(self, step, launch, layout, device, *, rows=None, indices=None):
+        """``step``: the StepPlan being built; ``rows``: query rows (default the batch size,
+        decode); ``indices``: the page indices run() must find in the cache."""
         import torch
 
         if device.index is None:  # "cuda" and "cuda:0" must compare equal below
             device = torch.device("cuda", torch.cuda.current_device())
-        self.torch, self.p, self.device = torch, p, device
-        B, Hq, Hkv, D, PS = (p["batch"], p["num_qo_heads"], p["num_kv_heads"], p["head_dim"],
-                             p["page_size"])
+        self.torch, self.launch, self.device = torch, launch, device
+        B, Hq, Hkv, D, PS = (step.batch_size, step.num_qo_heads, step.num_kv_heads,
+                             step.head_dim, step.page_size)
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-        self.q_dtype, self.kv_dtype = tdt[p["q_dtype"]], tdt[p["kv_dtype"]]
+        self.q_dtype, self.kv_dtype = tdt[step.q_dtype], tdt[step.kv_dtype]
         rows = B if rows is None else rows
         self.q_shape, self.lse_shape = (rows, Hq, D), (rows, Hq)
         tail = (PS, Hkv, D) if layout == "NHD" else (Hkv, PS, D)
         self.combined_tail, self.tuple_tail = (2, *tail), tail
-        indices = p["indices"] if indices is None else indices
+        indices = step.kv_indices if indices is None else indices
         self.min_pages = int(indices.max()) + 1 if indices.size else 0
         self.v_off = PS * Hkv * D
         self.scratch_lse = torch.empty(self.lse_shape, dtype=torch.float32, device=device)
-        self.stride = {True: 2 * PS * Hkv * D, False: PS * Hkv * D}
+        token, head = (Hkv * D, D) if layout == "NHD" else (D, PS * D)
+        page = PS * Hkv * D
+        # Element strides of a contiguous combined cache / (k, v) pair, and of a contiguous q.
+        self.strides = {True: (2 * page, token, head, Hq * D, D),
+                        False: (page, token, head, Hq * D, D)}
         try:
             self.stream = torch._C._cuda_getCurrentRawStream  # one C call
         except AttributeError:  # pragma: no cover - older torch
@@ -82,28 +89,26 @@ class TorchFastPath:
                                        device=self.device)
         elif not (self._ok(lse, self.torch.float32) and lse.shape == self.lse_shape):
             return None
-        dec = self.p["launch"].launch
+        L = self.launch
+        dec = L.launch
         n = k.numel()
         dec.set_pointer(ARG["q"], q.data_ptr(), q.numel())
         dec.set_pointer(ARG["k"], kp, n)
         dec.set_pointer(ARG["v"], vp, n)
-        dec.set_scalar(ARG["page_stride"], self.stride[combined])
+        L.set_strides(*self.strides[combined])
         dec.set_pointer(ARG["o"], out.data_ptr(), out.numel())
         dec.set_pointer(ARG["lse"], lse.data_ptr(), lse.numel())
         dec(self.stream(self.device.index or 0))
         return out, lse
 
 
-def run_fast(p, q, cache, out, lse, return_lse):
-    """run() through the plan's fast path (``p["fast"]``), as run() returns it; None when the plan
-    has none or the arguments need the careful path."""
-    fast = p.get("fast")
+def run_fast(step, q, cache, out, lse, return_lse):
+    """run() through the plan's fast path, as run() returns it; None when the plan has none or
+    the arguments need the careful path."""
+    fast = step.fast
     if fast is None:
         return None
     res = fast(q, cache, out, lse, return_lse)
     if res is None:
         return None
     return res if return_lse else res[0]
-
-
-__all__ = ["TorchFastPath", "run_fast"]

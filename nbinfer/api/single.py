@@ -12,12 +12,12 @@ import numpy as np
 
 from .. import reference, scheduler
 from .._checks import KV_LAYOUTS, check_choice, check_dim, check_heads, check_ndim, check_sm_scale
+from ..kernels.common import ARG
 from ..kernels.decode import DecodeSpec
 from ..scheduler import PlanLayout
-from ..variants import from_flashinfer_args
 from . import arrays, binding
-from .decode import MIN_CHUNK, persistent_ctas
-from .decode_launch import ARG, DecodeLaunch
+from .decode import MIN_CHUNK, attention_variant, persistent_ctas
+from .launch import AttentionLaunch, PlanMemory
 from .workspace import WorkspaceLayout, item_merge_lists
 
 __all__ = ["single_decode_with_kv_cache"]
@@ -34,7 +34,8 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     Parameters
     ----------
     q : array [num_qo_heads, head_dim]
-    k, v : array [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND)
+    k, v : array [kv_len, num_kv_heads, head_dim] (NHD) or [num_kv_heads, kv_len, head_dim] (HND);
+        views with a contiguous last dimension (16-byte strides) are read in place
     kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
     rope_theta : as in :class:`~nbinfer.BatchDecodeWithPagedKVCacheWrapper`
     return_lse : bool
@@ -46,23 +47,23 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     natural log) with ``return_lse``.
     """
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
-    check_ndim("q", q, 2)
-    check_ndim("k", k, 3)
+    for name, a, nd in (("q", q, 2), ("k", k, 3), ("v", v, 3)):
+        arrays.array_kind(a, name)
+        check_ndim(name, a, nd)
     hq, d = q.shape
     kv_len, hkv = (k.shape[0], k.shape[1]) if kv_layout == "NHD" else (k.shape[1], k.shape[0])
     check_heads(hq, hkv)
     check_dim("k", k, 2, d, "head_dim of q")
-    check_ndim("v", v, 3)
     for axis in range(3):
         check_dim("v", v, axis, k.shape[axis], "k's shape")
-    q_dtype, kv_dtype = arrays.storage_dtype(q), arrays.storage_dtype(k)
-    if arrays.storage_dtype(v) != kv_dtype:
-        raise TypeError(f"v must have k's dtype {kv_dtype}, got {arrays.storage_dtype(v)}")
+    q_dtype, kv_dtype = arrays.storage_dtype(q, "q"), arrays.storage_dtype(k, "k")
+    if arrays.storage_dtype(v, "v") != kv_dtype:
+        raise TypeError(f"v must have k's dtype {kv_dtype}, got {arrays.storage_dtype(v, 'v')}")
     binding.same_device(q=q, k=k, v=v)
     scale = check_sm_scale(sm_scale, d)
-    var = from_flashinfer_args(window_left=window_left, logits_soft_cap=logits_soft_cap,
-                               pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
-                               rope_theta=rope_theta, num_qo_heads=hq)
+    var = attention_variant(hq, None, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                            pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
+                            rope_theta=rope_theta)
     be = arrays.resolve_backend(backend)
     if be == "reference":
         host = arrays.to_host
@@ -76,18 +77,21 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     sched = scheduler.plan(np.arange(2), [kv_len], hq, hkv, num_ctas, granule=MIN_CHUNK)
     layout = WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, 1, 0)
     workspace = binding.workspace_like(q, layout.nbytes, be)
-    launch = DecodeLaunch(spec, workspace, layout, be, num_ctas, scale)
+    launch = AttentionLaunch(spec, workspace, layout, be, num_ctas, scale, PlanMemory(be))
     table = (np.array([0, kv_len], np.int32), np.zeros(0, np.int32), np.array([kv_len], np.int32))
-    launch.upload(layout.stage(sched, item_merge_lists(sched), table), table, arrays.current_stream(q))
+    launch.upload(layout.stage(sched, item_merge_lists(sched), table), table,
+                  arrays.current_stream(q))
     kind = arrays.array_kind(q)
     out_user, out_k = binding.output(None, "out", kind, q, (hq, d), q_dtype, be)
     lse_user, lse_k = binding.output(None, "lse", kind, q, (hq,), "float32", be)
     L = launch.launch
-    binding.bind(L, ARG["q"], q, be)
-    binding.bind(L, ARG["k"], k, be)
-    binding.bind(L, ARG["v"], v, be)
-    L.set_scalar(ARG["page_stride"], 0)
-    L.set_scalar(ARG["head_stride"], kv_len * d if kv_layout == "HND" else 0)
+    sq = binding.bind_view(L, ARG["q"], q, be, "q")
+    sk = binding.bind_view(L, ARG["k"], k, be, "k", align=16)
+    sv = binding.bind_view(L, ARG["v"], v, be, "v", align=16)
+    if sk != sv:
+        raise ValueError(f"v must have the same strides as k: got {sv} and {sk} (elements)")
+    n_axis, h_axis = (0, 1) if kv_layout == "NHD" else (1, 0)
+    launch.set_strides(0, sk[n_axis], sk[h_axis], 0, sq[0])
     binding.bind(L, ARG["o"], out_k, be)
     binding.bind(L, ARG["lse"], lse_k, be)
     launch(arrays.current_stream(q))

@@ -15,17 +15,19 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from .._checks import check_dim, check_ndim, check_positive_int
+from .._checks import check_positive_int
 from ..formats import BSR
 from ..reference.sparse import _element_mask
 from ..variants import compose, from_flashinfer_args
+from ..variants import resolve as resolve_variant
 from . import arrays, binding
-from .prefill import _PrefillWrapper
+from .base import write_reference
+from .prefill import PrefillWrapperBase, check_kv
 
 __all__ = ["BlockSparseAttentionWrapper"]
 
 
-class BlockSparseAttentionWrapper(_PrefillWrapper):
+class BlockSparseAttentionWrapper(PrefillWrapperBase):
     """Block-sparse attention with FlashInfer's plan/run interface.
 
     Parameters
@@ -44,12 +46,23 @@ class BlockSparseAttentionWrapper(_PrefillWrapper):
              rope_scale: float | None = None, rope_theta: float | None = None,
              q_data_type="float16", kv_data_type=None, variant=None) -> None:
         """``indptr [ceil(M/R)+1]``, ``indices [nnz]`` (block columns in ``[0, ceil(N/C))``, at most
-        once per row); ``mask [nnz, R, C]`` bool or ``packed_mask`` (flattened, little bit order)."""
+        once per row, any order); ``mask [nnz, R, C]`` bool or ``packed_mask`` (flattened,
+        little bit order)."""
+        self._install(self._build, indptr, indices, M, N, R, C, num_qo_heads, num_kv_heads,
+                      head_dim, mask=mask, packed_mask=packed_mask, causal=causal,
+                      pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                      logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
+                      rope_theta=rope_theta, q_data_type=q_data_type, kv_data_type=kv_data_type,
+                      variant=variant)
+
+    def _build(self, indptr, indices, M, N, R, C, num_qo_heads, num_kv_heads, head_dim, *, mask,
+               packed_mask, causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
+               rope_scale, rope_theta, q_data_type, kv_data_type, variant):
         for name, val in (("M", M), ("N", N), ("R", R), ("C", C)):
             check_positive_int(name, val)
         bsr = BSR(arrays.host_int32(indptr, "indptr"), arrays.host_int32(indices, "indices"),
                   (R, C), (M, N))
-        elem = _element_mask(mask, packed_mask, bsr.nnz_blocks, R, C)
+        elem = _element_mask(_host(mask), _host(packed_mask), bsr.nnz_blocks, R, C)
         rows = bsr.indptr.size - 1
         qo_indptr = np.minimum(np.arange(rows + 1) * R, M).astype(np.int32)
         # Columns sorted within each row (softmax does not care about order), so that the
@@ -90,39 +103,46 @@ class BlockSparseAttentionWrapper(_PrefillWrapper):
         # their columns' physical positions, so that cut drops keys the tile's rows can see
         # whenever a block row spans more than one query tile (R x G > tile_q).
         var = from_flashinfer_args(causal=True) if causal else None
-        if variant is not None:
-            var = variant if var is None else compose(var, variant)
-        self._bsr_shape = (M, N)
-        self._make_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim, C,
-                        (indptr, cols, last), custom_mask=None,
-                        packed_custom_mask=None, causal=False,
-                        pos_encoding_mode=pos_encoding_mode, window_left=window_left,
-                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                        rope_scale=rope_scale, rope_theta=rope_theta, q_data_type=q_data_type,
-                        kv_data_type=kv_data_type, fixed_split_size=None, variant=var,
-                        masks=masks if masks is not None else [None] * rows,
-                        q_pos0=(qo_indptr[:-1] + N - M).astype(np.int32))
-        self._plan["bsr"] = (bsr, elem, causal)
+        extra = resolve_variant(variant)
+        if extra is not None:
+            var = extra if var is None else compose(var, extra)
+        table = tuple(binding.frozen(a) for a in (indptr, cols, last))
+        return self._make_step(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim, C,
+                               table, custom_mask=None, packed_custom_mask=None, causal=False,
+                               pos_encoding_mode=pos_encoding_mode, window_left=window_left,
+                               logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                               rope_scale=rope_scale, rope_theta=rope_theta,
+                               q_data_type=q_data_type, kv_data_type=kv_data_type,
+                               fixed_split_size=None, variant=var,
+                               masks=masks if masks is not None else [None] * rows,
+                               q_pos0=(qo_indptr[:-1] + N - M).astype(np.int32),
+                               extra=dict(bsr=bsr, mask=elem, causal=causal, shape=(M, N)))
 
     def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
-        """``q [M, Hq, D]``, ``k, v [N, Hkv, D]``. Returns ``out [M, Hq, D]`` (q's kind and
-        dtype) and, with ``return_lse``, ``lse [M, Hq]`` (natural log; -inf for empty rows)."""
-        p = self._require_plan()
-        M, N = self._bsr_shape
-        Hkv, D, C = p["num_kv_heads"], p["head_dim"], p["page_size"]
-        for name, a in (("k", k), ("v", v)):
-            check_ndim(name, a, 3)
-            for axis, n, what in ((0, N, "N"), (1, Hkv, "num_kv_heads"), (2, D, "head_dim")):
-                check_dim(name, a, axis, n, what)
-            if arrays.storage_dtype(a) != p["kv_dtype"]:
-                raise TypeError(f"{name} must have dtype {p['kv_dtype']} (planned kv_data_type), "
-                                f"got {arrays.storage_dtype(a)}")
+        """``q [M, Hq, D]``, ``k, v [N, Hkv, D]`` (views with a contiguous last dimension are
+        read in place). Returns ``out [M, Hq, D]`` (q's kind and dtype) and, with
+        ``return_lse``, ``lse [M, Hq]`` (natural log; -inf for empty rows)."""
+        step = self._slot.get()
+        self._check_q(step, q)
+        M, N = step.extra["shape"]
+        Hkv, D, C = step.num_kv_heads, step.head_dim, step.page_size
+        check_kv(k, v, (N, Hkv, D), "N, num_kv_heads, head_dim planned", step.kv_dtype)
         binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
-            bsr, elem, causal = p["bsr"]
+            bsr = step.extra["bsr"]
             host = arrays.to_host
-            return reference.block_sparse_attention(
+            res = reference.block_sparse_attention(
                 host(q), host(k), host(v), bsr.indptr, bsr.indices, *bsr.block_shape,
-                mask=elem, variant=p["variant"], sm_scale=p["sm_scale"], return_lse=return_lse)
-        # One block column = one "page" of C keys: NHD paging with page stride C * Hkv * D.
-        return self._run(q, k, v, 0, C * Hkv * D, 0, out, lse, return_lse)
+                mask=step.extra["mask"], variant=step.variant, sm_scale=step.sm_scale,
+                return_lse=return_lse or lse is not None)
+            return write_reference(res, out, lse, q, (M, step.num_qo_heads, D), step.q_dtype,
+                                   return_lse)
+        # One block column = one "page" of C keys: page stride C tokens.
+        return self._launch(step, q, (k, v), ("k", "v"), lambda s: (C * s[0], s[0], s[1]),
+                            out, lse, return_lse)
+
+
+def _host(mask):
+    if mask is None or isinstance(mask, (list, tuple, np.ndarray)):
+        return mask
+    return arrays.to_host(mask)

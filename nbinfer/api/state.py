@@ -89,10 +89,7 @@ def check_writable(name: str, x) -> None:
 
 def named_dtype(name: str, x) -> str:
     """:func:`arrays.storage_dtype` with the argument's name in the error."""
-    try:
-        return arrays.storage_dtype(x)
-    except TypeError as err:
-        raise TypeError(f"{name}: {err}") from None
+    return arrays.storage_dtype(x, name)
 
 
 def scratch(n: int, dtype, backend: str):

@@ -1,17 +1,23 @@
-"""Where a step's plan and partial states live inside the caller's workspace buffer.
+"""Where a step's plan and partial states live: the wrapper's own plan memory and the caller's
+workspace buffer.
 
-One byte buffer (FlashInfer's ``float_workspace_buffer``) holds, from its start::
+Each wrapper owns its plan memory (as FlashInfer keeps a per-wrapper int workspace), an int32
+device array::
 
-    int32 words  [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len
-                  | qo_indptr | mask_indptr | mask_words | q_pos0
-                  | qo_end]
-    float32      [tmp_o: partials x Hq x D | tmp_lse: partials x Hq]
+    [plan (PlanLayout) | item_merge | counters | kv_indptr | kv_indices | last_page_len
+     | qo_indptr | mask_indptr | mask_words | q_pos0 | qo_end]
 
-``plan()`` fills the int32 part on the host (a staging array), and copies it to the device in one
-transfer on the caller's stream, so a step costs one H2D copy however many layers reuse it. The
-counters (one per merge list and KV head) must be zero before a launch; the staging copy writes
-zeros and every decode launch leaves them zero again. The page-table sections are empty when the
-caller provides its own buffers (CUDA-graph mode).
+and the caller's ``float_workspace_buffer`` holds only scratch, from its start::
+
+    float32 [tmp_o: partials x Hq x D | tmp_lse: partials x Hq]
+
+Partial states live for one launch (written and merged inside it), so any number of wrappers may
+share one float workspace as long as their launches are ordered (one stream), while no wrapper
+can read another's plan. ``plan()`` fills the int32 words on the host (a staging array) and
+copies them to the device in one transfer on the caller's stream, so a step costs one H2D copy
+however many layers reuse it. The counters (one per merge list and KV head) must be zero before
+a launch; the staging copy writes zeros and every launch leaves them zero again. The page-table
+sections are empty when the caller provides its own buffers (CUDA-graph mode).
 
 With fixed capacities (a CUDA graph), every offset is the same for every step: the graph's kernel
 arguments stay valid and only the bytes they point to change.
@@ -68,14 +74,14 @@ class WorkspaceLayout:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the float workspace this layout needs (partial states)."""
         o, s = self.partial_elems
-        return 4 * (self.words["end"] + _align4(max(o, 1)) + max(s, 1))
+        return 4 * (_align4(max(o, 1)) + max(s, 1))
 
     def float_offsets(self) -> tuple[int, int]:
-        """float32 element offsets of tmp_o and tmp_lse in the workspace."""
-        start = self.words["end"]
+        """float32 element offsets of tmp_o and tmp_lse in the float workspace."""
         o, _ = self.partial_elems
-        return start, start + _align4(max(o, 1))
+        return 0, _align4(max(o, 1))
 
     def fits(self, plan: Plan, batch: int, pages: int) -> bool:
         return self.plan.fits(plan) and batch <= self.max_batch and pages <= self.max_pages
