@@ -1,11 +1,20 @@
 #!/usr/bin/env bash
-# nbinfer's task runner. Each task creates (or reuses) the local virtual environment .venv first.
-#   bash dev.sh demo       the main job: a small random paged batch decode, checked against dense attention
-#   bash dev.sh test       the test suite (the simulator stands in for the GPU when there is none)
-#   bash dev.sh figures    regenerate every figure under figures/ from the lessons
-#   bash dev.sh notebooks  regenerate the executed lessons/*.ipynb from their lessons/*.py scripts
-#   bash dev.sh lint       ruff
+# nbinfer's task runner: `bash dev.sh` (or `bash dev.sh help`) lists the tasks.
 set -euo pipefail
+
+usage() {
+  cat <<'USAGE'
+usage: bash dev.sh TASK [ARGS...]   (each task creates or reuses the virtual environment .venv/)
+  demo       the main job: a small random paged batch decode, checked against dense attention
+  test       the test suite (the simulator stands in for the GPU when there is none)
+  figures    regenerate every figure under figures/ from the lessons
+  notebooks  regenerate the executed lessons/*.ipynb from their lessons/*.py scripts
+  lint       ruff
+  help       this list
+GPU benchmarks: bench/README.md
+USAGE
+}
+
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 VENV=.venv
@@ -35,5 +44,6 @@ case "$task" in
   figures)   ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool figures "$@" ;;
   notebooks) ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool notebooks "$@" ;;
   lint)      ensure_venv; exec "$VENV/bin/ruff" check nbinfer tests lessons bench "$@" ;;
-  *) sed -n '2,8p' "$0"; exit 2 ;;
+  help|-h|--help) usage ;;
+  *) echo "dev.sh: unknown task '$task'" >&2; usage >&2; exit 2 ;;
 esac

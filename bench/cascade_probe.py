@@ -58,7 +58,7 @@ def probe(rows=64, keys=8192, splits=(512, 1024, 2048, 4096, 8192, None)):
         diff = float((a.float() - b.float()).abs().max())
         t_r = back_to_back_ms(lambda rg=rg: rg.run(q, k, v))
         t_p = back_to_back_ms(lambda pg=pg: pg.run(q, cache))
-        sched = pg._plan["schedule"]
+        sched = pg.schedule
         out.append(dict(split=split, items=int(sched.num_work), kv_chunk=int(sched.kv_chunk),
                         ragged_ms=t_r, paged_ms=t_p, ragged_tflops=tflops(rows, keys, t_r),
                         paged_tflops=tflops(rows, keys, t_p), max_abs_diff=diff))

@@ -1,6 +1,6 @@
 """Batch decode on the GPU: correctness spot checks, then speed against torch SDPA.
 
-Run on the H200 (see bench/README.md for the exact command):
+Run on the H200 (bench/README.md gives the command prefix that bench/gpu_wheels.sh prepares):
 
     python bench/decode.py --out bench/results/decode_h200.json
 
@@ -98,8 +98,8 @@ def bench_case(batch, kv_len, sdpa=True):
     t = median_ms(lambda: w.run(q, cache, out=out, lse=lse))
     res = dict(batch=batch, kv_len=kv_len, kv_bytes=kv_bytes, nbinfer_ms=t,
                nbinfer_tbps=kv_bytes / t / 1e9, floor_ms=kv_bytes / COPY_CEILING * 1e3,
-               work_items=int(w._plan["schedule"].num_work), chunk=int(w._plan["schedule"].kv_chunk),
-               **kernel_resources(w._plan["launch"].launch.kernel))
+               work_items=int(w.schedule.num_work), chunk=int(w.schedule.kv_chunk),
+               **kernel_resources(w.step_plan.launch.launch.kernel))
     # Host cost of one run() call (launch-bound: measured with the GPU idle between calls).
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -150,7 +150,7 @@ def kernel_only_ms(w, q, cache, out, lse, reps=20):
     """GPU time of the decode kernel alone: run() binds the arguments once, then the prepared
     launch is fired back to back between two events (no merge kernel, no host work)."""
     w.run(q, cache, out=out, lse=lse)
-    return launch_ms(w._plan["launch"].launch, reps)
+    return launch_ms(w.step_plan.launch.launch, reps)
 
 
 def launch_ms(launch, reps=20):

@@ -43,12 +43,12 @@ def main():
         w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16, q_data_type=torch.float16)
         out, lse = torch.empty_like(q), torch.empty(batch, 32, device="cuda")
         w.run(q, cache, out=out, lse=lse)
-        base = w._plan["launch"].launch
+        base = w.step_plan.launch.launch
         torch.cuda.synchronize()
         ref = out.clone()
         kv_bytes = batch * kv_len * 8 * 128 * 2 * 2
         for stages, regs in itertools.product(args.stages, args.max_registers):
-            spec = dataclasses.replace(w._plan["spec"], stages=stages, max_registers=regs or None)
+            spec = dataclasses.replace(w.step_plan.spec, stages=stages, max_registers=regs or None)
             try:
                 kernel = build_decode_kernel(spec)
             except Exception as exc:  # noqa: BLE001 - report, keep sweeping

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: gpu tests, the kernel-variant sweep, the decode benchmark. Results go to $OUT.
-#   bash bench/gpu_session.sh [tests|sweep|bench|host]...   (default: tests sweep bench)
+#   bash bench/gpu_session.sh [tests|sweep|bench|host|sched|prefill|memcheck]...
+#   (default: tests sweep bench)
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
@@ -14,5 +15,6 @@ for step in $steps; do
     bench) python3 bench/decode.py --out "$OUT/decode_h200.json" ;;
     host) python3 bench/host_profile.py 2>&1 | head -60 ;;
     prefill) python3 bench/prefill.py --out "$OUT/prefill_h200.json" ;;
+    memcheck) bash bench/memcheck.sh ;;
   esac
 done

@@ -43,9 +43,11 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     q = torch.randn(batch, hq, d, device="cuda").half()
     ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     casc = MultiLevelCascadeAttentionWrapper(2, ws)
-    casc.plan([np.array([0, batch]), np.arange(batch + 1)],
+    # Level 0: the prefix, one segment of every query; level 1: each request's own pages.
+    levels = ([np.array([0, batch]), np.arange(batch + 1)],
               [np.array([0, pp]), np.arange(batch + 1) * up], [pre, own.ravel()],
-              [np.array([ps]), np.full(batch, ps)], hq, hkv, d, ps, q_data_type="float16")
+              [np.array([ps]), np.full(batch, ps)])
+    casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
     plain = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                            device="cuda"))
     full = np.concatenate([np.concatenate([pre, o]) for o in own])
@@ -67,7 +69,7 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
              np.full(batch, ps))):
         one = MultiLevelCascadeAttentionWrapper(1, ws1)
         one.plan([qo_l], [ptr], [idx], [last], hq, hkv, d, ps, q_data_type="float16")
-        sched = one._fused._plan["schedule"]
+        sched = one.fused_wrapper.schedule
         parts[name] = dict(ms=median_ms(lambda one=one: one.run(q, cache)),
                            gpu_ms=back_to_back_ms(lambda one=one: one.run(q, cache)),
                            items=int(sched.num_work), kv_chunk=int(sched.kv_chunk))
@@ -80,31 +82,27 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     # The one-launch plan under other chunkings and LPT cost weights (alpha per packed row,
     # beta = 1 per KV token): does balancing, not the kernel, decide the cascade's time?
     sweep = []
-    pl = casc._plan
     for split in (None, 256, 512):
         for alpha in (1.0, 64.0):
-            casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps,
-                                    logits_soft_cap=None, sm_scale=None,
-                                    q_data_type="float16", kv_data_type=None,
-                                    fixed_split_size=split, alpha=alpha)
+            casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16", fixed_split_size=split,
+                      alpha=alpha)
             err = float((casc.run(q, cache).float() - b.float()).abs().max())
             sweep.append(dict(fixed_split_size=split, alpha=alpha, max_abs_diff=err,
-                              items=int(casc._fused._plan["schedule"].num_work),
+                              items=int(casc.fused_wrapper.schedule.num_work),
                               ms=median_ms(lambda: casc.run(q, cache)),
                               gpu_ms=back_to_back_ms(lambda: casc.run(q, cache))))
     parts["schedule_sweep"] = sweep
-    casc._fused.plan_levels(pl["qo"], pl["tables"], hq, hkv, d, ps, logits_soft_cap=None,
-                            sm_scale=None, q_data_type="float16", kv_data_type=None)
+    casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16")  # back to the default schedule
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
     # As a serving engine runs decode: each path captured once in a CUDA graph and replayed.
     parts["cascade_graph_ms"] = graph_ms(lambda: casc.run(q, cache))
     parts["plain_graph_ms"] = graph_ms(lambda: plain.run(q, cache))
     parts["graph_speedup"] = parts["plain_graph_ms"] / parts["cascade_graph_ms"]
-    fused = casc._fused._plan
+    fused = casc.fused_wrapper.step_plan
     return dict(batch=batch, prefix=prefix, unique=unique, cascade_ms=t_c, plain_ms=t_p,
-                speedup=t_p / t_c, max_abs_diff=diff, one_launch=bool(casc._plan["fused"]),
-                kernel=type(fused["spec"]).__name__, work_items=int(fused["schedule"].num_work),
-                partial_rows=int(fused["schedule"].num_partials), breakdown=parts)
+                speedup=t_p / t_c, max_abs_diff=diff, one_launch=casc.one_launch,
+                kernel=type(fused.spec).__name__, work_items=int(fused.schedule.num_work),
+                partial_rows=int(fused.schedule.num_partials), breakdown=parts)
 
 
 def back_to_back_ms(fn, n=20):

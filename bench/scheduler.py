@@ -86,11 +86,11 @@ def run_nbinfer(name, lens, rng):
     for label, fixed in (("lpt", None), ("nosplit", int(max(lens)))):
         w.plan(pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, q_data_type="float16",
                fixed_split_size=fixed)
-        sched = w._plan["schedule"]
+        sched = w.schedule
         run_ms = median_ms(lambda: w.run(q, cache, out=out))
         # GPU time: the bound launch fired back to back (run() adds ~20 us of host work that a
         # serving loop overlaps with the previous layer's GPU time).
-        ms = float(np.median([launch_ms(w._plan["launch"].launch) for _ in range(5)]))
+        ms = float(np.median([launch_ms(w.step_plan.launch.launch) for _ in range(5)]))
         loads = sched.cta_loads()
         bandwidth = kv_bytes / (ms * 1e-3)
         res[label] = dict(ms=ms, run_ms=run_ms, tbps=bandwidth / 1e12,

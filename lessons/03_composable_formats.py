@@ -347,13 +347,15 @@ show(fig)
 # $$\mathrm{LSE} = \log\left(e^{\mathrm{LSE}_0} + e^{\mathrm{LSE}_1}\right), \qquad
 # O = e^{\mathrm{LSE}_0 - \mathrm{LSE}}\, O_0 + e^{\mathrm{LSE}_1 - \mathrm{LSE}}\, O_1 .$$
 #
-# `MultiLevelCascadeAttentionWrapper` does exactly this: one paged-prefill plan per level over
-# the same cache, run by the prefill tile kernel with `return_lse`, then `merge_state_in_place`.
-# We run it in the simulator on a fresh float32 cache (NHD layout) and compare it with plain
-# batch decode over each request's full page list, once with nbinfer's decode kernel (also in
-# the simulator) and once with the float64 reference. The values are drawn positive (uniform
-# on [0.1, 1]) only so that the bars in the picture below are positive; nothing else depends
-# on it.
+# `MultiLevelCascadeAttentionWrapper` does exactly this over the same cache. By default it runs
+# every level in one launch of the prefill tile kernel (`cascade.one_launch`), whose fused merge
+# applies ⊕ to each query's states from both levels; where the masks need it, it plans one
+# prefill per level, runs each with `return_lse` and merges the results with
+# `merge_state_in_place`. We run it in the simulator on a fresh float32 cache (NHD layout) and
+# compare it with plain batch decode over each request's full page list, once with nbinfer's
+# decode kernel (also in the simulator) and once with the float64 reference. The values are
+# drawn positive (uniform on [0.1, 1]) only so that the bars in the picture below are positive;
+# nothing else depends on it.
 
 # %%
 cache = rng.standard_normal((POOL, 2, PS, HKV, D)).astype(np.float32)
@@ -365,6 +367,7 @@ t0 = time.perf_counter()
 cascade = MultiLevelCascadeAttentionWrapper(levels.num_levels, np.zeros(1 << 22, np.uint8), "NHD")
 cascade.plan(levels.qo_indptr_arr, levels.paged_kv_indptr_arr, levels.paged_kv_indices_arr,
              levels.paged_kv_last_page_len_arr, HQ, HKV, D, PS, q_data_type="float32")
+assert cascade.one_launch  # no causal mask here: both levels in one launch
 out_levels, lse_levels = cascade.run(q[levels.rows], cache, return_lse=True)
 out_cascade = np.empty_like(out_levels)
 lse_cascade = np.empty_like(lse_levels)
@@ -403,7 +406,7 @@ for lvl, (qo, kv_indptr, kv_indices, kv_last) in enumerate(level_tables(levels))
     ref_o, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q[levels.rows], qo, cache, kv_indptr, kv_indices, kv_last, return_lse=True)
     assert rel_err(o_l, ref_o) <= TOL_F32 and np.abs(lse_l - ref_lse).max() <= 1e-5
-    work = w._plan["schedule"].work  # the scheduler's work items (an internal attribute)
+    work = w.schedule.work  # the work items of the scheduler's Plan that run() executed
     print(f"level {lvl}: work items (request, kv_head, qo_start, qo_end, kv_start, kv_end, "
           f"partial_row):\n{work}")
     assert work.shape[0] == HKV * (qo.size - 1)  # one tile per segment and KV head

@@ -476,7 +476,7 @@ q3 = rng.standard_normal((len(lens3), HKV3 * G3, D3)).astype(np.float16)
 wrapper = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", backend="sim")
 wrapper.plan(pt3.indptr, pt3.indices, pt3.last_page_len, HKV3 * G3, HKV3, D3, PAGE3,
              q_data_type="float16")
-sched = wrapper._plan["schedule"]  # the scheduler's Plan that run() executes (read for display)
+sched = wrapper.schedule  # the scheduler's Plan that run() executes
 col = {name: i for i, name in enumerate(WORK_COLUMNS)}
 work = sched.work.astype(np.int64)
 print(sched)

@@ -20,7 +20,7 @@
 #    float32 merges in different orders give different bits;
 # 4. the real persistent decode kernel in Numba's CUDA simulator: checked against the float64
 #    reference, and bit-for-bit identical whenever the lengths (hence the plan) are the same;
-# 5. plan reuse and CUDA graphs: a fixed grid and a fixed workspace layout, so a launch recorded
+# 5. plan reuse and CUDA graphs: a fixed grid and a fixed plan layout, so a launch recorded
 #    once runs the next step's plan.
 #
 # Sections 1-3 are pure NumPy; section 4 and the end of section 5 run the kernel in the
@@ -506,11 +506,12 @@ show(fig)
 # ## 4. The real kernel, in the simulator
 #
 # `BatchDecodeWithPagedKVCacheWrapper.plan()` calls `scheduler.plan` and copies the result into
-# the workspace; `run()` launches the persistent decode kernel, in which CTA `c` walks its queue
-# and the last CTA of a split row merges the row's partials in the map's order (one launch, no
-# separate merge kernel). With `backend="auto"` and no GPU it runs in Numba's CUDA simulator,
-# which executes every CUDA thread as an OS thread: slow, so the shapes are tiny (head_dim 64,
-# two requests of 20 and 150 tokens, float32).
+# the wrapper's own plan memory (`wrapper.schedule` is that Plan); `run()` launches the
+# persistent decode kernel, in which CTA `c` walks its queue and the last CTA of a split row
+# merges the row's partials (kept in the workspace) in the map's order (one launch, no separate
+# merge kernel). With `backend="auto"` and no GPU it runs in Numba's CUDA simulator, which
+# executes every CUDA thread as an OS thread: slow, so the shapes are tiny (head_dim 64, two
+# requests of 20 and 150 tokens, float32).
 #
 # Two simulator facts shape the example. The persistent grid there has `persistent_ctas("sim")`
 # CTAs, and adaptive chunks are at least `MIN_CHUNK` tokens (the granule: shorter chunks cost
@@ -527,10 +528,6 @@ sim_ctas = persistent_ctas("sim")
 print(f"simulator grid: {sim_ctas} CTAs, adaptive chunks >= {MIN_CHUNK} tokens")
 
 
-def schedule_of(wrapper):
-    return wrapper._plan["schedule"]  # the Plan the wrapper made (internal attribute)
-
-
 def decode(page_table, cache, q, **plan_kw):
     w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", backend="auto")
     w.plan(page_table.indptr, page_table.indices, page_table.last_page_len, SIM_HQ, SIM_HKV, SIM_D,
@@ -545,10 +542,10 @@ def rel_err(out, ref):
 adaptive = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", backend="auto")
 adaptive.plan(pt.indptr, pt.indices, pt.last_page_len, SIM_HQ, SIM_HKV, SIM_D, PAGE,
               q_data_type="float32")  # plan only: CPU work, no launch
-assert schedule_of(adaptive).num_merge_rows == 0  # nothing split without fixed_split_size
+assert adaptive.schedule.num_merge_rows == 0  # nothing split without fixed_split_size
 
 w1, out1, lse1 = decode(pt, cache, q, fixed_split_size=64)
-plan1 = schedule_of(w1)
+plan1 = w1.schedule
 print(plan1.summary(max_items=12))
 ref, ref_lse = reference.batch_decode_with_paged_kv_cache(q, cache, pt.indptr, pt.indices,
                                                           pt.last_page_len, return_lse=True)
@@ -575,17 +572,17 @@ for b in range(sim_lens.size):
     cache2[pt2.indices[pt2.indptr[b]:pt2.indptr[b + 1]]] = cache[pt.indices[pt.indptr[b]:pt.indptr[b + 1]]]
 assert not np.array_equal(pt2.indices, pt.indices)
 w2, out2, lse2 = decode(pt2, cache2, q, fixed_split_size=64)
-assert schedule_of(w2) == plan1
+assert w2.schedule == plan1
 assert np.array_equal(out2.view(np.uint32), out1.view(np.uint32))
 assert np.array_equal(lse2.view(np.uint32), lse1.view(np.uint32))
 print("same lengths, other pages, other workspace: identical plan, identical output bits")
 
 w3, out3, _ = decode(pt, cache, q, fixed_split_size=128)
 changed = (out3.view(np.uint32) != out1.view(np.uint32)).reshape(sim_lens.size, -1).sum(axis=1)
-print(f"fixed_split_size=128: {schedule_of(w3).num_work} work items instead of {plan1.num_work}; "
+print(f"fixed_split_size=128: {w3.schedule.num_work} work items instead of {plan1.num_work}; "
       f"relative error {rel_err(out3, ref):.1e}; output elements with different bits per "
       f"request: {changed.tolist()} (of {SIM_HQ * SIM_D} each)")
-assert schedule_of(w3) != plan1 and rel_err(out3, ref) <= 2e-5
+assert w3.schedule != plan1 and rel_err(out3, ref) <= 2e-5
 assert changed[0] == 0 and np.all(changed[1:] > 0)  # request 0 is one item in both plans
 
 # %% [markdown]
@@ -650,7 +647,7 @@ assert layout.fits(step_a) and layout.fits(step_b)
 moved = [s for s in tight_a if tight_a[s] != tight_b[s]]
 assert moved == list(tight_a)[2:]  # tight layouts move every section after `work`
 
-buffer = np.empty(layout.size, dtype=np.int32)  # stands for the fixed workspace region
+buffer = np.empty(layout.size, dtype=np.int32)  # stands for the wrapper's fixed plan memory
 address = buffer.ctypes.data
 snapshots = {}
 for name, step in (("step A", step_a), ("step B", step_b)):
@@ -689,7 +686,7 @@ for x in layout.offsets().values():
     ax.axvline(x, color="k", lw=0.5, ls=":", alpha=0.6)
 ax.set_yticks(range(len(strips)), labels=[r[0] for r in strips], fontsize=8)
 ax.invert_yaxis()
-ax.set_xlabel("int32 word offset in the plan region of the workspace (dotted: fixed section starts)")
+ax.set_xlabel("int32 word offset in the wrapper's plan memory (dotted: fixed section starts)")
 handles = [Patch(color=c, label=s) for s, c in section_color.items()]
 handles.append(Patch(facecolor="white", edgecolor="k", hatch="///", label="unused capacity"))
 ax.legend(handles=handles, fontsize=7.5, ncol=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
@@ -707,11 +704,12 @@ show(fig)
 # **A recorded launch, replayed with a new plan.** The simulator has no CUDA graphs, but we can
 # do what a graph does: keep the launch of step 1 (the kernel, its grid and every argument,
 # exactly as `run()` bound them) and call it again after step 2's `plan()`. With
-# `use_cuda_graph=True` the wrapper takes a fixed-capacity workspace layout and caller-owned
-# page-table buffers, so step 2's plan and page table land in the same memory that the step-1
-# launch points to. The batch keeps its size (2 slots; a finished request leaves an empty slot,
-# here slot 0 in step 2), and `q` and `out` are the same arrays, refilled in place, as they are
-# in a graph-captured serving loop.
+# `use_cuda_graph=True` the wrapper keeps one fixed-capacity layout of its plan memory and reads
+# the page table from caller-owned buffers, so step 2's plan and page table land in the same
+# memory that the step-1 launch points to (`wrapper.step_plan.launch` is the prepared launch,
+# `.layout` its offsets). The batch keeps its size (2 slots; a finished request leaves an empty
+# slot, here slot 0 in step 2), and `q` and `out` are the same arrays, refilled in place, as
+# they are in a graph-captured serving loop.
 
 # %%
 POOL = 24
@@ -731,24 +729,24 @@ for step, lens in enumerate(([20, 150], [0, 130])):
     q_buf[:] = rng.standard_normal(q_buf.shape)
     if recorded is None:
         gw.run(q_buf, graph_cache, out=out_buf)  # step 1: an ordinary run() ...
-        recorded = gw._plan["launch"]  # ... whose launch (kernel, grid, arguments) we keep
-        first_plan, first_layout = schedule_of(gw), gw._plan["layout"]
+        recorded = gw.step_plan.launch  # ... whose launch (kernel, grid, arguments) we keep
+        first_plan, first_layout = gw.schedule, recorded.layout
     else:
-        assert gw._plan["launch"] is not recorded and schedule_of(gw) != first_plan
-        assert gw._plan["layout"] == first_layout  # same offsets for the new plan
+        assert gw.step_plan.launch is not recorded and gw.schedule != first_plan
+        assert gw.step_plan.launch.layout == first_layout  # same offsets for the new plan
         out_buf[:] = np.nan
-        recorded(0)  # replay step 1's launch: it reads step 2's plan from the workspace
+        recorded(0)  # replay step 1's launch: it reads step 2's plan from the plan memory
     expect = reference.batch_decode_with_paged_kv_cache(q_buf, graph_cache, step_pt.indptr,
                                                         step_pt.indices, step_pt.last_page_len)
-    print(f"step {step + 1}: lengths {lens}, {schedule_of(gw).num_work} work items, "
-          f"{schedule_of(gw).num_merge_rows} split row(s), grid {recorded.launch.grid} CTAs, "
+    print(f"step {step + 1}: lengths {lens}, {gw.schedule.num_work} work items, "
+          f"{gw.schedule.num_merge_rows} split row(s), grid {recorded.launch.grid} CTAs, "
           f"relative error {rel_err(out_buf, expect):.1e}")
     assert rel_err(out_buf, expect) <= 2e-5
 assert np.all(out_buf[0] == 0)  # the empty slot: no keys, output 0
 
 # %% [markdown]
 # The step-1 launch never saw step 2's lengths, yet it computed step 2 correctly, empty slot and
-# all: everything step-dependent was data in the workspace and the page-table buffers, read
+# all: everything step-dependent was data in the plan memory and the page-table buffers, read
 # through addresses that did not move. On a GPU the same loop captures `run()` in a real
 # `torch.cuda.CUDAGraph` and replays it after each `plan()`; that is the GPU test
 # `tests/test_gpu_scheduler.py::test_cuda_graph_replays_new_plans` (uniform, skewed and padded
@@ -770,5 +768,5 @@ assert "def test_bitwise_deterministic_over_100_runs" in gpu_tests
 #   *happen* (within 4/3 of optimal, often optimal); round-robin does not.
 # * The reduction map fixes the merge order. Any order is equally accurate, but only a fixed one
 #   is reproducible: same lengths -> same plan -> same bits.
-# * A fixed persistent grid plus a fixed workspace layout turns every step-dependent decision
+# * A fixed persistent grid plus a fixed plan layout turns every step-dependent decision
 #   into data, so one recorded launch (a CUDA graph) serves every step.
