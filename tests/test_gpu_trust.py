@@ -215,3 +215,28 @@ def test_merge_never_reads_the_values_of_an_empty_state(rng):
     s_b = torch.full((3, 4), float("-inf"), device="cuda")
     v, s = nbinfer.merge_state(v_a, s_a, v_b, s_b)
     assert torch.equal(v, v_a) and torch.allclose(s, s_a)
+
+
+def test_custom_masks_given_as_cuda_tensors(rng):
+    # FlashInfer's tests pass masks as CUDA tensors: a flat bool mask for the paged prefill and
+    # the 2-D [qo_len, kv_len] form for single prefill.
+    pt, cache = _pool(rng, [70, 33])
+    qo = np.array([0, 6, 9])
+    q = torch.randn(9, HQ, D, device="cuda").half()
+    masks = [rng.random((6, 70)) < 0.6, rng.random((3, 33)) < 0.6]
+    flat = torch.from_numpy(np.concatenate([m.ravel() for m in masks])).cuda()
+    w = nbinfer.BatchPrefillWithPagedKVCacheWrapper(
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), "NHD")
+    w.plan(qo, pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, custom_mask=flat,
+           q_data_type="float16")
+    ref = reference.batch_prefill_with_paged_kv_cache(
+        _host(q), qo, _host(cache), pt.indptr, pt.indices, pt.last_page_len,
+        custom_mask=flat.cpu().numpy())
+    assert rel_err(_host(w.run(q, cache)), ref) <= TOLERANCE["float16"]
+    k = torch.randn(70, HKV, D, device="cuda").half()
+    v = torch.randn(70, HKV, D, device="cuda").half()
+    out = nbinfer.single_prefill_with_kv_cache(q[:6], k, v,
+                                               custom_mask=torch.from_numpy(masks[0]).cuda())
+    ref = reference.single_prefill_with_kv_cache(_host(q[:6]), _host(k), _host(v),
+                                                 custom_mask=masks[0])
+    assert rel_err(_host(out), ref) <= TOLERANCE["float16"]
