@@ -130,8 +130,14 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                                                             ("append_value", append_value))]
     dsts = {name: arrays.kernel_view(a, be, name) for name, a in caches.items()}
     for name, (view, _) in dsts.items():
-        if isinstance(view, np.ndarray) and not np.shares_memory(view, caches[name]):
+        if isinstance(view, np.ndarray) and not np.shares_memory(
+                view, arrays.to_host_exact(caches[name])):
             raise ValueError(f"{name} must be writable memory the kernel can update in place")
+    if be == "sim" and not combined and np.shares_memory(*(v for v, _ in dsts.values())):
+        # K and V are views of one pool: the simulator copies each kernel argument back after
+        # the launch, so overlapping spans would undo one side's writes. Work on copies.
+        return _append_on_copies(append_key, append_value, batch_indices, positions, caches,
+                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout)
     # Device views come as (pointer, elements): make them (pointer, bytes) for _words.
     srcs = [((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st) for v, st in srcs]
     dsts = {n: ((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st)
@@ -169,6 +175,17 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     if be == "cuda" and kind == "numpy":
         for user, (view, _) in zip(caches.values(), dsts.values(), strict=True):
             _copy_back(view, user)
+    return None
+
+
+def _append_on_copies(append_key, append_value, batch_indices, positions, caches, kv_indices,
+                      kv_indptr, kv_last_page_len, kv_layout):
+    """The simulator's append into contiguous copies of K and V, assigned back after."""
+    k, v = (np.ascontiguousarray(arrays.to_host_exact(c)) for c in caches.values())
+    append_paged_kv_cache(append_key, append_value, batch_indices, positions, (k, v), kv_indices,
+                          kv_indptr, kv_last_page_len, kv_layout, backend="sim")
+    for user, new in zip(caches.values(), (k, v), strict=True):
+        arrays.to_host_exact(user)[...] = new
     return None
 
 

@@ -132,6 +132,9 @@ def element_strides(x) -> tuple[int, ...]:
             return contiguous_strides(x.shape)
         return tuple(int(s) // np.dtype(cai["typestr"]).itemsize for s in cai["strides"])
     item = np.dtype(x.dtype).itemsize
+    if any(int(s) % item for s in x.strides):
+        raise ValueError(f"array strides must be multiples of its item size ({item} bytes), got "
+                         f"{tuple(x.strides)} bytes")
     return tuple(int(s) // item for s in x.strides)
 
 

@@ -89,7 +89,9 @@ class WrapperBase:
         binding.bind(P, ARG["lse"], lse_k, be)
         L(arrays.current_stream(q))
         out_user = arrays.finish(kind, out_user, out_k, be)
-        return (out_user, arrays.finish(kind, lse_user, lse_k, be)) if return_lse else out_user
+        if return_lse or lse is not None:  # a given lse is filled even when not returned
+            lse_user = arrays.finish(kind, lse_user, lse_k, be)
+        return (out_user, lse_user) if return_lse else out_user
 
 
 def _used(strides, shape):
@@ -113,12 +115,15 @@ def write_reference(result, out, lse, q, shape, q_dtype, return_lse):
     """The reference engine's ``result`` (``out`` or ``(out, lse)``, float64) as run() returns
     it: written into the caller's ``out`` / ``lse`` when given (same rules as the kernels')."""
     o, s = result if isinstance(result, tuple) else (result, None)
+    # Both buffers are checked before either is written: a rejected call writes nothing.
     if out is not None:
         binding.check_output("out", out, q, shape, q_dtype)
+    if lse is not None:
+        binding.check_output("lse", lse, q, shape[:-1], "float32")
+    if out is not None:
         _assign(out, o)
         o = out
     if lse is not None:
-        binding.check_output("lse", lse, q, shape[:-1], "float32")
         _assign(lse, s)
         s = lse
     return (o, s) if return_lse else o

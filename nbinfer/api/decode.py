@@ -163,21 +163,23 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         fast = None
         if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
             fast = TorchFastPath(step, launch, self._kv_layout, self._workspace.device)
+        if self._graph_buffers is not None:
+            self._graph_layout = layout
         return _replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
         if self._graph_buffers is None:
             return WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, batch, pages)
-        if self._graph_layout is None:
+        layout = self._graph_layout
+        if layout is None:  # fixed by the first plan() that succeeds (_build sets it)
             max_batch = int(self._graph_buffers[2].shape[0])
             max_pages = int(self._graph_buffers[1].shape[0])
             # With fixed chunks the item count grows with the KV: bound it by the page buffer.
             max_kv = max_pages * page_size if fixed_split_size else None
             plan_layout = PlanLayout.bound(sched.num_ctas, max_batch, hq, hkv, max_kv_len=max_kv,
                                            fixed_split_size=fixed_split_size)
-            self._graph_layout = WorkspaceLayout(plan_layout, hkv, hq, d, max_batch, max_pages)
-        layout = self._graph_layout
+            layout = WorkspaceLayout(plan_layout, hkv, hq, d, max_batch, max_pages)
         if (layout.num_kv_heads, layout.num_qo_heads, layout.head_dim) != (hkv, hq, d):
             raise ValueError("a CUDA-graph wrapper keeps its head counts and head_dim: planned "
                              f"{(hq, hkv, d)}, first plan had "

@@ -86,9 +86,10 @@ class PrefillWrapperBase(WrapperBase):
                                 rope_theta=rope_theta)
         q_dtype = normalize_dtype("q_data_type", q_data_type)
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
+        masks = tuple(None if m is None else binding.frozen(m) for m in masks)  # snapshots
         step = StepPlan(batch, int(qo_indptr[-1]), num_qo_heads, num_kv_heads, head_dim,
                         page_size, q_dtype, kv_dtype, check_sm_scale(sm_scale, head_dim), var,
-                        qo_indptr, *table, binding.frozen(kv_lens), tuple(masks),
+                        qo_indptr, *table, binding.frozen(kv_lens), masks,
                         None if q_pos0 is None else binding.frozen(q_pos0), extra=extra or {})
         if self._backend == "reference":
             return step

@@ -63,6 +63,8 @@ class BlockSparseAttentionWrapper(PrefillWrapperBase):
         bsr = BSR(arrays.host_int32(indptr, "indptr"), arrays.host_int32(indices, "indices"),
                   (R, C), (M, N))
         elem = _element_mask(_host(mask), _host(packed_mask), bsr.nnz_blocks, R, C)
+        if elem is not None:
+            elem = binding.frozen(elem)  # a snapshot: later changes to mask reach no backend
         rows = bsr.indptr.size - 1
         qo_indptr = np.minimum(np.arange(rows + 1) * R, M).astype(np.int32)
         # Columns sorted within each row (softmax does not care about order), so that the
