@@ -43,10 +43,11 @@ def _offline_numba():
 def compile_spec(spec):
     from numba import cuda
 
+    from nbinfer.kernels.common import FASTMATH
     from nbinfer.kernels.decode import decode_kernel_source, decode_signature
 
     ptx, _ = cuda.compile_ptx(decode_kernel_source(spec), decode_signature(spec), cc=(9, 0),
-                              fastmath=True)
+                              fastmath=set(FASTMATH))
     return ptx
 
 

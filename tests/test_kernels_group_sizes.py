@@ -45,6 +45,12 @@ def test_decode_every_group_size(rng, group, kind):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize("group", [3, 5, 6, 7])
+@pytest.mark.parametrize("kind", ["rope", "sigmoid"])
+def test_decode_position_and_sigmoid_variants_at_odd_group_sizes(rng, group, kind):
+    test_decode_every_group_size(rng, group, kind)
+
+
 @pytest.mark.parametrize("group, dtype", [(3, "float32"), (5, "float16"), (6, "float32"),
                                           (7, "float16")])
 @pytest.mark.parametrize("kind", ["alibi+cap+window", "rope", "sink", "sigmoid"])

@@ -273,6 +273,14 @@ def to_host(x) -> np.ndarray:
     return np.asarray(x)
 
 
+def host_mask(mask):
+    """A mask of any array kind (FlashInfer passes CUDA tensors) as host memory, or None; masks
+    are read on the host at plan()."""
+    if mask is None or isinstance(mask, (list, tuple, np.ndarray)):
+        return mask
+    return to_host(mask)
+
+
 def host_index(x, name: str) -> np.ndarray:
     """An index array of any kind and integer dtype as a fresh host NumPy array of its own
     integer dtype (a snapshot: later changes to ``x`` do not reach it). Range checks come

@@ -77,12 +77,7 @@ class WrapperBase:
         out_user, out_k = binding.output(out, "out", kind, q, shape, step.q_dtype, be)
         lse_user, lse_k = binding.output(lse, "lse", kind, q, shape[:-1], "float32", be)
         sq = binding.bind_view(P, ARG["q"], q, be, "q")
-        k, v = kv
-        sk = binding.bind_view(P, ARG["k"], k, be, kv_names[0], align=16)
-        sv = binding.bind_view(P, ARG["v"], v, be, kv_names[1], align=16)
-        if _used(sk, k.shape) != _used(sv, v.shape):
-            raise ValueError(f"{kv_names[1]} must have the same strides as {kv_names[0]}: got "
-                             f"{sv} and {sk} (elements)")
+        sk = binding.bind_kv(P, *kv, be, kv_names)
         qn, qh = q_strides_of(sq) if q_strides_of is not None else (sq[0], sq[1])
         L.set_strides(*kv_strides_of(sk), qn, qh)
         binding.bind(P, ARG["o"], out_k, be)
@@ -92,11 +87,6 @@ class WrapperBase:
         if return_lse or lse is not None:  # a given lse is filled even when not returned
             lse_user = arrays.finish(kind, lse_user, lse_k, be)
         return (out_user, lse_user) if return_lse else out_user
-
-
-def _used(strides, shape):
-    """Strides of the dimensions that have more than one element (the others are never used)."""
-    return tuple(s for s, n in zip(strides, shape, strict=True) if n > 1)
 
 
 def kv_strides(layout: str, paged: bool):

@@ -94,6 +94,24 @@ def bind_view(launch, i, x, backend, name, *, align: int = 1) -> tuple[int, ...]
     return st
 
 
+def bind_kv(launch, k, v, backend, names) -> tuple[int, ...]:
+    """Bind the K and V views (16-byte aligned, for cp.async) and require the same strides of
+    both (the kernels take one set); return them. ``names``: the caller's argument names."""
+    from ..kernels.common import ARG
+
+    sk = bind_view(launch, ARG["k"], k, backend, names[0], align=16)
+    sv = bind_view(launch, ARG["v"], v, backend, names[1], align=16)
+    if _used(sk, k.shape) != _used(sv, v.shape):
+        raise ValueError(f"{names[1]} must have the same strides as {names[0]}: got {sv} and "
+                         f"{sk} (elements)")
+    return sk
+
+
+def _used(strides, shape):
+    """Strides of the dimensions that have more than one element (the others are never used)."""
+    return tuple(s for s, n in zip(strides, shape, strict=True) if n > 1)
+
+
 def _itemsize(x) -> int:
     kind = arrays.array_kind(x)
     return x.element_size() if kind == "torch" else np.dtype(x.dtype).itemsize

@@ -8,6 +8,8 @@ merged inside it) and is called once per layer with the same plan.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from .. import reference, scheduler
@@ -165,7 +167,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             fast = TorchFastPath(step, launch, self._kv_layout, self._workspace.device)
         if self._graph_buffers is not None:
             self._graph_layout = layout
-        return _replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
+        return dataclasses.replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
@@ -230,12 +232,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             paged_kv_cache, (tuple, list)) else ("k_cache", "v_cache")
         return self._launch(step, q, (k_cache, v_cache), names,
                             kv_strides(self._kv_layout, paged=True), out, lse, return_lse)
-
-
-def _replace(step, **changes):
-    import dataclasses
-
-    return dataclasses.replace(step, **changes)
 
 
 def check_q(name, q, shape, what, dtype):

@@ -78,8 +78,8 @@ class PrefillWrapperBase(WrapperBase):
                              f"{batch}")
         qo_lens = np.diff(qo_indptr)
         if masks is None:
-            masks = batch_masks(_host_mask(custom_mask), _host_mask(packed_custom_mask), None,
-                                qo_lens, kv_lens)
+            masks = batch_masks(arrays.host_mask(custom_mask),
+                                arrays.host_mask(packed_custom_mask), None, qo_lens, kv_lens)
         var = attention_variant(num_qo_heads, variant, causal=causal, window_left=window_left,
                                 logits_soft_cap=logits_soft_cap,
                                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
@@ -341,13 +341,6 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
                 raise
             size *= 4
     return w.run(q, k, v, return_lse=return_lse)
-
-
-def _host_mask(mask):
-    """A mask of any array kind as host memory (masks are read on the host at plan())."""
-    if mask is None or isinstance(mask, (list, tuple, np.ndarray)):
-        return mask
-    return arrays.to_host(mask)
 
 
 def _packed_mask_words(masks, batch):

@@ -86,10 +86,7 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     lse_user, lse_k = binding.output(None, "lse", kind, q, (hq,), "float32", be)
     L = launch.launch
     sq = binding.bind_view(L, ARG["q"], q, be, "q")
-    sk = binding.bind_view(L, ARG["k"], k, be, "k", align=16)
-    sv = binding.bind_view(L, ARG["v"], v, be, "v", align=16)
-    if sk != sv:
-        raise ValueError(f"v must have the same strides as k: got {sv} and {sk} (elements)")
+    sk = binding.bind_kv(L, k, v, be, ("k", "v"))
     n_axis, h_axis = (0, 1) if kv_layout == "NHD" else (1, 0)
     launch.set_strides(0, sk[n_axis], sk[h_axis], 0, sq[0])
     binding.bind(L, ARG["o"], out_k, be)

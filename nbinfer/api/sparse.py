@@ -62,7 +62,8 @@ class BlockSparseAttentionWrapper(PrefillWrapperBase):
             check_positive_int(name, val)
         bsr = BSR(arrays.host_int32(indptr, "indptr"), arrays.host_int32(indices, "indices"),
                   (R, C), (M, N))
-        elem = _element_mask(_host(mask), _host(packed_mask), bsr.nnz_blocks, R, C)
+        elem = _element_mask(arrays.host_mask(mask), arrays.host_mask(packed_mask),
+                             bsr.nnz_blocks, R, C)
         if elem is not None:
             elem = binding.frozen(elem)  # a snapshot: later changes to mask reach no backend
         rows = bsr.indptr.size - 1
@@ -142,9 +143,3 @@ class BlockSparseAttentionWrapper(PrefillWrapperBase):
         # One block column = one "page" of C keys: page stride C tokens.
         return self._launch(step, q, (k, v), ("k", "v"), lambda s: (C * s[0], s[0], s[1]),
                             out, lse, return_lse)
-
-
-def _host(mask):
-    if mask is None or isinstance(mask, (list, tuple, np.ndarray)):
-        return mask
-    return arrays.to_host(mask)
