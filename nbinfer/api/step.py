@@ -109,7 +109,3 @@ class PlanSlot:
         if self._plan is None:
             raise RuntimeError(f"no valid plan: {self._why}; call plan() again")
         return self._plan
-
-    @property
-    def current(self) -> StepPlan | None:
-        return self._plan
