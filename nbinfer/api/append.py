@@ -22,7 +22,7 @@ from ..kernels.append import (
     choose_word_bytes,
 )
 from . import arrays
-from .state import check_placement, is_contiguous, named_dtype
+from .state import check_placement, named_dtype
 
 __all__ = ["append_paged_kv_cache", "get_batch_indices_positions"]
 
@@ -87,7 +87,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     -----
     The index arrays (any integer dtype, range-checked before narrowing to int32) are copied to
     the host and checked there (every token's slot must lie in a page its request owns) before
-    the launch, so a rejected append writes nothing, so device index arrays cost a synchronising copy
+    the launch, so a rejected append writes nothing; device index arrays cost a synchronising copy
     per call. The kernel then reads contiguous int32 device index arrays in place and uploads
     the checked host copies of any others.
     """
@@ -257,7 +257,7 @@ def _index_arg(user, host: np.ndarray, backend: str):
     is contiguous int32 (no allocation, no upload: each costs more than this kernel's launch),
     else the checked host copy."""
     on_device = not isinstance(user, (list, tuple, np.ndarray)) and arrays.device_of(user) != "host"
-    if backend == "cuda" and on_device and dtype_name(user) == "int32" and is_contiguous(user) \
+    if backend == "cuda" and on_device and dtype_name(user) == "int32" and arrays.is_contiguous(user) \
             and host.size == int(np.prod(user.shape)) and int(np.prod(user.shape)) > 0:
         return arrays.to_kernel(user, backend)
     return arrays.to_kernel(host, backend)

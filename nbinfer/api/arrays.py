@@ -12,7 +12,7 @@ import sys
 import numpy as np
 from numba import cuda
 
-from .._checks import dtype_name
+from .._checks import as_index_array, dtype_name
 
 BACKENDS = ("auto", "cuda", "sim", "reference")
 _SAID = []  # the one-time note of backend="auto" falling back to the reference engine
@@ -207,6 +207,16 @@ def to_host_exact(x) -> np.ndarray:
     return x
 
 
+def is_contiguous(x) -> bool:
+    """True when ``x`` (any array kind) is C-contiguous (strides of size-1 axes ignored)."""
+    kind = array_kind(x)
+    if kind == "torch":
+        return x.is_contiguous()
+    if kind == "numba":
+        return x.is_c_contiguous()
+    return x.flags.c_contiguous  # numpy and cupy
+
+
 def device_pointer(x):
     """``(address, nitems, itemsize)`` of a contiguous device array of any kind, without copying.
 
@@ -300,12 +310,7 @@ def host_int32(x, name: str) -> np.ndarray:
     """An index array (any kind, any integer dtype) as a fresh host int32 NumPy array; values
     outside int32 raise a ValueError naming ``name`` (never wrapped)."""
     arr = host_index(x, name)
-    if arr.size:
-        lo, hi = int(arr.min()), int(arr.max())
-        if lo < np.iinfo(np.int32).min or hi > np.iinfo(np.int32).max:
-            bad = lo if lo < np.iinfo(np.int32).min else hi
-            raise ValueError(f"{name} values must fit int32, got {bad}")
-    return arr.astype(np.int32)
+    return as_index_array(name, arr, arr.ndim)  # a fresh array: host_index copied
 
 
 def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):

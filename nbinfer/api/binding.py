@@ -53,11 +53,10 @@ def check_output(name, given, template, shape, dtype) -> None:
                          f"{arrays.device_of(given)}")
     if isinstance(given, np.ndarray) and not given.flags.writeable:
         raise ValueError(f"{name} must be writable (the result is written into it)")
-    st = arrays.element_strides(given)
-    want = arrays.contiguous_strides(given.shape)
-    if any(n > 1 and a != b for n, a, b in zip(given.shape, st, want, strict=True)):
+    if not arrays.is_contiguous(given):
         raise ValueError(f"{name} must be C-contiguous (the kernels write it in place), got "
-                         f"strides {st} (elements) for shape {tuple(given.shape)}")
+                         f"strides {arrays.element_strides(given)} (elements) for shape "
+                         f"{tuple(given.shape)}")
 
 
 def bind(launch, i, x, backend):
@@ -134,8 +133,7 @@ def workspace_f32(buf, backend):
 def check_workspace(buf, backend: str):
     """``float_workspace_buffer``: an array of any kind, C-contiguous, where the kernels run."""
     kind = arrays.array_kind(buf, "float_workspace_buffer")
-    st = arrays.element_strides(buf)
-    if st != arrays.contiguous_strides(buf.shape):
+    if not arrays.is_contiguous(buf):
         raise ValueError("float_workspace_buffer must be C-contiguous")
     if backend == "cuda" and not arrays.on_device(buf) and kind != "numpy":
         raise ValueError("float_workspace_buffer must be GPU memory (or NumPy) for backend='cuda'")

@@ -29,6 +29,7 @@ from .. import reference
 from .._checks import check_heads, check_positive_int, check_sm_scale
 from ..reference.cascade import _check_levels
 from ..scheduler.cascade import cascade_plan
+from ..scheduler.planner import check_weights
 from ..variants import from_flashinfer_args
 from . import arrays, binding
 from .base import WrapperBase, write_reference
@@ -97,9 +98,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                              "across levels are in nbinfer.reference.multi_level_cascade_attention")
         if schedule["fixed_split_size"] is not None:
             check_positive_int("fixed_split_size", schedule["fixed_split_size"])
-        for name in ("alpha", "beta"):
-            if not isinstance(schedule[name], (int, float)) or not schedule[name] >= 0:
-                raise ValueError(f"{name} must be a non-negative number, got {schedule[name]!r}")
+        check_weights(schedule["alpha"], schedule["beta"])  # also when nothing is scheduled
         page_size = check_positive_int("page_size", page_size)
         names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
                  "paged_kv_last_page_len")
@@ -118,9 +117,9 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                                             f"paged_kv_indices_arr[{lvl}]",
                                             f"paged_kv_last_page_len[{lvl}]"))
                   for lvl in range(self._levels)]
-        host = [[t[i] for t in tables] for i in range(3)]
+        host = [[t[i] for t in tables] for i in range(4)]  # indptrs, indices, lasts, kv_lens
         nnz = int(qo[-1][-1]) if qo[-1].size else 0
-        _check_levels(nnz, qo, *host)
+        _check_levels(nnz, qo, *host[:3])
         q_dtype = normalize_dtype("q_data_type", q_data_type)
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         check_heads(num_qo_heads, num_kv_heads)
@@ -146,7 +145,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                         q_dtype, kv_dtype, check_sm_scale(sm_scale, head_dim), var, qo[-1],
                         empty, empty, empty, lens,
                         schedule=self._fused.schedule if fused else None,
-                        extra=dict(levels=tuple(qo), tables=tuple(tuple(t) for t in host),
+                        extra=dict(levels=tuple(qo), tables=tuple(tuple(t) for t in host[:3]),
                                    causal=causal, logits_soft_cap=logits_soft_cap, fused=fused))
 
     @property
@@ -193,7 +192,7 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                     logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
         """``qo``: per-level query indptrs (validated); ``tables``: ``[indptrs, indices,
-        last_page_lens]``, one validated array per level each; ``schedule``:
+        last_page_lens, kv_lens]``, one validated array per level each (binding.page_table); ``schedule``:
         ``fixed_split_size``, ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan`."""
         self._install(self._build_levels, qo, tables, num_qo_heads, num_kv_heads, head_dim,
                       page_size, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
@@ -202,11 +201,9 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     def _build_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                       logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
         group = check_heads(num_qo_heads, num_kv_heads)
-        indptrs, kv_lens, offset = [], [], 0
-        for lvl in range(len(qo)):
-            ptr, _, last = tables[0][lvl], tables[1][lvl], tables[2][lvl]
-            pages = np.diff(ptr)
-            kv_lens.append(np.where(pages > 0, (pages - 1) * page_size + last, 0).astype(np.int64))
+        kv_lens = list(tables[3])
+        indptrs, offset = [], 0
+        for ptr in tables[0]:
             indptrs.append(ptr[:-1] + offset)
             offset += int(ptr[-1])
         table = tuple(binding.frozen(a) for a in (

@@ -110,10 +110,9 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)
-            return (spec, build_prefill_mma_kernel(spec), spec.num_threads,
-                    persistent_ctas(self._backend, MMA_CTAS_PER_SM))
+            return (spec, *_compiled(spec), persistent_ctas(self._backend, MMA_CTAS_PER_SM))
         spec = PrefillSpec(*args, **flags)
-        return spec, build_prefill_kernel(spec), PREFILL_THREADS, persistent_ctas(self._backend)
+        return (spec, *_compiled(spec), persistent_ctas(self._backend))
 
     def _upload(self, step, spec, kernel, threads, sched, qo_start, qo_end) -> StepPlan:
         """Lay out the plan memory for ``sched`` and copy plan, page table, query ranges
@@ -151,9 +150,7 @@ class PrefillWrapperBase(WrapperBase):
             raise ValueError("with_schedule needs a kernel backend ('cuda' or 'sim')")
         qo_start = step.qo_indptr if qo_start is None else np.asarray(qo_start, np.int32)
         qo_end = step.qo_indptr[1:] if qo_end is None else np.asarray(qo_end, np.int32)
-        kernel = (build_prefill_mma_kernel if isinstance(step.spec, MmaPrefillSpec)
-                  else build_prefill_kernel)(step.spec)
-        threads = getattr(step.spec, "num_threads", PREFILL_THREADS)
+        kernel, threads = _compiled(step.spec)
         self._install(self._upload, step, step.spec, kernel, threads, schedule, qo_start,
                       np.ascontiguousarray(qo_end))
 
@@ -341,6 +338,13 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
                 raise
             size *= 4
     return w.run(q, k, v, return_lse=return_lse)
+
+
+def _compiled(spec):
+    """``(compiled kernel, threads per CTA)`` of a prefill spec (tensor-core or CUDA-core)."""
+    if isinstance(spec, MmaPrefillSpec):
+        return build_prefill_mma_kernel(spec), spec.num_threads
+    return build_prefill_kernel(spec), PREFILL_THREADS
 
 
 def _packed_mask_words(masks, batch):

@@ -62,20 +62,10 @@ def check_placement(backend: str, **named) -> str:
     return kind
 
 
-def is_contiguous(x) -> bool:
-    """True when ``x`` (any array kind) is C-contiguous."""
-    kind = arrays.array_kind(x)
-    if kind == "torch":
-        return x.is_contiguous()
-    if kind == "numba":
-        return x.is_c_contiguous()
-    return x.flags.c_contiguous
-
-
 def check_contiguous(name: str, x) -> None:
     """Require C-contiguous memory: kernels see flat arrays, and in-place results must land in
     the caller's memory, not in a contiguous copy."""
-    if not is_contiguous(x):
+    if not arrays.is_contiguous(x):
         strides = tuple(x.stride()) if arrays.array_kind(x) == "torch" else tuple(x.strides)
         raise ValueError(f"{name} must be contiguous (C order), got strides {strides}")
 

@@ -71,6 +71,15 @@ def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def check_weights(alpha, beta) -> tuple[float, float]:
+    """The LPT cost weights ``alpha`` (per query row) and ``beta`` (per KV token): finite, >= 0,
+    not both 0; returned as floats."""
+    alpha, beta = _check_weight("alpha", alpha), _check_weight("beta", beta)
+    if alpha == 0 and beta == 0:
+        raise ValueError("alpha and beta must not both be 0 (every item would cost nothing)")
+    return alpha, beta
+
+
 def _check_weight(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -128,9 +137,7 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
     group = check_heads(num_qo_heads, num_kv_heads)
     num_ctas = check_positive_int("num_ctas", num_ctas)
     granule = check_positive_int("granule", granule)
-    alpha, beta = _check_weight("alpha", alpha), _check_weight("beta", beta)
-    if alpha == 0 and beta == 0:
-        raise ValueError("alpha and beta must not both be 0 (every item would cost nothing)")
+    alpha, beta = check_weights(alpha, beta)
     if fixed_split_size is not None:
         fixed_split_size = check_positive_int("fixed_split_size", fixed_split_size)
     if not isinstance(causal, (bool, np.bool_)):
