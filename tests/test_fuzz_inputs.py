@@ -891,9 +891,87 @@ ok("r4-decode-nan-in-q-gives-nan-row-head-and-lse", _r4_decode_nan_q)
 ok("r4-decode-nan-in-attended-k-gives-nan-rows-of-its-group", _r4_decode_nan_k)
 ok("r4-decode-nan-in-attended-v-gives-nan-rows-of-its-group-and-lse", _r4_decode_nan_v)
 ok("r4-ragged-causal-nan-in-k-reaches-only-rows-that-see-it", _r4_ragged_nan_k_causal)
-# Outside the rule (README, Conventions): the V row of a key that a row does not attend to but
-# that lies inside its request's KV range (a causal future key in the same KV tile) enters the
-# kernels' p.V product with weight 0, so a NaN there may reach the row; keep such rows finite.
+
+
+def _r4_ragged_causal_future_key(dtype, value, which):
+    # Key 3 of request 0 shares a KV tile with keys 0-2 but, under causal, only row 3 keeps it:
+    # a NaN/inf in its V (or K and V) reaches row 3 and no other row (the CUDA-core kernel's
+    # p.V product skips unkept keys; a K alone is masked on either kernel).
+    def fn(backend, rng):
+        p = _ragged(rng, qo_lens=(4, 2), kv_lens=(4, 3), hq=4, hkv=2, dtype=dtype)
+        clean_k, clean_v = p.k.copy(), p.v.copy()
+        for name in which:
+            getattr(p, name)[3, 1, 9] = value
+        nan = np.zeros(p.q.shape, bool)
+        nan[3, 2:4] = True  # row 3, the qo heads of kv head 1
+        got = ragged_run(p, backend, plan=dict(causal=True))
+        return _pair(f"causal ragged ({value} in {which} of a key only row 3 keeps)", got,
+                     ragged_ref(p, k=clean_k, v=clean_v, causal=True), p.dtype, nan)
+    return fn
+
+
+def _r4_decode_window_garbage(backend, rng):
+    # A sliding window masks the first keys of request 1: garbage in their K and V (same pages,
+    # same tiles as kept keys) never reaches the output.
+    p = _decode(rng, kv_lens=(5, 7), hq=4, hkv=2)
+    clean = p.cache.copy()
+    page = p.indices[p.indptr[1]]  # request 1, tokens 0-3 (page size 4): outside window 2
+    p.cache[page, :, 0:2] = _garbage(rng, p.cache[page, :, 0:2].shape)
+    kw = dict(window_left=2)
+    return _pair("decode window (NaN/inf in K and V of masked keys)",
+                 decode_run(p, backend, plan=kw), decode_ref(p, cache=clean, **kw), p.dtype)
+
+
+def _r4_inf_in_kept(dtype, name, value):
+    # An infinity in q, or in the K or V of a key a row keeps, poisons the row like a NaN.
+    def fn(backend, rng):
+        p = _ragged(rng, qo_lens=(2, 3), kv_lens=(4, 6), dtype=dtype)
+        clean = {"q": p.q.copy(), "k": p.k.copy(), "v": p.v.copy()}
+        getattr(p, name)[1 if name != "q" else 3, 0, 5] = value  # request 0's key 1, or row 3
+        nan = np.zeros(p.q.shape, bool)
+        nan[(3, 0) if name == "q" else slice(0, 2)] = True  # q: row 3, head 0 only
+        return _pair(f"ragged ({value} in {name})", ragged_run(p, backend),
+                     ragged_ref(p, **clean), p.dtype, nan)
+    return fn
+
+
+_DROP_KEY_1_NEG_INF = np.float32(-np.inf)
+
+
+def _drop_key_1(s, q_pos, kv_pos, qo_head):
+    return _DROP_KEY_1_NEG_INF if kv_pos == 1 else s
+
+
+def _r4_ragged_minus_inf_logit_still_read(dtype):
+    # A variant that sets key 1's logit to -inf gives it weight 0 but does not mask it: a NaN in
+    # its V poisons the rows that keep it (request 0: rows 1..; causal).
+    def fn(backend, rng):
+        p = _ragged(rng, qo_lens=(4, 2), kv_lens=(4, 3), dtype=dtype)
+        clean = p.v.copy()
+        p.v[1, 0, 3] = np.nan
+        nan = np.zeros(p.q.shape, bool)
+        nan[1:4] = True  # causal: query i keeps keys <= i
+        var = V.Variant("drop_key_1", logits_transform=_drop_key_1)
+        kw = dict(causal=True, variant=var)
+        return _pair("causal ragged, a variant's -inf logit over a NaN value",
+                     ragged_run(p, backend, plan=kw), ragged_ref(p, v=clean, **kw), p.dtype, nan)
+    return fn
+
+
+# fp32: the CUDA-core kernel. Outside the rule (README, Conventions): the tensor-core kernel
+# (fp16/bf16) lets an unkept key's non-finite V reach rows of its KV tile, so no fp16 twin here.
+ok("r4-ragged-fp32-causal-minus-inf-logit-of-kept-key-is-still-read",
+   _r4_ragged_minus_inf_logit_still_read(F32))
+ok("r4-ragged-fp32-causal-nan-in-v-of-future-key-reaches-only-row-3",
+   _r4_ragged_causal_future_key(F32, np.nan, ("v",)))
+ok("r4-ragged-fp32-causal-inf-in-k-and-v-of-future-key-reaches-only-row-3",
+   _r4_ragged_causal_future_key(F32, -np.inf, ("k", "v")))
+ok("r4-ragged-fp16-causal-inf-in-k-of-future-key-reaches-only-row-3",
+   _r4_ragged_causal_future_key(F16, np.inf, ("k",)))
+ok("r4-decode-window-nan-inf-in-masked-keys-never-reach-output", _r4_decode_window_garbage)
+ok("r4-ragged-fp16-minus-inf-in-kept-k-gives-nan-rows", _r4_inf_in_kept(F16, "k", -np.inf))
+ok("r4-ragged-fp32-inf-in-kept-v-gives-nan-rows", _r4_inf_in_kept(F32, "v", np.inf))
+ok("r4-ragged-fp16-inf-in-q-gives-nan-row", _r4_inf_in_kept(F16, "q", np.inf))
 ok("r4-decode-nan-inf-in-unlisted-pages-never-reach-output", _r4_decode_unlisted_pages)
 ok("r4-ragged-fp16-nan-in-q-gives-nan-row-head-and-lse", _r4_ragged_fp16_nan_q)
 ok("r4-sparse-nan-inf-in-unstored-block-column-never-reaches-output", _r4_sparse_unstored)

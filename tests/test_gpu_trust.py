@@ -186,17 +186,18 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
     q = torch.randn(sum(lens), HQ, D, device="cuda").half()
     k = torch.randn(sum(lens), HKV, D, device="cuda").half()
     v = torch.randn(sum(lens), HKV, D, device="cuda").half()
-    q[5, 2, 1] = float("nan")  # row 5, head 2
-    k[310, 1, 9] = float("nan")  # request 1, key 10, kv head 1: causal rows 10.. attend to it
+    g = HQ // HKV
+    q[5, 2, 1] = float("nan")  # row 5, head 2 (kv head 0)
+    k[310, 1, 9] = float("-inf")  # request 1, key 10, kv head 1: causal rows 10.. keep it
     ptr = np.concatenate([[0], np.cumsum(lens)])
     w = nbinfer.BatchPrefillWithRaggedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), "NHD")
-    g = HQ // HKV
-    # (causal, NaN (row, head) pairs the rule predicts): a masked key's K never matters. The V
-    # NaN goes in only without causal (a masked key's V is outside the rule: README).
-    for causal, count in ((True, 1 + (40 - 10) * g), (False, 300 * g + 40 * g)):
+    # (causal, NaN (row, head) pairs the rule predicts): a masked key's K never matters. NaN/inf
+    # V go in only without causal: on this kernel an unkept key's V is outside the rule (README).
+    for causal, count in ((True, 1 + (40 - 10) * g), (False, 300 * g + 40 * g + 40 * g)):
         if not causal:
-            v[20, 0, 3] = float("nan")  # request 0, key 20, kv head 0: every row attends
+            v[20, 0, 3] = float("nan")  # request 0, key 20, kv head 0: every row keeps it
+            v[339, 0, 7] = float("inf")  # request 1, key 39, kv head 0: every row keeps it
         w.plan(ptr, ptr, HQ, HKV, D, causal=causal, q_data_type="float16")
         out, lse = w.run(q, k, v, return_lse=True)
         ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
@@ -206,6 +207,57 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
         assert np.isnan(ref_lse).sum() == count
         fin = ~np.isnan(ref)
         assert rel_err(_host(out)[fin], ref[fin]) <= TOLERANCE["float16"]
+
+
+def test_unkept_keys_never_reach_a_row_through_their_values(rng):
+    # Decode with a sliding window and a custom-mask prefill on the CUDA-core kernel (float32):
+    # NaN/inf in the K and V of keys a row does not keep, in the same pages and KV tiles as kept
+    # keys, never reach that row.
+    pt, cache = _pool(rng, [70, 33])
+    clean = cache.clone()
+
+    def slot(b, t):
+        return int(pt.indices[pt.indptr[b] + t // PS]), t % PS
+
+    for t in range(10, 41):  # request 0: a window of 20 keeps tokens 49..69 only
+        page, s = slot(0, t)
+        cache[page, 0, s, t % HKV] = float("inf")
+        cache[page, 1, s, t % HKV] = float("nan")
+    q = torch.randn(2, HQ, D, device="cuda").half()
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    w = nbinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, window_left=20,
+           q_data_type="float16")
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        _host(q), _host(clean), pt.indptr, pt.indices, pt.last_page_len, window_left=20,
+        return_lse=True)
+    assert np.isfinite(_host(out)).all() and rel_err(_host(out), ref) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=2e-3)
+
+    qo = np.array([0, 6, 9])
+    qp = torch.randn(9, HQ, D, device="cuda")
+    masks = [rng.random((6, 70)) < 0.6, rng.random((3, 33)) < 0.6]
+    masks[0][:, 5] = False  # key 5 of request 0: kept by no row
+    masks[0][:, 7] = [True, False, False, False, False, True]  # key 7: rows 0 and 5 only
+    cache = clean.float()
+    for t in (5, 7):
+        page, s = slot(0, t)
+        cache[page, 1, s, 1] = float("nan")  # V of kv head 1
+    flat = torch.from_numpy(np.concatenate([m.ravel() for m in masks])).cuda()
+    wp = nbinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+    wp.plan(qo, pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, custom_mask=flat,
+            q_data_type="float32", kv_data_type="float32")
+    out = _host(wp.run(qp, cache))
+    ref = reference.batch_prefill_with_paged_kv_cache(
+        _host(qp), qo, _host(cache), pt.indptr, pt.indices, pt.last_page_len,
+        custom_mask=flat.cpu().numpy())
+    g = HQ // HKV
+    want_nan = np.zeros(out.shape, bool)
+    want_nan[[0, 5], g:2 * g] = True  # rows 0 and 5, the qo heads of kv head 1
+    np.testing.assert_array_equal(np.isnan(ref), want_nan)
+    np.testing.assert_array_equal(np.isnan(out), want_nan)
+    assert rel_err(out[~want_nan], ref[~want_nan]) <= TOLERANCE["float32"]
 
 
 def test_merge_never_reads_the_values_of_an_empty_state(rng):

@@ -1,9 +1,10 @@
 """The non-finite rule of the reference engine (the rule on every backend).
 
-NaN in a query row, or in the K or V row of a key that the row keeps, makes that (row, head)'s
-whole output and its LSE NaN; a masked key's K and V never matter; keys outside the request's KV
-are never read; a row with no kept key stays O = 0, LSE = -inf. Expected values come from the
-same computation on inputs with the NaN replaced by finite numbers (or removed).
+A NaN or infinity in a query row, or in the K or V row of a key that the row keeps, makes that
+(row, head)'s whole output and its LSE NaN, whatever the key's weight; a masked key's K and V
+never matter; keys outside the request's KV are never read; a row with no kept key stays O = 0,
+LSE = -inf. Expected values come from the same computation on inputs with the NaN replaced by
+finite numbers (or removed).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 
 from nbinfer import reference as R
 from nbinfer.formats import PageTable
-from nbinfer.variants import causal, sigmoid_attention
+from nbinfer.variants import Variant, causal, sigmoid_attention
 
 LQ, LKV, HQ, HKV, D = 4, 6, 4, 2, 8  # GQA group 2: qo heads 0, 1 read kv head 0
 
@@ -90,7 +91,7 @@ def test_row_without_kept_keys_stays_empty_even_with_nan_q(rng):
     assert np.all(np.isfinite(o[1:])) and np.all(np.isfinite(lse[1:]))
 
 
-def test_plus_inf_logit_is_nan_and_inf_value_is_ieee(rng):
+def test_plus_inf_logit_and_infinite_inputs_of_a_kept_key_poison(rng):
     q, k, v = _inputs(rng)
     q = np.abs(q)
     k2 = k.copy()
@@ -98,17 +99,48 @@ def test_plus_inf_logit_is_nan_and_inf_value_is_ieee(rng):
     o, lse = R.attention_state(q, np.abs(k2), v)
     assert np.all(np.isnan(o[:, :2])) and np.all(np.isnan(lse[:, :2]))
     assert np.all(np.isfinite(o[:, 2:])) and np.all(np.isfinite(lse[:, 2:]))
-    # An infinite V entry of a kept key is arithmetic: p * inf in that entry only.
-    v2 = v.copy()
-    v2[2, 1, 5] = np.inf
-    v2[2, 1, 6] = -np.inf
-    o, lse = R.attention_state(q, k, v2)
     o_want, lse_want = R.attention_state(q, k, v)
-    assert np.all(o[:, 2:, 5] == np.inf) and np.all(o[:, 2:, 6] == -np.inf)
-    keep = np.ones(o.shape, bool)
-    keep[:, 2:, 5:7] = False
-    np.testing.assert_allclose(o[keep], o_want[keep], rtol=1e-12)
-    np.testing.assert_allclose(lse, lse_want, rtol=1e-12)
+    # -inf in K (a -inf logit from the inputs, not from the variant), +-inf in V or q: the rows
+    # that keep the key (or own the query) are NaN, the rest unchanged.
+    for name, where, bad_at in (("k", (2, 1, 5), np.s_[:, 2:]), ("v", (2, 1, 5), np.s_[:, 2:]),
+                                ("v", (4, 0, 6), np.s_[:, :2]), ("q", (1, 3, 0), np.s_[1, 3])):
+        for value in (np.inf, -np.inf):
+            arrays = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+            arrays[name][where] = value
+            o, lse = R.attention_state(arrays["q"], arrays["k"], arrays["v"])
+            bad = np.zeros((LQ, HQ), bool)
+            bad[bad_at] = True
+            _check(o, lse, bad, o_want, lse_want)
+
+
+NEG_INF = np.float32(-np.inf)
+
+
+def _drop_key_1(s, q_pos, kv_pos, qo_head):
+    return NEG_INF if kv_pos == 1 else s
+
+
+def test_a_minus_inf_logit_from_the_variant_is_weight_0_not_a_mask(rng):
+    # A softmax variant that returns -inf for key 1 gives it weight 0 (the result equals masking
+    # it), but the masks decide what a row reads: a NaN or inf in key 1's V still poisons.
+    var = Variant(name="drop_key_1", logits_transform=_drop_key_1)
+    q, k, v = _inputs(rng)
+    mask = np.ones((LQ, LKV), bool)
+    mask[:, 1] = False
+    o_want, lse_want = R.attention_state(q, k, v, mask=mask)
+    o0, lse0 = R.attention_state(q, k, v, variant=var)
+    np.testing.assert_allclose(o0, o_want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse0, lse_want, rtol=1e-12)
+    for value in (np.nan, np.inf):
+        v2 = v.copy()
+        v2[1, 0] = value  # kv head 0: qo heads 0, 1
+        o, lse = R.attention_state(q, k, v2, variant=var)
+        bad = np.zeros((LQ, HQ), bool)
+        bad[:, :2] = True
+        _check(o, lse, bad, o0, lse0)
+        o, lse = R.attention_state(q, k, v2, variant=var, mask=mask)  # masked as well: unread
+        np.testing.assert_allclose(o, o_want, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, lse_want, rtol=1e-12)
 
 
 def test_no_softmax_variant_follows_the_rule(rng):

@@ -138,6 +138,35 @@ def state_finalize(sim: bool):
 
 F_LN2 = float32(LN2)
 
-__all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_LN2", "FASTMATH",
-           "HEAD_DIMS", "ITEMSIZE", "KV_DTYPES", "PREFILL_PLAN_SECTIONS", "STORAGE", "WORK_FIELDS",
-           "attention_signature", "compile_kernel", "state_finalize"]
+# The non-finite rule for masked keys (README, Conventions): a key that a row does not keep
+# (masked, or past the range) must not reach the row even when its V holds NaN or inf, yet its V
+# sits in the same shared-memory tile as kept keys, and ``0 * NaN`` is NaN. A kept key is read
+# whatever its weight: its non-finite V poisons the row even when the variant set its logit to
+# -inf. Kernels whose keep set can differ from "every key in range" (a mask hook or a custom
+# mask) therefore guard the p.V product:
+# - CUDA-core kernels skip ``p == 0`` there and mark a kept key of weight 0 by ``p = KEPT_FLOOR``
+#   (2^-126, the smallest normal float32) in the p.V product only, never in the softmax sum; a
+#   softmax logit of -inf of a kept key travels as KEPT_LOGIT (-FLT_MAX) to stay apart from the
+#   masked ones (the weight is then set to exactly 0). KEPT_FLOOR times a finite V is below 1e-33,
+#   under fp16/fp32 resolution; times NaN or inf it poisons the row, as the rule says;
+# The tensor-core prefill kernel has no such guard yet (its P.V is an mma over the whole tile):
+# three exact designs measured on the H200 cost 12-54 % of causal prefill throughput
+# (bench/NOTES.md), so there an unkept key's non-finite V can still reach a row that shares its
+# 32-key tile; README, Conventions, says so.
+# A raw score of -inf (only inf in q or K gives one) is turned into NaN before the variant sees
+# it: infinite inputs of a kept key poison the row, as NaN ones do.
+KEPT_FLOOR = float32(2.0 ** -126)
+KEPT_LOGIT = float32(-np.finfo(np.float32).max)
+F_INF = float32(np.inf)
+
+
+def guards_masked_values(hooks, custom_mask: bool = False) -> bool:
+    """Whether a CUDA-core kernel with these device hooks must guard ``p.V`` against unkept
+    keys' V."""
+    return bool(hooks.has_mask or custom_mask)
+
+
+__all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_INF", "F_LN2",
+           "FASTMATH", "HEAD_DIMS", "ITEMSIZE", "KEPT_FLOOR", "KEPT_LOGIT", "KV_DTYPES",
+           "PREFILL_PLAN_SECTIONS", "STORAGE", "WORK_FIELDS", "attention_signature",
+           "compile_kernel", "guards_masked_values", "state_finalize"]

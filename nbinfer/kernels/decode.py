@@ -40,13 +40,17 @@ from numba import cuda, float32, int32, int64, types
 
 from .common import (
     DECODE_PLAN_SECTIONS,
+    F_INF,
     F_LN2,
     ITEMSIZE,
+    KEPT_FLOOR,
+    KEPT_LOGIT,
     STORAGE,
     WORK_FIELDS,
     AttentionSpec,
     attention_signature,
     compile_kernel,
+    guards_masked_values,
     state_finalize,
 )
 from .fused_merge import build_merge_list
@@ -192,6 +196,7 @@ def decode_kernel_source(spec: DecodeSpec):
     ZERO = float32(0.0)
     ONE = float32(1.0)
     MASKED = NEG_INF if SOFTMAX else ZERO
+    GUARD = guards_masked_values(hooks)  # p.V skips unkept keys (common.KEPT_FLOOR)
     OD = -(-D // NUM_THREADS)  # output dims per thread in the epilogue
     SPARSE = spec.sparse
     finalize = state_finalize(sim)
@@ -349,6 +354,8 @@ def decode_kernel_source(spec: DecodeSpec):
                     h = slot_h[rr]
                     pos = gstart + slot_t[rr]
                     s = sc[rr]
+                    if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                        s = NAN
                     keep = pos <= last and h < G
                     # Padding heads (h >= G when G is not a power of two) are masked; the hooks
                     # see a real head (a slope table has Hq entries).
@@ -357,6 +364,11 @@ def decode_kernel_source(spec: DecodeSpec):
                         s = float32(hook_logits(s, q_pos, pos, hh)) * POST_LOG2E
                     if HAS_MASK:
                         keep = keep and hook_mask(q_pos, pos, hh)
+                    if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
+                        if SOFTMAX and s == NEG_INF:
+                            s = KEPT_LOGIT
+                        elif not SOFTMAX and s == ZERO:
+                            s = KEPT_FLOOR
                     sc[rr] = s if keep else MASKED
 
                 if SOFTMAX:
@@ -380,7 +392,11 @@ def decode_kernel_source(spec: DecodeSpec):
                                 alpha_r[rr] = alpha
                     for rr in range(R):
                         p = exp2(sc[rr] - mref_r[rr])
+                        if GUARD and sc[rr] == KEPT_LOGIT:
+                            p = ZERO
                         lpart[rr] = lpart[rr] * alpha_r[rr] + p
+                        if GUARD and p == ZERO and sc[rr] > NEG_INF:
+                            p = KEPT_FLOOR  # kept, weight 0: still read in p.V
                         sc[rr] = p
                 for rr in range(R):
                     sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
@@ -397,8 +413,9 @@ def decode_kernel_source(spec: DecodeSpec):
                     vx = lds_v(kvs, vb + U32(t * D * IS))
                     for h in range(G):
                         p = pl[h * TG + t]
-                        for e in range(NV):
-                            acc[h * NV + e] += p * vx[e]
+                        if not GUARD or p != ZERO:  # an unkept key's V may be NaN
+                            for e in range(NV):
+                                acc[h * NV + e] += p * vx[e]
                 gstart += U32(NW * TG)
                 sb += U32(STAGE_BYTES)
                 if sb >= kv_base + U32(S * STAGE_BYTES):
@@ -449,10 +466,10 @@ def decode_kernel_source(spec: DecodeSpec):
                             else:
                                 num += msmem[w * (D + 2) + d]
                         outv[i] = num * inv
-                        if outv[i] != outv[i]:
+                        if not abs(outv[i]) < F_INF:
                             nan_row = 1
-                # The non-finite rule: a NaN anywhere in the head's output (a NaN in q, or in
-                # the K or V row of a key it attends to) makes its whole row and LSE NaN.
+                # The non-finite rule: a NaN or inf anywhere in the head's output (from q, or the
+                # K or V row of a key it keeps) makes its whole row and LSE NaN.
                 if cuda.syncthreads_or(nan_row):
                     lse_val = NAN
                 for i in range(OD):

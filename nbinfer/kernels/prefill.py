@@ -30,11 +30,15 @@ import numpy as np
 from numba import cuda, float32, int32, int64, types
 
 from .common import (
+    F_INF,
     F_LN2,
+    KEPT_FLOOR,
+    KEPT_LOGIT,
     PREFILL_PLAN_SECTIONS,
     AttentionSpec,
     attention_signature,
     compile_kernel,
+    guards_masked_values,
     state_finalize,
 )
 from .fused_merge import build_merge_list
@@ -139,6 +143,7 @@ def prefill_kernel_source(spec: PrefillSpec):
     ZERO = float32(0.0)
     finalize = state_finalize(sim)
     MASKED = NEG_INF if SOFTMAX else ZERO
+    GUARD = guards_masked_values(hooks, CUSTOM)  # p.V skips unkept keys (common.KEPT_FLOOR)
     U32 = types.uint32
     exp2 = prims.exp2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
@@ -223,6 +228,8 @@ def prefill_kernel_source(spec: PrefillSpec):
                     j = sub + TPR * jj
                     pos = t0 + j
                     s = sc[jj]
+                    if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                        s = NAN
                     keep = row_ok and pos < end
                     kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
                     if HAS_LOGITS:
@@ -232,6 +239,11 @@ def prefill_kernel_source(spec: PrefillSpec):
                     if CUSTOM and keep:
                         keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
                                         qs + r // G, kv_len, pos) != 0
+                    if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
+                        if SOFTMAX and s == NEG_INF:
+                            s = KEPT_LOGIT
+                        elif not SOFTMAX and s == ZERO:
+                            s = KEPT_FLOOR
                     ss_[r * SS + j] = s if keep else MASKED
                 cuda.syncthreads()
                 if tid < TQ:  # one thread per packed row: the online softmax step
@@ -244,9 +256,14 @@ def prefill_kernel_source(spec: PrefillSpec):
                         alpha = exp2(mold - mref)
                         lsum = row_l[tid] * alpha
                         for j in range(BC):
-                            p = exp2(ss_[tid * SS + j] - mref)
-                            ss_[tid * SS + j] = p
+                            sj = ss_[tid * SS + j]
+                            p = exp2(sj - mref)
+                            if GUARD and sj == KEPT_LOGIT:
+                                p = ZERO
                             lsum += p
+                            if GUARD and p == ZERO and sj > NEG_INF:
+                                p = KEPT_FLOOR  # kept, weight 0: still read in p.V
+                            ss_[tid * SS + j] = p
                         row_m[tid] = mt
                         row_l[tid] = lsum
                         row_a[tid] = alpha
@@ -260,8 +277,9 @@ def prefill_kernel_source(spec: PrefillSpec):
                 for j in range(BC):
                     p = ss_[r * SS + j]
                     vrow = K_SMEM + j * D + sub
-                    for i in range(DPT):
-                        acc[i] += p * kv_[vrow + TPR * i]
+                    if not GUARD or p != ZERO:  # an unkept key's V may be NaN
+                        for i in range(DPT):
+                            acc[i] += p * kv_[vrow + TPR * i]
 
             # Finish the rows: the output (whole KV seen) or a partial state (a chunk).
             if SOFTMAX:
@@ -273,10 +291,10 @@ def prefill_kernel_source(spec: PrefillSpec):
             nan_row = False
             for i in range(DPT):
                 acc[i] *= inv
-                if acc[i] != acc[i]:
+                if not abs(acc[i]) < F_INF:
                     nan_row = True
-            # The non-finite rule: a NaN anywhere in a packed row's output (a NaN in q, or in
-            # the K or V row of a key it attends to) makes the whole row and its LSE NaN. The
+            # The non-finite rule: a NaN or inf anywhere in a packed row's output (from q, or
+            # the K or V row of a key it keeps) makes the whole row and its LSE NaN. The
             # row's TPR threads meet in row_a (free now: the loop is done with it).
             cuda.syncthreads()
             if tid < TQ:

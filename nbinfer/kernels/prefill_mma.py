@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, int64, types
 
-from .common import F_LN2, state_finalize
+from .common import F_INF, F_LN2, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -274,6 +274,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         keep = (ok1 if h else ok0) and pos < end
                         kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
                         x = s[idx] * scale
+                        if x == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                            x = NAN
                         if HAS_LOGITS:
                             x = float32(hook_logits(x, q_pos, kp, qo_head)) * POST_LOG2E
                         if HAS_MASK:
@@ -341,13 +343,13 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             f1 = ZERO
             for idx in range(NO):
                 acc[idx] *= inv1 if (idx % 4) // 2 else inv0
-                if acc[idx] != acc[idx]:
+                if not abs(acc[idx]) < F_INF:
                     if (idx % 4) // 2:
                         f1 = ONE
                     else:
                         f0 = ONE
-            # The non-finite rule: a NaN anywhere in a row's output (a NaN in q, or in the K or
-            # V row of a key it attends to) makes the whole row and its LSE NaN. A row's D
+            # The non-finite rule: a NaN or inf anywhere in a row's output (from q, or the K or
+            # V row of a key it keeps) makes the whole row and its LSE NaN. A row's D
             # outputs are spread over the 4 lanes of its quad: sum their flags.
             f0, f1 = quad_reduce(f0, f1, False, tid, scratch)
             if f0 > ZERO:

@@ -15,11 +15,14 @@ operations is the specification that the GPU kernels follow:
 The output transform (e.g. attention sink) needs the LSE of the *final* state, so it is not part
 of :func:`attention_state`; :func:`finalize` applies it once after all merging.
 
-Non-finite values (the rule on every backend): a NaN in a query row, or in the K or V row of a key
-that the query keeps (after both masks), makes that (row, head)'s whole output (every head_dim
-entry) and its LSE NaN; so does a kept logit that is NaN or ``+inf`` after the variant's
-transforms. A masked key's K and V never matter, and keys outside the given key set are never
-read. A row with no kept key has ``O = 0`` and ``LSE = -inf``, whatever its query holds.
+Non-finite values (the rule on every backend): a NaN or infinity in a query row, or in the K or
+V row of a key that the query keeps (after both masks), makes that (row, head)'s whole output
+(every head_dim entry) and its LSE NaN; so does a kept logit that is NaN or ``+inf`` after the
+variant's transforms. The masks alone decide which keys a row keeps: a kept key whose logit the
+variant sets to ``-inf`` has weight 0 but is still read (a non-finite V there poisons the row, as
+``0 * NaN`` would). A masked key's K and V never matter, and keys outside the given key set are
+never read. A row with no kept key has ``O = 0`` and ``LSE = -inf``, whatever
+its query holds.
 """
 
 from __future__ import annotations
@@ -108,9 +111,10 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
     kp = _positions("kv_pos", kv_pos, lkv, 0)
     mask = _check_mask(mask, lq, lkv)
 
-    # NaN in the inputs, per query row and per key row (the non-finite rule reads the inputs).
-    q_nan = np.isnan(q).any(axis=-1)
-    kv_nan = np.isnan(k).any(axis=-1) | np.isnan(v).any(axis=-1)
+    # Non-finite inputs, per query row and per key row (the non-finite rule reads the inputs).
+    q_bad = ~np.isfinite(q).all(axis=-1)
+    k_bad = ~np.isfinite(k).all(axis=-1)
+    v_bad = ~np.isfinite(v).all(axis=-1)
     q = transform_vectors(variant, "query_transform", q, qp, np.arange(hq))
     k = transform_vectors(variant, "key_transform", k, kp, np.arange(hkv))
 
@@ -126,8 +130,9 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
     if mask is not None:
         keep = keep & mask[None, :, :]
 
-    # The non-finite rule: NaN inputs of a kept (query, key) pair poison that (row, head).
-    bad = _nan_pairs(q_nan, kv_nan, keep, group)
+    # The non-finite rule: a non-finite query, K or V row of a kept (query, key) pair poisons
+    # that (row, head), whatever the key's weight.
+    bad = _bad_pairs(q_bad, k_bad | v_bad, keep, group)
     if variant.use_softmax:
         p, lse, bad_logit = _softmax_weights(s, keep)
     else:
@@ -136,50 +141,21 @@ def attention_state(q, k, v, *, sm_scale=None, variant=None, q_pos=None, kv_pos=
         bad_logit = np.any(keep & np.isnan(s), axis=-1)
     bad |= bad_logit
     p = np.where(bad[..., None], 0.0, p)
-    o = _weighted_values(p, keep, v, hkv, group)
-    # A (row, head) whose output has a NaN anywhere (e.g. p == 0 times an infinite V) is
-    # poisoned whole, as in the kernels' epilogue.
-    bad |= np.isnan(o).any(axis=-1).T
+    # Weights are 0 for masked keys, and rows that keep a non-finite V are poisoned: the
+    # non-finite entries can be taken out of V before the contraction (0 * NaN would be NaN).
+    o = np.einsum("hgqk,khd->qhgd", p.reshape(hkv, group, lq, lkv),
+                  np.where(np.isfinite(v), v, 0.0)).reshape(lq, hq, d)
     o[bad.T] = np.nan  # every head_dim entry of a poisoned (row, head)
     lse = np.where(bad, np.nan, lse)
     return o, lse_to_base(lse.T.copy(), lse_base)
 
 
-def _nan_pairs(q_nan, kv_nan, keep, group: int) -> np.ndarray:
-    """bool ``[Hq, Lq]``: the (head, row) keeps a key while its query or that key's K/V has a NaN.
-
-    ``q_nan`` is ``[Lq, Hq]``, ``kv_nan`` ``[Lkv, Hkv]`` and ``keep`` ``[Hq, Lq, Lkv]``.
-    """
-    kv_nan = np.repeat(kv_nan.T, group, axis=0)  # [Hq, Lkv]: qo head h reads kv head h // group
-    return np.any(keep & (q_nan.T[:, :, None] | kv_nan[:, None, :]), axis=-1)
-
-
-def _weighted_values(p, keep, v, hkv: int, group: int) -> np.ndarray:
-    """``O = sum_j p_j v_j`` over kept keys only: a masked key's V (even NaN or inf) adds nothing.
-
-    ``p`` is 0 for masked keys, but ``0 * inf`` and ``0 * NaN`` are NaN, so non-finite values are
-    taken out of ``v`` and an infinite V entry of a *kept* key is put back with IEEE semantics
-    (``p * inf``: +-inf by the sign of ``p``, NaN for ``p == 0`` or opposite infinities).
-    """
-    hq, lq, lkv = p.shape
-    d = v.shape[-1]
-
-    def contract(weights, values):
-        return np.einsum("hgqk,khd->qhgd", weights.reshape(hkv, group, lq, lkv),
-                         values).reshape(lq, hq, d)
-
-    finite = np.isfinite(v)
-    o = contract(p, np.where(finite, v, 0.0))
-    if finite.all():
-        return o
-    pos, neg = (v == np.inf).astype(np.float64), (v == -np.inf).astype(np.float64)
-    up, down = (keep & (p > 0)).astype(np.float64), (keep & (p < 0)).astype(np.float64)
-    zero = (keep & (p == 0)).astype(np.float64)
-    to_pos = (contract(up, pos) + contract(down, neg)) > 0
-    to_neg = (contract(up, neg) + contract(down, pos)) > 0
-    to_nan = (contract(zero, pos + neg) > 0) | (to_pos & to_neg)
-    o = np.where(to_pos, np.inf, np.where(to_neg, -np.inf, o))
-    return np.where(to_nan, np.nan, o)
+def _bad_pairs(q_bad, kv_bad, keep, group: int) -> np.ndarray:
+    """bool ``[Hq, Lq]``: the (head, row) keeps a key while its query (``q_bad``, ``[Lq, Hq]``)
+    or that key's K/V row (``kv_bad``, ``[Lkv, Hkv]``) is non-finite; ``keep`` is
+    ``[Hq, Lq, Lkv]``."""
+    kv_bad = np.repeat(kv_bad.T, group, axis=0)  # [Hq, Lkv]: qo head h reads kv head h // group
+    return np.any(keep & (q_bad.T[:, :, None] | kv_bad[:, None, :]), axis=-1)
 
 
 def _softmax_weights(s: np.ndarray, keep: np.ndarray):
