@@ -144,11 +144,12 @@ F_LN2 = float32(LN2)
 # whatever its weight: its non-finite V poisons the row even when the variant set its logit to
 # -inf. Kernels whose keep set can differ from "every key in range" (a mask hook or a custom
 # mask) therefore guard the p.V product:
-# - CUDA-core kernels skip ``p == 0`` there and mark a kept key of weight 0 by ``p = KEPT_FLOOR``
-#   (2^-126, the smallest normal float32) in the p.V product only, never in the softmax sum; a
-#   softmax logit of -inf of a kept key travels as KEPT_LOGIT (-FLT_MAX) to stay apart from the
-#   masked ones (the weight is then set to exactly 0). KEPT_FLOOR times a finite V is below 1e-33,
-#   under fp16/fp32 resolution; times NaN or inf it poisons the row, as the rule says;
+# the CUDA-core kernels skip ``p == 0`` there and mark a kept key of weight 0 by
+# ``p = KEPT_FLOOR`` (2^-126, the smallest normal float32) in the p.V product only, never in the
+# softmax sum; a softmax logit of -inf of a kept key travels as KEPT_LOGIT (-FLT_MAX) to stay
+# apart from the masked ones (its weight is then set to exactly 0). KEPT_FLOOR times a finite V
+# is below 1e-33, under fp16/fp32 resolution; times NaN or inf it poisons the row, as the rule
+# says. :func:`kept_weights` is that encoding, written once.
 # The tensor-core prefill kernel has no such guard yet (its P.V is an mma over the whole tile):
 # three exact designs measured on the H200 cost 12-54 % of causal prefill throughput
 # (bench/NOTES.md), so there an unkept key's non-finite V can still reach a row that shares its
@@ -166,7 +167,38 @@ def guards_masked_values(hooks, custom_mask: bool = False) -> bool:
     return bool(hooks.has_mask or custom_mask)
 
 
+def kept_weights(softmax: bool, sim: bool):
+    """The guard's encoding (see above) as two device functions, for kernels that guard ``p.V``:
+
+    ``kept_logit(s) -> s'``
+        The stored logit (or, without softmax, weight) of a key its row keeps: a softmax -inf
+        becomes KEPT_LOGIT, a weight of exactly 0 becomes KEPT_FLOOR; anything else is unchanged.
+        Unkept keys store the kernel's MASKED value (-inf, or 0 without softmax).
+    ``split_weight(s, p) -> (p_sum, p_pv)``
+        For a stored softmax logit ``s`` and its ``p = exp2(s - m)``: the weight the softmax sum
+        takes, and the one the p.V product takes (0 exactly when the key is not kept).
+    """
+    ZERO = float32(0.0)
+    NEG_INF = float32(-np.inf)
+    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+
+    @jit_dev
+    def kept_logit(s):
+        if softmax and s == NEG_INF:
+            return KEPT_LOGIT
+        if not softmax and s == ZERO:
+            return KEPT_FLOOR
+        return s
+
+    @jit_dev
+    def split_weight(s, p):
+        p_sum = ZERO if s == KEPT_LOGIT else p
+        return p_sum, (KEPT_FLOOR if p_sum == ZERO and s > NEG_INF else p_sum)
+
+    return kept_logit, split_weight
+
+
 __all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_INF", "F_LN2",
            "FASTMATH", "HEAD_DIMS", "ITEMSIZE", "KEPT_FLOOR", "KEPT_LOGIT", "KV_DTYPES",
            "PREFILL_PLAN_SECTIONS", "STORAGE", "WORK_FIELDS", "attention_signature",
-           "compile_kernel", "guards_masked_values", "state_finalize"]
+           "compile_kernel", "guards_masked_values", "kept_weights", "state_finalize"]

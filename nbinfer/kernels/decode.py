@@ -43,14 +43,13 @@ from .common import (
     F_INF,
     F_LN2,
     ITEMSIZE,
-    KEPT_FLOOR,
-    KEPT_LOGIT,
     STORAGE,
     WORK_FIELDS,
     AttentionSpec,
     attention_signature,
     compile_kernel,
     guards_masked_values,
+    kept_weights,
     state_finalize,
 )
 from .fused_merge import build_merge_list
@@ -197,6 +196,7 @@ def decode_kernel_source(spec: DecodeSpec):
     ONE = float32(1.0)
     MASKED = NEG_INF if SOFTMAX else ZERO
     GUARD = guards_masked_values(hooks)  # p.V skips unkept keys (common.KEPT_FLOOR)
+    kept_logit, split_weight = kept_weights(SOFTMAX, sim)
     OD = -(-D // NUM_THREADS)  # output dims per thread in the epilogue
     SPARSE = spec.sparse
     finalize = state_finalize(sim)
@@ -365,10 +365,7 @@ def decode_kernel_source(spec: DecodeSpec):
                     if HAS_MASK:
                         keep = keep and hook_mask(q_pos, pos, hh)
                     if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
-                        if SOFTMAX and s == NEG_INF:
-                            s = KEPT_LOGIT
-                        elif not SOFTMAX and s == ZERO:
-                            s = KEPT_FLOOR
+                        s = kept_logit(s)
                     sc[rr] = s if keep else MASKED
 
                 if SOFTMAX:
@@ -392,12 +389,11 @@ def decode_kernel_source(spec: DecodeSpec):
                                 alpha_r[rr] = alpha
                     for rr in range(R):
                         p = exp2(sc[rr] - mref_r[rr])
-                        if GUARD and sc[rr] == KEPT_LOGIT:
-                            p = ZERO
+                        p_pv = p
+                        if GUARD:  # a kept key of weight 0 is still read in p.V
+                            p, p_pv = split_weight(sc[rr], p)
                         lpart[rr] = lpart[rr] * alpha_r[rr] + p
-                        if GUARD and p == ZERO and sc[rr] > NEG_INF:
-                            p = KEPT_FLOOR  # kept, weight 0: still read in p.V
-                        sc[rr] = p
+                        sc[rr] = p_pv
                 for rr in range(R):
                     sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
                 syncwarp()

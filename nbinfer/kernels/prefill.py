@@ -32,13 +32,12 @@ from numba import cuda, float32, int32, int64, types
 from .common import (
     F_INF,
     F_LN2,
-    KEPT_FLOOR,
-    KEPT_LOGIT,
     PREFILL_PLAN_SECTIONS,
     AttentionSpec,
     attention_signature,
     compile_kernel,
     guards_masked_values,
+    kept_weights,
     state_finalize,
 )
 from .fused_merge import build_merge_list
@@ -144,6 +143,7 @@ def prefill_kernel_source(spec: PrefillSpec):
     finalize = state_finalize(sim)
     MASKED = NEG_INF if SOFTMAX else ZERO
     GUARD = guards_masked_values(hooks, CUSTOM)  # p.V skips unkept keys (common.KEPT_FLOOR)
+    kept_logit, split_weight = kept_weights(SOFTMAX, sim)
     U32 = types.uint32
     exp2 = prims.exp2
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
@@ -240,10 +240,7 @@ def prefill_kernel_source(spec: PrefillSpec):
                         keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
                                         qs + r // G, kv_len, pos) != 0
                     if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
-                        if SOFTMAX and s == NEG_INF:
-                            s = KEPT_LOGIT
-                        elif not SOFTMAX and s == ZERO:
-                            s = KEPT_FLOOR
+                        s = kept_logit(s)
                     ss_[r * SS + j] = s if keep else MASKED
                 cuda.syncthreads()
                 if tid < TQ:  # one thread per packed row: the online softmax step
@@ -258,12 +255,11 @@ def prefill_kernel_source(spec: PrefillSpec):
                         for j in range(BC):
                             sj = ss_[tid * SS + j]
                             p = exp2(sj - mref)
-                            if GUARD and sj == KEPT_LOGIT:
-                                p = ZERO
+                            p_pv = p
+                            if GUARD:  # a kept key of weight 0 is still read in p.V
+                                p, p_pv = split_weight(sj, p)
                             lsum += p
-                            if GUARD and p == ZERO and sj > NEG_INF:
-                                p = KEPT_FLOOR  # kept, weight 0: still read in p.V
-                            ss_[tid * SS + j] = p
+                            ss_[tid * SS + j] = p_pv
                         row_m[tid] = mt
                         row_l[tid] = lsum
                         row_a[tid] = alpha

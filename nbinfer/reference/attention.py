@@ -21,8 +21,7 @@ V row of a key that the query keeps (after both masks), makes that (row, head)'s
 variant's transforms. The masks alone decide which keys a row keeps: a kept key whose logit the
 variant sets to ``-inf`` has weight 0 but is still read (a non-finite V there poisons the row, as
 ``0 * NaN`` would). A masked key's K and V never matter, and keys outside the given key set are
-never read. A row with no kept key has ``O = 0`` and ``LSE = -inf``, whatever
-its query holds.
+never read. A row with no kept key has ``O = 0`` and ``LSE = -inf``, whatever its query holds.
 """
 
 from __future__ import annotations
