@@ -81,9 +81,8 @@ def check(batch, kv_lens, hq, hkv, d, ps, dtype, layout, variant=None, flags=Non
 
 
 def kernel_resources(kernel):
-    over = next(iter(kernel.overloads.values()))
-    return dict(regs=int(over.regs_per_thread), local_bytes=int(over.local_mem_per_thread),
-                shared_bytes=int(over.shared_mem_per_block))
+    return dict(regs=int(kernel.regs), local_bytes=int(kernel.local_bytes),
+                shared_bytes=int(kernel.shared_bytes))
 
 
 def bench_case(batch, kv_len, sdpa=True):

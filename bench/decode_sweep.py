@@ -62,12 +62,12 @@ def main():
             diff = float((out.float() - ref.float()).abs().max())
             ms = float(np.median([launch_ms(launch) for _ in range(5)]))
             row = dict(batch=batch, kv_len=kv_len, stages=stages, max_registers=regs, ms=ms,
-                       tbps=kv_bytes / ms / 1e9, max_abs_diff=diff, ctas=base.grid,
+                       tbps=kv_bytes / ms / 1e9, max_abs_diff=diff, ctas=base.grid[0],
                        **kernel_resources(kernel))
             rows.append(row)
             print(f"B{batch:<4} L{kv_len:<6} stages={stages} regs<={regs:<3} -> {row['regs']:3d} regs "
                   f"{row['shared_bytes'] / 1024:5.1f} KiB  {ms:7.3f} ms  {row['tbps']:5.2f} TB/s  "
-                  f"diff {diff:.1e}  ctas {base.grid}", flush=True)
+                  f"diff {diff:.1e}  ctas {base.grid[0]}", flush=True)
         del cache
         torch.cuda.empty_cache()
     if args.out:

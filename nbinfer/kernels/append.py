@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, int32, int64, types
 
+from .common import compile_kernel
+
 APPEND_THREADS = 128
 WORD_TYPES = {2: types.uint16, 4: types.uint32, 8: types.uint64}
 WORD_DTYPES = {2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -111,12 +113,10 @@ def build_append_kernel(spec: AppendSpec):
         elif dst >= 0 and dst < v_cache.size:
             v_cache[dst] = v_src[vt]
 
-    if spec.sim:
-        return cuda.jit(append_kv)
     wt = types.Array(WORD_TYPES[spec.word_bytes], 1, "C")
     i32 = types.Array(int32, 1, "C")
     sig = types.void(wt, wt, i32, i32, i32, i32, wt, wt, int32, *([int64] * 8))
-    return cuda.jit(sig)(append_kv)
+    return compile_kernel("append", spec, sig, lambda: append_kv)
 
 
 def append_launch_config(nnz: int, token_words: int):

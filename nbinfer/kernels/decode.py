@@ -111,7 +111,8 @@ def decode_signature(spec: DecodeSpec):
 
 @functools.cache
 def build_decode_kernel(spec: DecodeSpec):
-    """Compile (once per spec) the decode kernel; returns the Numba kernel object.
+    """Compile (once per spec) the decode kernel; returns the compiled kernel
+    (:func:`~.common.compile_kernel`).
 
     Kernel arguments (:data:`~.common.ATTENTION_ARGS`), arrays 1-D: ``q`` (from its first
     element; row ``b``, head ``h`` at ``b * q_stride_n + h * q_stride_h``), ``k``, ``v`` (flat KV
@@ -132,7 +133,8 @@ def build_decode_kernel(spec: DecodeSpec):
     map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
     opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
-    return compile_kernel(decode_kernel_source(spec), spec, decode_signature(spec), **opts)
+    return compile_kernel("decode", spec, decode_signature(spec),
+                          lambda: decode_kernel_source(spec), **opts)
 
 
 def decode_kernel_source(spec: DecodeSpec):

@@ -25,16 +25,17 @@ class PreparedLaunch:
 
     Parameters
     ----------
-    kernel : Numba CUDA dispatcher compiled eagerly for ``signature`` (or a simulator kernel)
+    kernel : :class:`~.compiled.CompiledKernel` for ``signature`` (or a simulator kernel)
     signature : numba signature whose arguments are 1-D C arrays and scalars
-    grid, block : int
-        1-D launch configuration.
+    grid, block : int or tuple of up to 3 ints
+        Launch configuration.
     sim : bool
         Simulator: keep arrays and launch through Numba.
     """
 
     def __init__(self, kernel, signature, grid: int, block: int, *, sim: bool):
-        self.kernel, self.grid, self.block, self.sim = kernel, int(grid), int(block), sim
+        self.kernel, self.sim = kernel, sim
+        self.grid, self.block = _dim3(grid), _dim3(block)
         self._types = tuple(signature.args)
         self._slot = []
         n = 0
@@ -49,8 +50,7 @@ class PreparedLaunch:
         if sim:
             self._args = [None] * len(self._types)
             return
-        overload = kernel.overloads[self._types]
-        self._func = _function_pointer(overload)
+        self._func = kernel.handle
         # One 8-byte cell per field; cuLaunchKernel reads each through its own pointer, so
         # 4-byte scalars sit in the low half of their cell (little endian).
         self._vals = np.zeros(max(n, 1), dtype=np.int64)
@@ -77,7 +77,7 @@ class PreparedLaunch:
         base = twin._vals.ctypes.data
         twin._ptrs = np.array([base + 8 * i for i in range(self._ptrs.size)], dtype=np.uint64)
         twin._params = twin._ptrs.ctypes.data
-        twin._func = _function_pointer(kernel.overloads[self._types])
+        twin._func = kernel.handle
         twin._keep = dict(self._keep)
         return twin
 
@@ -113,16 +113,18 @@ class PreparedLaunch:
         if self.sim:
             self.kernel[self.grid, self.block](*self._args)
             return
-        err = _cu_launch_kernel()(self._func, self.grid, 1, 1, self.block, 1, 1, 0, stream,
-                                  self._params, None)
+        err = _cu_launch_kernel()(self._func, *self.grid, *self.block, 0, stream, self._params,
+                                  None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
 
 
-def _function_pointer(overload) -> int:
-    """The raw CUfunction handle of a compiled Numba kernel (loaded in the current context)."""
-    handle = overload._codelibrary.get_cufunc().handle
-    return int(getattr(handle, "value", None) or int(handle))
+def _dim3(dims) -> tuple[int, int, int]:
+    """A grid or block size as three ints (missing dimensions are 1)."""
+    dims = tuple(int(x) for x in (dims if isinstance(dims, (tuple, list)) else (dims,)))
+    if not 1 <= len(dims) <= 3 or min(dims) < 1:
+        raise ValueError(f"launch dimensions must be 1-3 positive ints, got {dims}")
+    return dims + (1,) * (3 - len(dims))
 
 
 _LAUNCH = []

@@ -89,13 +89,13 @@ def build_prefill_kernel(spec: PrefillSpec):
     ``q_pos0`` (BSR mode: the position of each block row's first query) and ``qo_end`` (one past
     each request's last query row: ``qo_indptr[1:]`` for a batch, where requests tile the rows;
     a cascade's requests of different levels overlap, so the end is stored on its own)."""
-    return compile_prefill(spec, prefill_kernel_source(spec))
+    return compile_prefill("prefill", spec, prefill_kernel_source)
 
 
-def compile_prefill(spec, fn):
-    """``fn`` (a kernel source of either prefill kernel) compiled for ``spec``: eagerly with the
-    shared signature on the GPU, lazily in the simulator."""
-    return compile_kernel(fn, spec, prefill_signature(spec))
+def compile_prefill(kind: str, spec, source):
+    """``source(spec)`` (the kernel source of either prefill kernel) compiled for ``spec`` with
+    the shared signature (:func:`~.common.compile_kernel`)."""
+    return compile_kernel(kind, spec, prefill_signature(spec), lambda: source(spec))
 
 
 def prefill_kernel_source(spec: PrefillSpec):

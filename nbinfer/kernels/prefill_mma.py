@@ -90,7 +90,7 @@ def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
 def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     """Compile (once per spec) the tensor-core prefill kernel; arguments as
     :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
-    return compile_prefill(spec, prefill_mma_kernel_source(spec))
+    return compile_prefill("prefill_mma", spec, prefill_mma_kernel_source)
 
 
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):

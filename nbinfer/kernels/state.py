@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, types
 
-from .common import FASTMATH, ITEMSIZE, KV_DTYPES, STORAGE, state_finalize
+from .common import ITEMSIZE, KV_DTYPES, STORAGE, compile_kernel, state_finalize
 from .primitives import LN2, LOG2E, primitives
 
 STATE_THREADS = 128
@@ -89,8 +89,8 @@ def _codecs(spec: StateSpec):
     return load, store, to_log2, from_log2
 
 
-def _compile(spec: StateSpec, fn, sig):
-    return cuda.jit(fn) if spec.sim else cuda.jit(sig, fastmath=set(FASTMATH))(fn)
+def _compile(kind: str, spec: StateSpec, fn, sig):
+    return compile_kernel(kind, spec, sig, lambda: fn)
 
 
 @functools.cache
@@ -156,7 +156,7 @@ def build_merge_pair(spec: StateSpec):
     vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
     f32 = types.Array(float32, 1, "C")
     u8 = types.Array(types.uint8, 1, "C")
-    return _compile(spec, merge_pair, types.void(vt, f32, vt, f32, vt, f32, u8, int32))
+    return _compile("merge_pair", spec, merge_pair, types.void(vt, f32, vt, f32, vt, f32, u8, int32))
 
 
 @functools.cache
@@ -205,7 +205,7 @@ def build_merge_stack(spec: StateSpec):
 
     vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
     f32 = types.Array(float32, 1, "C")
-    return _compile(spec, merge_stack, types.void(vt, f32, vt, f32, int32, int32))
+    return _compile("merge_stack", spec, merge_stack, types.void(vt, f32, vt, f32, int32, int32))
 
 
 def state_launch_config(spec: StateSpec, rows: int, num_heads: int):

@@ -1,0 +1,144 @@
+"""A kernel ready to launch on the GPU: loaded from the disk cache, or compiled and stored there.
+
+:func:`gpu_kernel` is the one place nbinfer compiles a kernel for a GPU. It looks the kernel up
+in the persistent cache (:mod:`.cache`) by its spec, signature and options; on a miss it builds
+the Python source, compiles it with Numba (typing and lowering, NVVM to PTX, the linker to a
+cubin), stores the cubin and loads it. Either way the result is a :class:`CompiledKernel`:
+the cubin loaded into the current context, with its function handle for
+:class:`~.launch.PreparedLaunch` and ``kernel[grid, block](*args)`` for one-off launches.
+
+The compile phases are timed (``kernel.timings``: ``lower`` for Numba to LLVM IR, ``ptx`` for
+NVVM, ``link`` for the cubin, ``load`` for the driver) so ``bench/compile.py`` can say where
+cold-start time goes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from .cache import KernelStore, Unkeyable, cache_dir, kernel_key
+
+_LOCK = threading.Lock()
+
+
+class CompiledKernel:
+    """One loaded kernel.
+
+    Attributes
+    ----------
+    name : str
+        The entry point's (mangled) name in the cubin.
+    signature : numba signature (arguments: 1-D C arrays and scalars)
+    handle : int
+        The driver's function handle, as ``cuLaunchKernel`` takes it.
+    regs, local_bytes, shared_bytes : int
+        Registers per thread, local (spill) bytes per thread, static shared bytes per block.
+    from_cache : bool
+        Whether the cubin came from the disk cache (else it was compiled in this process).
+    key : str or None
+        The cache key (None: not cacheable, compiled only).
+    timings : dict
+        Seconds per phase: ``lower``, ``ptx``, ``link`` (0 on a cache hit), ``load``, ``total``.
+    """
+
+    def __init__(self, function, signature, *, from_cache: bool, key, timings: dict):
+        self.function = function  # keeps the module loaded
+        self.name = function.name
+        self.signature = signature
+        self.handle = int(getattr(function.handle, "value", None) or int(function.handle))
+        attrs = function.attrs
+        self.regs, self.local_bytes, self.shared_bytes = attrs.regs, attrs.local, attrs.shared
+        self.from_cache, self.key, self.timings = from_cache, key, timings
+
+    def __getitem__(self, config):
+        """``kernel[grid, block]`` or ``kernel[grid, block, stream]``: a one-off launch of
+        device arrays (anything with ``__cuda_array_interface__``, 1-D and contiguous) and
+        scalars, in signature order, like a Numba dispatcher's."""
+        from .launch import PreparedLaunch
+
+        grid, block = config[0], config[1]
+        stream = config[2] if len(config) > 2 else 0
+        handle = getattr(stream, "handle", stream)
+        handle = int(getattr(handle, "value", None) or int(handle)) if handle else 0
+
+        def launch(*args):
+            if len(args) != len(self.signature.args):
+                raise TypeError(f"{self.name}: expected {len(self.signature.args)} arguments, "
+                                f"got {len(args)}")
+            p = PreparedLaunch(self, self.signature, grid, block, sim=False)
+            for i, a in enumerate(args):
+                if hasattr(a, "__cuda_array_interface__"):
+                    p.set_array(i, a)
+                elif hasattr(a, "shape") and getattr(a, "ndim", 0) > 0:
+                    raise TypeError(f"{self.name}: argument {i} must be a device array, got "
+                                    f"{type(a).__name__}")
+                else:
+                    p.set_scalar(i, a)
+            p(handle)
+
+        return launch
+
+    def __repr__(self):
+        src = "cache" if self.from_cache else "compiled"
+        return f"<CompiledKernel {self.name[:40]} ({src}, {self.regs} regs)>"
+
+
+def gpu_kernel(kind: str, spec, signature, build, options: dict) -> CompiledKernel:
+    """The kernel ``kind`` of ``spec``: from the disk cache, or ``build()`` (a zero-argument
+    function returning the Python kernel) compiled with Numba for ``signature`` and
+    ``options`` (keyword arguments of ``cuda.jit``), then stored."""
+    from numba import cuda
+
+    ctx = cuda.current_context()
+    cc = ctx.device.compute_capability
+    root = cache_dir()
+    try:
+        key, meta = kernel_key(kind, spec, signature, options, cc)
+    except Unkeyable:
+        key = meta = None
+    timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}
+    if key is None or root is None:
+        name, cubin, _ = _compile(build, signature, options, cc, timings)
+        return _load(ctx, cubin, name, signature, False, key, timings)
+    store = KernelStore(root)
+    with _LOCK:  # threads of one process: one compile per key
+        header, cubin, built = store.get_or_build(
+            key, meta, lambda: _compile(build, signature, options, cc, timings))
+    return _load(ctx, cubin, header["name"], signature, not built, key, timings)
+
+
+def _compile(build, signature, options, cc, timings):
+    from numba import cuda
+
+    t0 = time.perf_counter()
+    dispatcher = cuda.jit(signature, **options)(build())
+    overload = dispatcher.overloads[tuple(signature.args)]
+    t1 = time.perf_counter()
+    lib = overload._codelibrary
+    lib.get_asm_strs(cc=cc)
+    t2 = time.perf_counter()
+    image = lib.get_cubin(cc=cc)
+    t3 = time.perf_counter()
+    timings.update(lower=t1 - t0, ptx=t2 - t1, link=t3 - t2)
+    code = getattr(image, "code", image)
+    if not isinstance(code, (bytes, bytearray)):
+        raise RuntimeError(f"the linker returned {type(code).__name__}, not a cubin image")
+    return lib._entry_name, bytes(code), {"cc": list(cc)}
+
+
+def _load(ctx, cubin: bytes, name: str, signature, from_cache: bool, key, timings):
+    from cuda.core import ObjectCode
+
+    t0 = time.perf_counter()
+    module = ctx.create_module_image(ObjectCode.from_cubin(cubin))
+    function = module.get_function(name)
+    timings["load"] = time.perf_counter() - t0
+    timings["total"] = sum(timings[k] for k in ("lower", "ptx", "link", "load"))
+    kernel = CompiledKernel(function, signature, from_cache=from_cache, key=key,
+                            timings=timings)
+    kernel.module = module
+    return kernel
+
+
+__all__ = ["CompiledKernel", "gpu_kernel"]

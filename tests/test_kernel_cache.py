@@ -1,0 +1,196 @@
+"""The persistent kernel cache (nbinfer.kernels.cache): keys, entries, corruption, concurrency.
+
+The store and the keys are plain Python; they are tested here on the CPU. Loading a cubin and
+the one-second second process are gpu tests (tests/test_gpu_cache.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nbinfer import variants
+from nbinfer.kernels import cache
+from nbinfer.kernels.cache import KernelStore, Unkeyable, kernel_key, stable
+from nbinfer.kernels.decode import DecodeSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SIG = "void(float16[::1], int32)"
+
+
+def _spec(variant=None, **kw):
+    return DecodeSpec(128, 4, 16, "float16", "float16", "NHD", variant or variants.standard(),
+                      **kw)
+
+
+def _key(spec, cc=(9, 0), **options):
+    return kernel_key("decode", spec, SIG, options, cc)
+
+
+def test_key_is_content_based_and_moves_with_every_input():
+    key, meta = _key(_spec(variants.soft_cap(30.0)))
+    assert _key(_spec(variants.soft_cap(30.0)))[0] == key  # a fresh, equal variant
+    others = {
+        "parameter": _key(_spec(variants.soft_cap(50.0)))[0],
+        "variant": _key(_spec(variants.causal()))[0],
+        "spec field": _key(_spec(variants.soft_cap(30.0), sparse=False))[0],
+        "device": _key(_spec(variants.soft_cap(30.0)), cc=(8, 0))[0],
+        "options": _key(_spec(variants.soft_cap(30.0)), max_registers=128)[0],
+        "kind": kernel_key("prefill", _spec(variants.soft_cap(30.0)), SIG, {}, (9, 0))[0],
+    }
+    assert key not in others.values() and len(set(others.values())) == len(others)
+    assert set(meta) == {"kind", "spec", "signature", "options", "source", "versions", "cc"}
+    assert {"nbinfer", "numba", "numba-cuda", "python"} <= set(meta["versions"])
+
+
+def test_key_follows_a_hooks_source_and_captured_values():
+    def make(t):
+        def hook(s, q_pos, kv_pos, qo_head):
+            return s / t
+        return variants.Variant("scaled", logits_transform=hook)
+
+    def make_other(t):
+        def hook(s, q_pos, kv_pos, qo_head):
+            return s * t
+        return variants.Variant("scaled", logits_transform=hook)
+
+    a = _key(_spec(make(np.float32(2.0))))[0]
+    assert a == _key(_spec(make(np.float32(2.0))))[0]
+    assert a != _key(_spec(make(np.float32(3.0))))[0]  # captured value
+    assert a != _key(_spec(make_other(np.float32(2.0))))[0]  # code
+
+
+def test_key_is_equal_in_another_process():
+    code = textwrap.dedent("""
+        from nbinfer import variants
+        from nbinfer.kernels.cache import kernel_key
+        from nbinfer.kernels.decode import DecodeSpec
+        spec = DecodeSpec(128, 4, 16, "float16", "float16", "NHD", variants.soft_cap(30.0))
+        print(kernel_key("decode", spec, %r, {}, (9, 0))[0])
+    """ % SIG)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="123"))
+    assert out.stdout.strip() == _key(_spec(variants.soft_cap(30.0)))[0]
+
+
+def test_a_version_change_is_a_different_key(monkeypatch):
+    key = _key(_spec())[0]
+    real = cache.versions()
+    monkeypatch.setattr(cache, "versions", lambda: dict(real, **{"numba-cuda": "0.0.1"}))
+    assert _key(_spec())[0] != key
+
+
+def test_values_without_content_cannot_be_keyed():
+    class Opaque:
+        pass
+
+    with pytest.raises(Unkeyable):
+        stable(Opaque())
+    thing = Opaque()
+
+    def hook(s, q_pos, kv_pos, qo_head):
+        return s if thing else s
+
+    with pytest.raises(Unkeyable):
+        _key(_spec(variants.Variant("opaque", logits_transform=hook)))
+    assert stable(-0.0) != stable(0.0) and stable(1) != stable(1.0) != stable(True)
+
+
+def _store(tmp_path):
+    return KernelStore(tmp_path / "kernels")
+
+
+def _entry(store, payload=b"\x7fELF cubin bytes" * 100):
+    key, meta = _key(_spec())
+    store.save(key, meta, "_Z6kernel", payload, {"cc": [9, 0]})
+    return key, meta, payload
+
+
+def test_entry_round_trip(tmp_path):
+    store = _store(tmp_path)
+    key, meta, payload = _entry(store)
+    header, data = store.load(key, meta)
+    assert data == payload and header["name"] == "_Z6kernel" and header["cc"] == [9, 0]
+    assert [p.name for p in store.root.iterdir()] == [f"{key}.nbk"]  # no temporary left
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty", "stale"])
+def test_a_damaged_or_stale_entry_is_never_loaded_and_is_rebuilt(tmp_path, damage):
+    store = _store(tmp_path)
+    key, meta, payload = _entry(store)
+    path = store.path(key)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:-7]
+    elif damage == "flip":
+        data[-3] ^= 0x40
+    elif damage == "header":
+        data[len(cache.MAGIC) + 12] ^= 0x01
+    elif damage == "empty":
+        data = b""
+    elif damage == "stale":  # an entry built from other inputs, sitting under this key
+        other_key, other_meta = _key(_spec(variants.causal()))
+        store.save(other_key, other_meta, "_Z6kernel", payload)
+        data = store.path(other_key).read_bytes()
+    path.write_bytes(bytes(data))
+    assert store.load(key, meta) is None
+    assert not path.exists()  # the bad entry is gone
+    built = []
+    header, out, fresh = store.get_or_build(
+        key, meta, lambda: built.append(1) or ("_Z6kernel", payload, {}))
+    assert fresh and built == [1] and out == payload
+    assert store.load(key, meta)[1] == payload
+
+
+def test_two_processes_building_one_key_build_it_once(tmp_path):
+    root = tmp_path / "kernels"
+    log = tmp_path / "builds.log"
+    code = textwrap.dedent(f"""
+        import time, sys
+        from nbinfer.kernels.cache import KernelStore
+        store = KernelStore({str(root)!r})
+        meta = {{"kind": "test"}}
+
+        def build():
+            with open({str(log)!r}, "a") as f:
+                f.write("built\\n")
+            time.sleep(1.0)  # both processes are inside get_or_build by now
+            return "k", b"payload" * 1000, {{}}
+
+        header, payload, fresh = store.get_or_build("k" * 64, meta, build)
+        assert payload == b"payload" * 1000
+        print("fresh" if fresh else "loaded")
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-400:] for o in outs]
+    assert sorted(o[0].strip() for o in outs) == ["fresh", "loaded"]
+    assert log.read_text().count("built") == 1
+
+
+def test_cache_location_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("NBINFER_CACHE_DIR", str(tmp_path / "c"))
+    assert cache.cache_dir() == tmp_path / "c" / "kernels"
+    monkeypatch.delenv("NBINFER_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert cache.cache_dir() == tmp_path / "x" / "nbinfer" / "kernels"
+    monkeypatch.setenv("NBINFER_CACHE", "0")
+    assert cache.cache_dir() is None
+
+
+def test_header_is_json_naming_what_the_kernel_was_built_from(tmp_path):
+    store = _store(tmp_path)
+    key, meta, _ = _entry(store)
+    data = store.path(key).read_bytes()
+    n = int.from_bytes(data[len(cache.MAGIC):len(cache.MAGIC) + 8], "little")
+    header = json.loads(data[len(cache.MAGIC) + 8:len(cache.MAGIC) + 8 + n])
+    assert header["meta"]["spec"].startswith("nbinfer.kernels.decode.DecodeSpec(")
+    assert "soft_cap" not in header["meta"]["spec"] and "standard" in header["meta"]["spec"]
