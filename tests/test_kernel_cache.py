@@ -68,13 +68,13 @@ def test_key_follows_a_hooks_source_and_captured_values():
 
 
 def test_key_is_equal_in_another_process():
-    code = textwrap.dedent("""
+    code = textwrap.dedent(f"""
         from nbinfer import variants
         from nbinfer.kernels.cache import kernel_key
         from nbinfer.kernels.decode import DecodeSpec
         spec = DecodeSpec(128, 4, 16, "float16", "float16", "NHD", variants.soft_cap(30.0))
-        print(kernel_key("decode", spec, %r, {}, (9, 0))[0])
-    """ % SIG)
+        print(kernel_key("decode", spec, {SIG!r}, {{}}, (9, 0))[0])
+    """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT, env=dict(os.environ, PYTHONHASHSEED="123"))
     assert out.stdout.strip() == _key(_spec(variants.soft_cap(30.0)))[0]

@@ -148,7 +148,7 @@ def versions() -> dict:
 
     from .. import __version__
 
-    out = {"nbinfer": __version__, "python": "%d.%d" % sys.version_info[:2]}
+    out = {"nbinfer": __version__, "python": "{}.{}".format(*sys.version_info[:2])}
     for name in _PACKAGES:
         try:
             out[name] = metadata.version(name)
