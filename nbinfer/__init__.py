@@ -6,18 +6,6 @@ the GPU entry points), KV layouts in :mod:`nbinfer.formats`, attention variants 
 """
 
 from . import formats, reference, scheduler, variants
-from .api.append import append_paged_kv_cache, get_batch_indices_positions
-from .api.cascade import MultiLevelCascadeAttentionWrapper
-from .api.decode import BatchDecodeWithPagedKVCacheWrapper
-from .api.prefill import (
-    BatchPrefillWithPagedKVCacheWrapper,
-    BatchPrefillWithRaggedKVCacheWrapper,
-    single_prefill_with_kv_cache,
-)
-from .api.single import single_decode_with_kv_cache
-from .api.sparse import BlockSparseAttentionWrapper
-from .api.state import merge_state, merge_state_in_place, merge_states
-from .api.step import StepPlan
 from .formats import (
     BSR,
     PageTable,
@@ -28,6 +16,42 @@ from .formats import (
 )
 from .scheduler import Plan, PlanLayout
 from .variants import Variant, compose
+
+# The GPU entry points load on first use (PEP 562): ``import nbinfer`` stays NumPy-only and
+# fast (the reference engine, formats, scheduler and variants need nothing else), and Numba's
+# CUDA modules load when a wrapper, merge or append is first touched.
+_LAZY = {
+    "append_paged_kv_cache": "api.append",
+    "get_batch_indices_positions": "api.append",
+    "MultiLevelCascadeAttentionWrapper": "api.cascade",
+    "BatchDecodeWithPagedKVCacheWrapper": "api.decode",
+    "BatchPrefillWithPagedKVCacheWrapper": "api.prefill",
+    "BatchPrefillWithRaggedKVCacheWrapper": "api.prefill",
+    "single_prefill_with_kv_cache": "api.prefill",
+    "single_decode_with_kv_cache": "api.single",
+    "BlockSparseAttentionWrapper": "api.sparse",
+    "merge_state": "api.state",
+    "merge_state_in_place": "api.state",
+    "merge_states": "api.state",
+    "StepPlan": "api.step",
+    "warmup": "warmup",
+}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbinfer' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -60,4 +84,5 @@ __all__ = [
     "single_decode_with_kv_cache",
     "single_prefill_with_kv_cache",
     "variants",
+    "warmup",
 ]

@@ -83,3 +83,17 @@ def test_a_corrupt_entry_is_rebuilt_not_loaded(tmp_path):
     rebuilt = _child(tmp_path)
     assert not rebuilt["from_cache"]
     assert _child(tmp_path)["from_cache"]
+
+
+def test_warmup_fills_the_cache_in_parallel_and_reports_it(tmp_path, monkeypatch):
+    import nbinfer
+
+    monkeypatch.setenv("NBINFER_CACHE_DIR", str(tmp_path))
+    kw = dict(head_dims=[64], group_sizes=[2], options=[{"logits_soft_cap": 7.0}],
+              kinds=["decode", "ragged"], processes=2, progress=False)
+    first = nbinfer.warmup(**kw)
+    assert [r["cached"] for r in first] == [False, False]
+    assert {r["kernel"] for r in first} == {"decode", "prefill_mma"}
+    again = nbinfer.warmup(**kw)
+    assert all(r["cached"] for r in again)
+    assert len(list((tmp_path / "kernels").glob("*.nbk"))) == 2

@@ -20,6 +20,9 @@ import time
 from .cache import KernelStore, Unkeyable, cache_dir, kernel_key
 
 _LOCK = threading.Lock()
+# Every kernel this process loaded, in order: ``(kind, spec, CompiledKernel)`` (warm-up and
+# bench/compile.py read it to say what was compiled and what came from the cache).
+LOADED: list = []
 
 
 class CompiledKernel:
@@ -100,12 +103,15 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict) -> CompiledKern
     timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}
     if key is None or root is None:
         name, cubin, _ = _compile(build, signature, options, cc, timings)
-        return _load(ctx, cubin, name, signature, False, key, timings)
-    store = KernelStore(root)
-    with _LOCK:  # threads of one process: one compile per key
-        header, cubin, built = store.get_or_build(
-            key, meta, lambda: _compile(build, signature, options, cc, timings))
-    return _load(ctx, cubin, header["name"], signature, not built, key, timings)
+        kernel = _load(ctx, cubin, name, signature, False, key, timings)
+    else:
+        store = KernelStore(root)
+        with _LOCK:  # threads of one process: one compile per key
+            header, cubin, built = store.get_or_build(
+                key, meta, lambda: _compile(build, signature, options, cc, timings))
+        kernel = _load(ctx, cubin, header["name"], signature, not built, key, timings)
+    LOADED.append((kind, spec, kernel))
+    return kernel
 
 
 def _compile(build, signature, options, cc, timings):
@@ -141,4 +147,4 @@ def _load(ctx, cubin: bytes, name: str, signature, from_cache: bool, key, timing
     return kernel
 
 
-__all__ = ["CompiledKernel", "gpu_kernel"]
+__all__ = ["LOADED", "CompiledKernel", "gpu_kernel"]

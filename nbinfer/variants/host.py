@@ -7,7 +7,6 @@ broadcasting, and the identical Python source the GPU compiles), then chained in
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 
 from .spec import Variant, _function_key
@@ -31,6 +30,8 @@ def _ufunc(kind: str, fn):
     key = (_SIGNATURES[kind], _function_key(fn))
     uf = _UFUNCS.get(key)
     if uf is None:
+        import numba  # on first use: a reference run without hooks never loads it
+
         uf = _UFUNCS[key] = numba.vectorize([_SIGNATURES[kind]])(fn)
     return uf
 
