@@ -194,3 +194,16 @@ def test_header_is_json_naming_what_the_kernel_was_built_from(tmp_path):
     header = json.loads(data[len(cache.MAGIC) + 8:len(cache.MAGIC) + 8 + n])
     assert header["meta"]["spec"].startswith("nbinfer.kernels.decode.DecodeSpec(")
     assert "soft_cap" not in header["meta"]["spec"] and "standard" in header["meta"]["spec"]
+
+
+def test_a_kernel_is_keyed_by_the_sources_it_is_built_from():
+    decode = cache.source_files("nbinfer.kernels.decode")
+    mma = cache.source_files("nbinfer.kernels.prefill_mma")
+    assert {"decode.py", "common.py", "primitives.py"} <= set(decode)
+    assert {"prefill_mma.py", "mma.py", "prefill.py"} <= set(mma)
+    assert "prefill_mma.py" not in decode and "decode.py" not in mma
+    host_side = {"cache.py", "compiled.py", "launch.py"}
+    assert not host_side & (set(decode) | set(mma))  # editing those keeps compiled kernels
+    spec = _spec()
+    assert kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.decode")[0] != \
+        kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.prefill_mma")[0]

@@ -15,8 +15,8 @@ cache off (every process compiles, nothing is written).
   code of each hook, the values it closes over and the globals it reads, so an edited or
   re-parametrised hook is a different kernel);
 - the signature and compile options (fast-math flags, register limit);
-- the source of the kernel package itself (a digest of ``nbinfer/kernels/*.py``), nbinfer's
-  version, the Python, numba, numba-cuda, cuda-bindings and cuda-core versions;
+- the source it is built from (a digest of the kernel module and every module of the kernel
+  package it imports, :func:`source_files`), nbinfer's version, the Python, numba, numba-cuda, cuda-bindings and cuda-core versions;
 - the device's compute capability.
 
 A variant whose hooks capture something with no stable content (an object known only by its
@@ -32,6 +32,7 @@ once compile it once: the second waits and then loads the first one's entry.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -131,13 +132,35 @@ def _stable(v, depth: int) -> str:
 
 
 @functools.cache
-def _source_digest() -> str:
-    """SHA-256 of the kernel package's source files: an edited kernel is a different kernel."""
+def source_files(module: str) -> tuple[str, ...]:
+    """The kernel package's files that ``module`` (e.g. ``"nbinfer.kernels.decode"``) is built
+    from: itself and, transitively, every sibling it imports at module level. Host-side modules
+    (this cache, the launcher) are not among them, so editing those keeps compiled kernels."""
+    here = Path(__file__).parent
+    todo, seen = [module.rsplit(".", 1)[-1]], set()
+    while todo:
+        name = todo.pop()
+        if name in seen or not (here / f"{name}.py").exists():
+            continue
+        seen.add(name)
+        tree = ast.parse((here / f"{name}.py").read_text())
+        for node in tree.body:  # module level only: a lazy import inside a function is host code
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                if node.module:
+                    todo.append(node.module.split(".")[0])
+                else:
+                    todo.extend(alias.name for alias in node.names)
+    return tuple(sorted(f"{n}.py" for n in seen))
+
+
+@functools.cache
+def _source_digest(module: str) -> str:
+    """SHA-256 of :func:`source_files`: an edited kernel source is a different kernel."""
     h = hashlib.sha256()
     here = Path(__file__).parent
-    for path in sorted(here.glob("*.py")):
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
+    for name in source_files(module):
+        h.update(name.encode())
+        h.update((here / name).read_bytes())
     return h.hexdigest()
 
 
@@ -157,15 +180,18 @@ def versions() -> dict:
     return out
 
 
-def kernel_key(kind: str, spec, signature, options: dict, cc) -> tuple[str, dict]:
-    """``(key, meta)`` of one kernel: ``meta`` is what the key hashes (kept in the entry's
-    header and compared on load); ``key`` its SHA-256. Raises :class:`Unkeyable`."""
+def kernel_key(kind: str, spec, signature, options: dict, cc,
+               module: str = "nbinfer.kernels.common") -> tuple[str, dict]:
+    """``(key, meta)`` of one kernel whose source is built in ``module``: ``meta`` is what the
+    key hashes (kept in the entry's header and compared on load); ``key`` its SHA-256. Raises
+    :class:`Unkeyable`."""
     meta = {
         "kind": kind,
+        "module": module,
         "spec": stable(spec),
         "signature": str(signature),
         "options": stable(dict(options)),
-        "source": _source_digest(),
+        "source": _source_digest(module),
         "versions": versions(),
         "cc": list(cc),
     }
@@ -273,4 +299,5 @@ def _parse(data: bytes, key: str, meta: dict) -> dict | None:
     return header
 
 
-__all__ = ["KernelStore", "Unkeyable", "cache_dir", "kernel_key", "stable", "versions"]
+__all__ = ["KernelStore", "Unkeyable", "cache_dir", "kernel_key", "source_files", "stable",
+           "versions"]

@@ -98,17 +98,19 @@ def attention_signature(kv_dtype: str, q_dtype: str, num_offsets: int):
                       *([int32] * num_offsets))
 
 
-def compile_kernel(kind: str, spec, signature, build, **options):
+def compile_kernel(kind: str, spec, signature, build, module: str | None = None, **options):
     """The kernel ``build()`` (a zero-argument function returning the Python kernel) for
     ``spec``: in the simulator a lazily compiled Numba kernel; on the GPU a
     :class:`~.compiled.CompiledKernel` for ``signature`` with :data:`FASTMATH` (and
     ``options``), from the persistent disk cache when it holds this kernel (:mod:`.cache`),
-    else compiled and stored. ``kind`` names the kernel in the cache key."""
+    else compiled and stored. ``kind`` names the kernel and ``module`` (default: where
+    ``build`` is defined) the source it is built from, in the cache key."""
     if spec.sim:
         return cuda.jit(build())
     from .compiled import gpu_kernel
 
-    return gpu_kernel(kind, spec, signature, build, dict(options, fastmath=set(FASTMATH)))
+    return gpu_kernel(kind, spec, signature, build, dict(options, fastmath=set(FASTMATH)),
+                      module or build.__module__)
 
 
 @functools.cache

@@ -87,17 +87,17 @@ class CompiledKernel:
         return f"<CompiledKernel {self.name[:40]} ({src}, {self.regs} regs)>"
 
 
-def gpu_kernel(kind: str, spec, signature, build, options: dict) -> CompiledKernel:
+def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) -> CompiledKernel:
     """The kernel ``kind`` of ``spec``: from the disk cache, or ``build()`` (a zero-argument
-    function returning the Python kernel) compiled with Numba for ``signature`` and
-    ``options`` (keyword arguments of ``cuda.jit``), then stored."""
+    function returning the Python kernel, whose source is in ``module``) compiled with Numba
+    for ``signature`` and ``options`` (keyword arguments of ``cuda.jit``), then stored."""
     from numba import cuda
 
     ctx = cuda.current_context()
     cc = ctx.device.compute_capability
     root = cache_dir()
     try:
-        key, meta = kernel_key(kind, spec, signature, options, cc)
+        key, meta = kernel_key(kind, spec, signature, options, cc, module)
     except Unkeyable:
         key = meta = None
     timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}

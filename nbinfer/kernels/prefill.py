@@ -95,7 +95,8 @@ def build_prefill_kernel(spec: PrefillSpec):
 def compile_prefill(kind: str, spec, source):
     """``source(spec)`` (the kernel source of either prefill kernel) compiled for ``spec`` with
     the shared signature (:func:`~.common.compile_kernel`)."""
-    return compile_kernel(kind, spec, prefill_signature(spec), lambda: source(spec))
+    return compile_kernel(kind, spec, prefill_signature(spec), lambda: source(spec),
+                          source.__module__)
 
 
 def prefill_kernel_source(spec: PrefillSpec):
