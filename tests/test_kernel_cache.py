@@ -46,7 +46,8 @@ def test_key_is_content_based_and_moves_with_every_input():
         "kind": kernel_key("prefill", _spec(variants.soft_cap(30.0)), SIG, {}, (9, 0))[0],
     }
     assert key not in others.values() and len(set(others.values())) == len(others)
-    assert set(meta) == {"kind", "spec", "signature", "options", "source", "versions", "cc"}
+    assert set(meta) == {"kind", "module", "spec", "signature", "options", "source", "versions",
+                         "cc"}
     assert {"nbinfer", "numba", "numba-cuda", "python"} <= set(meta["versions"])
 
 

@@ -16,7 +16,8 @@ cache off (every process compiles, nothing is written).
   re-parametrised hook is a different kernel);
 - the signature and compile options (fast-math flags, register limit);
 - the source it is built from (a digest of the kernel module and every module of the kernel
-  package it imports, :func:`source_files`), nbinfer's version, the Python, numba, numba-cuda, cuda-bindings and cuda-core versions;
+  package it imports, :func:`source_files`), nbinfer's version, the Python, numba,
+  numba-cuda, cuda-bindings and cuda-core versions;
 - the device's compute capability.
 
 A variant whose hooks capture something with no stable content (an object known only by its
