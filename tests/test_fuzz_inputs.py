@@ -958,14 +958,20 @@ def _r4_ragged_minus_inf_logit_still_read(dtype):
     return fn
 
 
-# fp32: the CUDA-core kernel. Outside the rule (README, Conventions): the tensor-core kernel
-# (fp16/bf16) lets an unkept key's non-finite V reach rows of its KV tile, so no fp16 twin here.
+# fp32 runs the CUDA-core kernel, fp16 the tensor-core kernel (its masked specs add the value
+# scan and the guarded twin: an unkept key's V shares the KV tile of kept ones).
 ok("r4-ragged-fp32-causal-minus-inf-logit-of-kept-key-is-still-read",
    _r4_ragged_minus_inf_logit_still_read(F32))
+ok("r4-ragged-fp16-causal-minus-inf-logit-of-kept-key-is-still-read",
+   _r4_ragged_minus_inf_logit_still_read(F16))
 ok("r4-ragged-fp32-causal-nan-in-v-of-future-key-reaches-only-row-3",
    _r4_ragged_causal_future_key(F32, np.nan, ("v",)))
+ok("r4-ragged-fp16-causal-nan-in-v-of-future-key-reaches-only-row-3",
+   _r4_ragged_causal_future_key(F16, np.nan, ("v",)))
 ok("r4-ragged-fp32-causal-inf-in-k-and-v-of-future-key-reaches-only-row-3",
    _r4_ragged_causal_future_key(F32, -np.inf, ("k", "v")))
+ok("r4-ragged-fp16-causal-inf-in-k-and-v-of-future-key-reaches-only-row-3",
+   _r4_ragged_causal_future_key(F16, -np.inf, ("k", "v")))
 ok("r4-ragged-fp16-causal-inf-in-k-of-future-key-reaches-only-row-3",
    _r4_ragged_causal_future_key(F16, np.inf, ("k",)))
 ok("r4-decode-window-nan-inf-in-masked-keys-never-reach-output", _r4_decode_window_garbage)

@@ -192,12 +192,11 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
     ptr = np.concatenate([[0], np.cumsum(lens)])
     w = nbinfer.BatchPrefillWithRaggedKVCacheWrapper(
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda"), "NHD")
-    # (causal, NaN (row, head) pairs the rule predicts): a masked key's K never matters. NaN/inf
-    # V go in only without causal: on this kernel an unkept key's V is outside the rule (README).
-    for causal, count in ((True, 1 + (40 - 10) * g), (False, 300 * g + 40 * g + 40 * g)):
-        if not causal:
-            v[20, 0, 3] = float("nan")  # request 0, key 20, kv head 0: every row keeps it
-            v[339, 0, 7] = float("inf")  # request 1, key 39, kv head 0: every row keeps it
+    v[20, 0, 3] = float("nan")  # request 0, key 20, kv head 0: causal rows 20.. keep it
+    v[339, 0, 7] = float("inf")  # request 1, key 39, kv head 0: causal, only its last row
+    # (causal, NaN (row, head) pairs the rule predicts). Causal rows 0-19 of request 0 share
+    # key 20's KV tile without keeping it: the value scan and guarded twin keep its NaN out.
+    for causal, count in ((True, 1 + (30 + 280 + 1) * g), (False, 300 * g + 40 * g + 40 * g)):
         w.plan(ptr, ptr, HQ, HKV, D, causal=causal, q_data_type="float16")
         out, lse = w.run(q, k, v, return_lse=True)
         ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
@@ -210,9 +209,9 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
 
 
 def test_unkept_keys_never_reach_a_row_through_their_values(rng):
-    # Decode with a sliding window and a custom-mask prefill on the CUDA-core kernel (float32):
-    # NaN/inf in the K and V of keys a row does not keep, in the same pages and KV tiles as kept
-    # keys, never reach that row.
+    # Decode with a sliding window and a custom-mask prefill on both prefill kernels: NaN/inf in
+    # the K and V of keys a row does not keep, in the same pages and KV tiles as kept keys,
+    # never reach that row.
     pt, cache = _pool(rng, [70, 33])
     clean = cache.clone()
 
@@ -258,6 +257,16 @@ def test_unkept_keys_never_reach_a_row_through_their_values(rng):
     np.testing.assert_array_equal(np.isnan(ref), want_nan)
     np.testing.assert_array_equal(np.isnan(out), want_nan)
     assert rel_err(out[~want_nan], ref[~want_nan]) <= TOLERANCE["float32"]
+    # The same on the tensor-core kernel (fp16), whose P.V takes whole KV tiles: the custom
+    # mask makes it run the value scan and its guarded twin.
+    wp.plan(qo, pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS, custom_mask=flat,
+            q_data_type="float16")
+    out = _host(wp.run(qp.half(), cache.half()))
+    ref = reference.batch_prefill_with_paged_kv_cache(
+        _host(qp.half()), qo, _host(cache.half()), pt.indptr, pt.indices, pt.last_page_len,
+        custom_mask=flat.cpu().numpy())
+    np.testing.assert_array_equal(np.isnan(out), want_nan)
+    assert rel_err(out[~want_nan], ref[~want_nan]) <= TOLERANCE["float16"]
 
 
 def test_merge_never_reads_the_values_of_an_empty_state(rng):

@@ -219,11 +219,11 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
                                              num_qo_heads=num_qo_heads),
                         binding.frozen(np.array([0, nnz], np.int32)), *table,
                         binding.frozen(np.concatenate(kv_lens)), (None,) * batch)
-        spec, kernel, threads, num_ctas = self._kernel(step, group)
+        spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
         sched, qo_start, qo_end, _ = cascade_plan(qo, kv_lens, num_qo_heads, num_kv_heads,
                                                   num_ctas, granule=MIN_CHUNK,
                                                   tile_q=spec.tile_q, **schedule)
-        return self._upload(step, spec, kernel, threads, sched, qo_start, qo_end)
+        return self._upload(step, spec, (kernel, companions), threads, sched, qo_start, qo_end)
 
 
 class _LevelWrapper(BatchPrefillWithPagedKVCacheWrapper):

@@ -98,7 +98,7 @@ class TorchFastPath:
         L.set_strides(*self.strides[combined])
         dec.set_pointer(ARG["o"], out.data_ptr(), out.numel())
         dec.set_pointer(ARG["lse"], lse.data_ptr(), lse.numel())
-        dec(self.stream(self.device.index or 0))
+        L(self.stream(self.device.index or 0))
         return out, lse
 
 

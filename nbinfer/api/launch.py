@@ -67,11 +67,15 @@ class AttentionLaunch:
         the page table is copied into the plan memory with the plan.
     kernel : ``(compiled, signature, plan sections)``, optional
         Default: the decode kernel of ``spec``.
+    before, after : sequences of compiled kernels or ``(kernel, grid)`` pairs, optional
+        Kernels of the same signature launched, in order, before and after it on the same
+        arguments (and grid, unless one is given): the tensor-core prefill's value scan and
+        guarded twin.
     """
 
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,
                  sm_scale: float, memory: PlanMemory, page_table_buffers=None, *, kernel=None,
-                 num_threads: int = NUM_THREADS):
+                 num_threads: int = NUM_THREADS, before=(), after=()):
         self.backend, self.layout = backend, layout
         compiled, signature, sections = kernel or (build_decode_kernel(spec),
                                                    decode_signature(spec), DECODE_PLAN_SECTIONS)
@@ -115,6 +119,8 @@ class AttentionLaunch:
         self._strides = None
         self._event = None
         self._staging = None
+        self._before = tuple(L.sharing(*(k if isinstance(k, tuple) else (k,))) for k in before)
+        self._after = tuple(L.sharing(*(k if isinstance(k, tuple) else (k,))) for k in after)
 
     def set_strides(self, page_stride: int, kv_stride_n: int, kv_stride_h: int,
                     q_stride_n: int, q_stride_h: int) -> None:
@@ -151,4 +157,9 @@ class AttentionLaunch:
         self._event.record(s)
 
     def __call__(self, stream: int) -> None:
+        """Launch the kernel (and the kernels around it) on ``stream``."""
+        for twin in self._before:
+            twin(stream)
         self.launch(stream)
+        for twin in self._after:
+            twin(stream)

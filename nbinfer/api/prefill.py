@@ -32,6 +32,7 @@ from ..kernels.common import PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
 from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
+from ..kernels.value_scan import SCAN_CTAS_PER_SM, value_guard_kernels
 from ..reference._batch import batch_masks
 from ..scheduler import PlanLayout
 from . import arrays, binding
@@ -93,15 +94,16 @@ class PrefillWrapperBase(WrapperBase):
                         None if q_pos0 is None else binding.frozen(q_pos0), extra=extra or {})
         if self._backend == "reference":
             return step
-        spec, kernel, threads, num_ctas = self._kernel(step, group)
+        spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
         sched = scheduler.plan(step.qo_indptr, step.kv_lens, num_qo_heads, num_kv_heads,
                                num_ctas, granule=MIN_CHUNK, causal=causal,
                                fixed_split_size=fixed_split_size, tile_q=spec.tile_q)
-        return self._upload(step, spec, kernel, threads, sched, step.qo_indptr,
+        return self._upload(step, spec, (kernel, companions), threads, sched, step.qo_indptr,
                             np.ascontiguousarray(step.qo_indptr[1:]))
 
     def _kernel(self, step, group):
-        """The kernel for the planned problem: ``(spec, compiled, threads, grid CTAs)``."""
+        """The kernel for the planned problem: ``(spec, compiled, threads, companions, grid
+        CTAs)`` (companions as :func:`_compiled` returns them)."""
         sim = self._backend == "sim"
         args = (step.head_dim, group, step.page_size, step.kv_dtype, step.q_dtype,
                 self._kv_layout, step.variant)
@@ -114,7 +116,7 @@ class PrefillWrapperBase(WrapperBase):
         spec = PrefillSpec(*args, **flags)
         return (spec, *_compiled(spec), persistent_ctas(self._backend))
 
-    def _upload(self, step, spec, kernel, threads, sched, qo_start, qo_end) -> StepPlan:
+    def _upload(self, step, spec, kernels, threads, sched, qo_start, qo_end) -> StepPlan:
         """Lay out the plan memory for ``sched`` and copy plan, page table, query ranges
         (``qo_start`` [B] or the indptr, ``qo_end`` [B]) and masks there."""
         mask_ptr, words = _packed_mask_words(step.masks, step.batch_size) if step.custom_mask \
@@ -123,10 +125,13 @@ class PrefillWrapperBase(WrapperBase):
         layout = WorkspaceLayout(PlanLayout.for_plan(sched), step.num_kv_heads,
                                  step.num_qo_heads, step.head_dim, step.batch_size,
                                  table[1].size, 0 if words is None else words.size)
+        kernel, (before, after) = kernels
+        scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
+        before = tuple((k, scan_grid) for k in before)
         launch = AttentionLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
                                  step.sm_scale, self._memory,
                                  kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
-                                 num_threads=threads)
+                                 num_threads=threads, before=before, after=after)
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end)
@@ -150,9 +155,9 @@ class PrefillWrapperBase(WrapperBase):
             raise ValueError("with_schedule needs a kernel backend ('cuda' or 'sim')")
         qo_start = step.qo_indptr if qo_start is None else np.asarray(qo_start, np.int32)
         qo_end = step.qo_indptr[1:] if qo_end is None else np.asarray(qo_end, np.int32)
-        kernel, threads = _compiled(step.spec)
-        self._install(self._upload, step, step.spec, kernel, threads, schedule, qo_start,
-                      np.ascontiguousarray(qo_end))
+        kernel, threads, companions = _compiled(step.spec)
+        self._install(self._upload, step, step.spec, (kernel, companions), threads, schedule,
+                      qo_start, np.ascontiguousarray(qo_end))
 
     def _check_q(self, step, q):
         check_q("q", q, (step.num_qo_rows, step.num_qo_heads, step.head_dim),
@@ -341,10 +346,12 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
 
 
 def _compiled(spec):
-    """``(compiled kernel, threads per CTA)`` of a prefill spec (tensor-core or CUDA-core)."""
+    """``(compiled kernel, threads per CTA, (kernels before, kernels after))`` of a prefill spec
+    (tensor-core or CUDA-core); the kernels around it are a masked tensor-core spec's exact
+    non-finite path (:mod:`nbinfer.kernels.value_scan`)."""
     if isinstance(spec, MmaPrefillSpec):
-        return build_prefill_mma_kernel(spec), spec.num_threads
-    return build_prefill_kernel(spec), PREFILL_THREADS
+        return build_prefill_mma_kernel(spec), spec.num_threads, value_guard_kernels(spec)
+    return build_prefill_kernel(spec), PREFILL_THREADS, ((), ())
 
 
 def _packed_mask_words(masks, batch):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.common import VALUE_SCAN_SPLITS
 from ..scheduler import Plan, PlanLayout
 
 __all__ = ["WorkspaceLayout", "item_merge_lists"]
@@ -58,7 +59,8 @@ class WorkspaceLayout:
                  ("kv_indptr", self.max_batch + 1), ("kv_indices", self.max_pages),
                  ("kv_last_page_len", self.max_batch), ("qo_indptr", self.max_batch + 1),
                  ("mask_indptr", self.max_batch + 1), ("mask_words", self.max_mask_words),
-                 ("q_pos0", self.max_batch), ("qo_end", self.max_batch))
+                 ("q_pos0", self.max_batch), ("qo_end", self.max_batch),
+                 ("value_flags", self.max_batch * self.num_kv_heads * VALUE_SCAN_SPLITS))
         out, pos = {}, 0
         for name, n in sizes:
             out[name] = pos

@@ -44,7 +44,10 @@ ARG = {name: i for i, name in enumerate(ATTENTION_ARGS)}
 DECODE_PLAN_SECTIONS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr",
                         "merge_indices", "item_merge")
 PREFILL_PLAN_SECTIONS = DECODE_PLAN_SECTIONS + ("qo_indptr", "mask_indptr", "mask_words",
-                                                "q_pos0", "qo_end")
+                                                "q_pos0", "qo_end", "value_flags")
+# The value scan (:mod:`.value_scan`) splits each (request, kv head) pair's KV into this many
+# parts, one flag each: ``value_flags`` holds ``[B * Hkv * VALUE_SCAN_SPLITS]`` words.
+VALUE_SCAN_SPLITS = 8
 
 # Fast math without "no NaNs" / "no infinities": the kernels keep -inf as the empty state and
 # must let a NaN reach the output (nbinfer's non-finite rule), which nnan/ninf would let LLVM
@@ -157,10 +160,12 @@ F_LN2 = float32(LN2)
 # apart from the masked ones (its weight is then set to exactly 0). KEPT_FLOOR times a finite V
 # is below 1e-33, under fp16/fp32 resolution; times NaN or inf it poisons the row, as the rule
 # says. :func:`kept_weights` is that encoding, written once.
-# The tensor-core prefill kernel has no such guard yet (its P.V is an mma over the whole tile):
-# three exact designs measured on the H200 cost 12-54 % of causal prefill throughput
-# (bench/NOTES.md), so there an unkept key's non-finite V can still reach a row that shares its
-# 32-key tile; README, Conventions, says so.
+# The tensor-core prefill kernel cannot skip a key inside its P.V mma, and every guard inside its
+# loop cost 12-54 % of causal throughput (bench/NOTES.md). So it stays unguarded and a masked
+# spec runs as three launches over one argument block (:mod:`.value_scan`): a scan flags each
+# (request, kv head) whose V holds a non-finite value, the fast kernel runs everything, and a
+# guarded twin of it (``MmaPrefillSpec.value_guard``) recomputes only the flagged requests
+# exactly, cleaning V in shared memory and poisoning the rows that keep a bad key.
 # A raw score of -inf (only inf in q or K gives one) is turned into NaN before the variant sees
 # it: infinite inputs of a kept key poison the row, as NaN ones do.
 KEPT_FLOOR = float32(2.0 ** -126)
@@ -207,5 +212,5 @@ def kept_weights(softmax: bool, sim: bool):
 
 __all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_INF", "F_LN2",
            "FASTMATH", "HEAD_DIMS", "ITEMSIZE", "KEPT_FLOOR", "KEPT_LOGIT", "KV_DTYPES",
-           "PREFILL_PLAN_SECTIONS", "STORAGE", "WORK_FIELDS", "attention_signature",
+           "PREFILL_PLAN_SECTIONS", "STORAGE", "VALUE_SCAN_SPLITS", "WORK_FIELDS", "attention_signature",
            "compile_kernel", "guards_masked_values", "kept_weights", "state_finalize"]

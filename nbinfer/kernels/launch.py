@@ -81,6 +81,20 @@ class PreparedLaunch:
         twin._keep = dict(self._keep)
         return twin
 
+    def sharing(self, kernel, grid=None) -> PreparedLaunch:
+        """A launch of ``kernel`` (same signature and block; this grid unless ``grid`` is given)
+        that shares this one's argument block: every later ``set_*`` on either binds both.
+        Kernels that run around another over the same arguments (the value scan and guarded
+        twin of the tensor-core prefill) use it."""
+        twin = object.__new__(PreparedLaunch)
+        twin.__dict__.update(self.__dict__)  # the same _vals / _args objects, not copies
+        twin.kernel = kernel
+        if grid is not None:
+            twin.grid = _dim3(grid)
+        if not self.sim:
+            twin._func = kernel.handle
+        return twin
+
     def set_array(self, i: int, arr) -> None:
         """Bind argument ``i`` to a 1-D device array (numba) or, in the simulator, a NumPy array."""
         if self.sim:

@@ -160,6 +160,9 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
         operand type here) and the ``BC x D`` V tile at ``vbase``.
     ``quad_reduce(a, b, is_max, tid, scratch)``
         ``(a, b)`` reduced (max or sum) over the 4 lanes that share a row.
+    ``scrub_pair(smem, addr) -> bool``
+        Whether either of the two operand elements at ``addr`` is NaN or infinite; if so, both
+        are overwritten with zeros.
     """
     if head_dim % 16 or tile_kv % 16:
         raise ValueError(f"tensor-core tiles need head_dim and tile_kv multiples of 16, got "
@@ -175,6 +178,8 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     kind = "f16" if dtype == "float16" else "bf16"
     mma, pack, sts_u32 = intr.mma[kind], intr.pack[kind], intr.sts_u32
     ldmatrix, ldmatrix_t = intr.ldmatrix, intr.ldmatrix_t
+    lds2 = primitives(False).make_lds(dtype, 2)
+    F_INF = float32(np.inf)
     ELEM = 2
     RS = (D + 8) * ELEM
     jit_dev = cuda.jit(device=True, inline="always")
@@ -250,9 +255,17 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
                 b += xb
         return a, b
 
+    @jit_dev
+    def scrub_pair(smem, addr):
+        x0, x1 = lds2(smem, addr)
+        if abs(x0) < F_INF and abs(x1) < F_INF:
+            return False
+        sts_u32(smem, addr, U32(0))
+        return True
+
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=D // 4, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            store_pair=store_pair, load_q=load_q, qk=qk, pv=pv,
-                           quad_reduce=quad_reduce)
+                           quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 
 def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
@@ -332,9 +345,17 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
         cuda.syncthreads()
         return ra, rb
 
+    def scrub_pair(smem, addr):
+        i = addr // ELEM
+        if abs(read(smem, i)) < np.inf and abs(read(smem, i + 1)) < np.inf:
+            return False
+        smem[i] = 0.0  # +0.0 in fp16, and bf16 bits 0
+        smem[i + 1] = 0.0
+        return True
+
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=2 * D, QF_T=float32, SCRATCH=NT * (NS + 2),
                            NS=NS, NO=NO, store_pair=store_pair, load_q=load_q, qk=qk, pv=pv,
-                           quad_reduce=quad_reduce)
+                           quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 
 __all__ = ["tile_ops"]

@@ -83,12 +83,15 @@ def prefill_signature(spec: PrefillSpec):
 @functools.cache
 def build_prefill_kernel(spec: PrefillSpec):
     """Compile (once per spec) the prefill kernel. Arguments as the decode kernel's
-    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with five more plan sections:
+    (:func:`nbinfer.kernels.decode.build_decode_kernel`), with six more plan sections:
     ``qo_indptr`` (query rows of each request), ``mask_indptr`` (byte offset of each request's
     packed custom mask), ``mask_words`` (the packed masks, little bit order, as int32),
-    ``q_pos0`` (BSR mode: the position of each block row's first query) and ``qo_end`` (one past
+    ``q_pos0`` (BSR mode: the position of each block row's first query), ``qo_end`` (one past
     each request's last query row: ``qo_indptr[1:]`` for a batch, where requests tile the rows;
-    a cascade's requests of different levels overlap, so the end is stored on its own)."""
+    a cascade's requests of different levels overlap, so the end is stored on its own) and
+    ``value_flags`` (``[B * Hkv * VALUE_SCAN_SPLITS]``: 1 where a part of a request's V holds a
+    non-finite value; written by :mod:`.value_scan`, read only by the tensor-core kernel's
+    guarded twin)."""
     return compile_prefill("prefill", spec, prefill_kernel_source)
 
 
@@ -155,7 +158,7 @@ def prefill_kernel_source(spec: PrefillSpec):
                        q_stride_h, sm_scale, work_off,
                        cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
-                       mask_words_off, q_pos0_off, qo_end_off):
+                       mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
         qs_ = cuda.shared.array(Q_SMEM, float32)
         # [K tile | V tile], the merge's scratch after the item's loop.
         kv_ = cuda.shared.array(MERGE_FLOATS, float32, alignment=SMEM_ALIGN)

@@ -23,6 +23,12 @@ of KV for ``4 x 16 W x BC x D`` = 1 MFLOP (W = 4): 64 FLOP/byte, so a tile strea
 4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~134 TFLOP/s
 (bench/NOTES.md): it is bound by issue and latency inside the tile loop, not by bytes.
 
+Masked specs and non-finite V: an unkept key's ``P = 0`` meets its V in the tile's ``P V`` mma,
+and ``0 x NaN`` is NaN. The kernel stays unguarded; its twin compiled with ``value_guard=True``
+runs after it, only on the (request, kv head) pairs a scan flagged (:mod:`.value_scan`), and per
+tile zeroes V rows holding NaN/inf in shared memory and gives the rows that keep such a key a
+NaN logit: exactly nbinfer's rule, at the cost of a scan and an empty launch when V is finite.
+
 Shared memory: two stages of K and V, ``2 x 2 x BC x (D + 8) x 2`` bytes (34 KiB at D = 128);
 the Q staging area aliases stage 1 (Q lives in registers before stage 1 is first loaded), and
 the fused merge reuses all of it after the item's loop.
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, int64, types
 
-from .common import F_INF, F_LN2, state_finalize
+from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -55,6 +61,9 @@ class MmaPrefillSpec(PrefillSpec):
     head_dim 64 or 128; ``num_warps`` warps of 16 packed rows each."""
 
     num_warps: int = 4
+    # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
+    # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
+    value_guard: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -109,6 +118,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
     store_pair, load_q, qk, pv, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.pv, \
         ops.quad_reduce
+    scrub_pair = ops.scrub_pair
+    GUARD = spec.value_guard
     TILE_BYTES = BC * RS  # one K (or V) tile
     STAGE_BYTES = 2 * TILE_BYTES
     KV_BYTES = 2 * STAGE_BYTES
@@ -185,10 +196,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                            q_stride_n, q_stride_h, sm_scale, work_off,
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
-                           mask_words_off, q_pos0_off, qo_end_off):
+                           mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
         # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. 16-byte aligned: cp.async
         # destinations and ldmatrix rows must be.
         smem = cuda.shared.array(SMEM_FLOATS, float32, alignment=SMEM_ALIGN)
+        bad_keys = cuda.shared.array(1, U32)  # guarded twin: the tile's keys with bad V
         scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
         flags = cuda.shared.array(FLAG_WORDS, int32)
         qf = cuda.local.array(QF, QF_T)
@@ -211,6 +223,13 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
                                kv_indptr, kv_last, kv_stride_n, kv_stride_h)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
+            if GUARD:
+                flagged = 0
+                first_flag = value_flags_off + (b * hkv + hk) * VALUE_SCAN_SPLITS
+                for part in range(VALUE_SCAN_SPLITS):
+                    flagged |= plan[first_flag + part]
+                if flagged == 0:
+                    continue  # finite V: the fast kernel's result stands
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
             # Q tile -> stage 1 (rounded to the operand type, after the query hook).
@@ -251,6 +270,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             l1 = ZERO
             for i in range(NO):
                 acc[i] = ZERO
+            if GUARD and tid == 0:
+                bad_keys[0] = U32(0)  # the first tile's barrier orders this before its atomics
             for it in range(n_tiles):
                 t0 = start + it * BC
                 if it + 1 < n_tiles:
@@ -262,6 +283,17 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 wait1()
                 cuda.syncthreads()  # tile it is in shared memory for every warp
                 kb = base + U32((it % 2) * STAGE_BYTES)
+                bad = U32(0)
+                if GUARD:
+                    # Clean V: a key whose V row holds NaN/inf gets a zero row (so 0 * V is 0
+                    # for the rows that do not keep it) and a bit (so the rows that keep it get
+                    # a NaN logit below: the rule's poison). BC x D / 2 words, once per tile.
+                    for e in range(tid, BC * HALF, NT):
+                        j = e // HALF
+                        if scrub_pair(smem, kb + U32(TILE_BYTES + j * RS + 2 * (e % HALF) * ELEM)):
+                            cuda.atomic.or_(bad_keys, 0, U32(1) << U32(j))
+                    cuda.syncthreads()
+                    bad = bad_keys[0]
                 if active:
                     qk(smem, kb, lane, qf, s)
                     for idx in range(NS):
@@ -283,6 +315,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         if CUSTOM and keep:
                             keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
                                             qs + qrow, kv_len, pos) != 0
+                        if GUARD and keep and (bad >> U32(pos - t0)) & U32(1):
+                            x = NAN
                         s[idx] = x if keep else MASKED
                 if SOFTMAX:
                     mx0 = NEG_INF
@@ -319,6 +353,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 if active:
                     pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
                 cuda.syncthreads()  # done with stage it % 2 before tile it + 2 lands there
+                if GUARD and tid == 0:
+                    bad_keys[0] = U32(0)  # every thread has read it; the next tile sets it
 
             # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
             # over the accumulators (constant indices: they stay in registers), rows by h.

@@ -205,9 +205,28 @@ def _gpu_intrinsics():
 
         return sig, codegen
 
+    @intrinsic
+    def load16(typingctx, arr, idx):
+        # 16 bytes from element idx (16-byte aligned) as four 32-bit words, one vector load
+        # through the read-only path.
+        sig = types.UniTuple(types.uint32, 4)(arr, idx)
+
+        def codegen(context, builder, sig, args):
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1])
+            i32 = ir.IntType(32)
+            fnty = ir.FunctionType(ir.LiteralStructType([i32] * 4), [ir.IntType(64)])
+            asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+                               "=r,=r,=r,=r,l")
+            res = builder.call(asm, [builder.ptrtoint(ptr, ir.IntType(64))])
+            vals = [builder.extract_value(res, i) for i in range(4)]
+            return context.make_tuple(builder, sig.return_type, vals)
+
+        return sig, codegen
+
     return SimpleNamespace(
         f16_bits_to_f32=f16_bits_to_f32,
         load_cg=load_cg,
+        load16=load16,
         shared_addr=shared_addr,
         lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32") for n in (2, 4, 8, 16)},
         sts_f32=sts_f32,
@@ -231,7 +250,8 @@ def primitives(sim: bool):
     an offset into ``arr``), ``make_lds(dtype, n)(arr, addr)`` (n storage elements -> tuple of
     n float32, vector loads), ``sts_f32(arr, addr, x)``, ``cp_async16_to(sarr, addr, src, i)``,
     (16 bytes of ``src`` from element ``i``), ``load_cg(arr, i)`` (a float32 global load that
-    bypasses L1). Each takes the array it addresses, so the simulator twin can index it; the GPU
+    bypasses L1), ``load16(arr, i)`` (16 bytes from element ``i``, 16-byte aligned, as four
+    uint32 words). Each takes the array it addresses, so the simulator twin can index it; the GPU
     version only uses the address. ``SMEM_ALIGN``: the ``alignment`` of shared arrays that
     cp.async, ldmatrix or vector loads read (16; None in the simulator, which takes none).
 
@@ -295,6 +315,10 @@ def primitives(sim: bool):
         def load_cg(arr, idx):
             return arr[idx]
 
+        def load16(arr, idx):
+            w = np.ascontiguousarray(arr[idx:idx + 16 // arr.itemsize]).view(np.uint32)
+            return int(w[0]), int(w[1]), int(w[2]), int(w[3])
+
         def cp_async16_to(sarr, saddr, src, src_idx):
             n = 16 // src.itemsize
             d = saddr // sarr.itemsize
@@ -306,7 +330,7 @@ def primitives(sim: bool):
         ns.make_cp_async, ns.commit, ns.wait = make_cp_async, commit, wait
         ns.shared_addr, ns.make_lds, ns.sts_f32, ns.cp_async16_to = (
             shared_addr, make_lds, sts_f32, cp_async16_to)
-        ns.load_cg = load_cg
+        ns.load_cg, ns.load16 = load_cg, load16
         ns.SMEM_ALIGN = None  # the simulator's shared arrays take no alignment
         return ns
 
@@ -364,7 +388,7 @@ def primitives(sim: bool):
     ns.wait = lambda n: intr.wait[n]
     kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
     ns.shared_addr, ns.sts_f32, ns.cp_async16_to = intr.shared_addr, intr.sts_f32, intr.cp_async16_to
-    ns.load_cg = intr.load_cg
+    ns.load_cg, ns.load16 = intr.load_cg, intr.load16
     # Shared arrays read by cp.async, ldmatrix or ld.shared.v4 must start 16-byte aligned.
     ns.SMEM_ALIGN = 16
     ns.make_lds = lambda dtype, n: intr.lds[(kinds[dtype], n)]
