@@ -264,22 +264,49 @@ def single_decode(ctx, rng):
     return state(out, lse, ref, dt)
 
 
-def paged_prefill(ctx, rng, qo_lens, kv_lens, d, dt, layout, causal=False, mask=False):
+def paged_prefill(ctx, rng, qo_lens, kv_lens, d, dt, layout, causal=False, mask=False,
+                  nan_v=None):
+    """``nan_v = (request, token)``: a NaN in that key's V (kv head 0), which the rows that keep
+    it must show and no other row may (the tensor-core kernel's value scan and guarded twin)."""
     ps = 16
     (t,), _, used = allocate(rng, [kv_lens], ps)
     cache = paged_cache(rng, used, HKV, d, layout, dt)
     qo_indptr = indptr_of(qo_lens)
     q = randn(rng, int(qo_indptr[-1]), HQ, d, dtype=dt)
     flat = random_masks(rng, qo_lens, kv_lens)[0] if mask else None
+    ref_cache = clean(cache)
+    if nan_v is not None:  # in both copies: the reference must see it too
+        b, tok = nan_v
+        page, slot = int(t[1][t[0][b] + tok // ps]), tok % ps
+        at = (page, 1, slot, 0, 3) if layout == "NHD" else (page, 1, 0, slot, 3)
+        cache[at] = ref_cache[at] = np.nan
     ref = reference.batch_prefill_with_paged_kv_cache(
-        q, qo_indptr, clean(cache), *t, custom_mask=flat, causal=causal, kv_layout=layout,
+        q, qo_indptr, ref_cache, *t, custom_mask=flat, causal=causal, kv_layout=layout,
         return_lse=True)
     w = planned(ctx, lambda ws: nbinfer.BatchPrefillWithPagedKVCacheWrapper(
         ws, layout, backend=ctx.backend),
         lambda w: w.plan(qo_indptr, *t, HQ, HKV, d, ps, custom_mask=flat, causal=causal,
                          q_data_type=ctx.dt(dt)))
     out, lse = w.run(ctx.dev(q, dt), ctx.dev(cache, dt), return_lse=True)
-    return state(out, lse, ref, dt)
+    if nan_v is None:
+        return state(out, lse, ref, dt)
+    return nan_state(ctx, out, lse, ref, dt)
+
+
+def nan_state(ctx, out, lse, ref, dtype):
+    """:func:`state` for results with NaN rows: where they are must match exactly, and the
+    finite values as usual."""
+    ctx.sync()
+    checks = []
+    for what, got, want, tol in state(out, lse, ref, dtype):
+        got, want = ctx.host(got), np.asarray(want, dtype=np.float64)
+        checks.append((what + " NaN pattern", np.isnan(got).astype(np.float64),
+                       np.isnan(want).astype(np.float64), 0.0))
+        checks.append((what, np.where(np.isnan(got), 0.0, got),
+                       np.where(np.isnan(want), 0.0, want), tol))
+    if not np.isnan(ref[1]).any():
+        raise AssertionError("the case planted no NaN that a row keeps")
+    return checks
 
 
 def ragged_kv(rng, n, d, layout, dt):
@@ -462,6 +489,9 @@ CASES = [
                                 "NHD", causal=True)),
     ("cascade_causal", TC + " (+causal, merge_state_in_place)",
      lambda c, r: cascade(c, r, causal=True)),
+    ("prefill_paged_tc_causal_nan_v", TC + " causal, NaN in a V that early rows leave out",
+     lambda c, r: paged_prefill(c, r, [40, 16], [100, 70], 128, "float16", "NHD", causal=True,
+                                nan_v=(0, 80))),
     ("prefill_paged_tc_mask", TC + " custom mask",
      lambda c, r: paged_prefill(c, r, [13, 40], [50, 170], 128, "float16", "NHD", mask=True)),
     ("prefill_ragged_tc_causal", "tensor-core prefill bf16 D64 ragged HND causal",
