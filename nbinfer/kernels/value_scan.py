@@ -9,8 +9,8 @@ causal throughput (bench/NOTES.md). So a spec with a mask (a mask hook or a cust
 three launches that share one argument block and grid:
 
 1. this scan, on a grid of its own: each (request, kv head) pair's KV range (the loading rule of
-   the kernel: paged or affine, any strides) in ``VALUE_SCAN_SPLITS`` parts, a CTA per round
-   of 32 parts, read in 16-byte loads; ``value_flags[(b * Hkv + hk) * S + part]`` is 1 if any V element of
+   the kernel: paged or affine, any strides) in ``VALUE_SCAN_SPLITS`` parts, a part per CTA,
+   read in 16-byte loads; ``value_flags[(b * Hkv + hk) * S + part]`` is 1 if any V element of
    the part is NaN or infinite (exponent bits all ones), else 0. It reads V once per kv head
    (for causal B4 L4096 Hkv8 D128 fp16, 33.5 MB: ~10 us at HBM speed against a ~4 ms
    prefill), far less than the prefill, which reads it once per query tile;
@@ -104,48 +104,29 @@ def value_scan_source(spec):
                    qo_indptr_off, mask_indptr_off, mask_words_off, q_pos0_off, qo_end_off,
                    value_flags_off):
         tid = cuda.threadIdx.x
-        # Flags are published once per round of 32 units, not per unit: a block barrier per
-        # round. Round r ORs its bad units' bits into bad[r % 3]; the barrier ends the round;
-        # then every thread reads bad[r % 3], and thread 0 clears bad[(r + 2) % 3], which was
-        # read before this barrier and takes atomics only after the next one.
-        bad = cuda.shared.array(3, U32)
-        if tid < 3:
-            bad[tid] = U32(0)
-        cuda.syncthreads()
         units = plan[BATCH_WORD] * hkv * S
-        rnd = 0
-        for r0 in range(cuda.blockIdx.x * 32, units, cuda.gridDim.x * 32):
-            for j in range(min(32, units - r0)):
-                # Unit u: part u % S of pair b * Hkv + hk = u // S, tokens
-                # [kv_len part / S, kv_len (part + 1) / S).
-                u = r0 + j
-                pair = u // S
-                part = u - pair * S
-                b = pair // hkv
-                hk = pair - b * hkv
-                kv_len = request_kv_len(kv_indptr, kv_last, b)
-                t0 = kv_len * part // S
-                ib, row_stride, head_off = request_base(kv_indptr, b, hk, kv_stride_n,
-                                                        kv_stride_h)
-                found = False
-                # Consecutive threads take consecutive 16-byte pieces of a token row:
-                # coalesced, every byte of the part read once.
-                for e in range(tid, (kv_len * (part + 1) // S - t0) * CHUNKS, NT):
-                    t = e // CHUNKS
-                    off = token_offset(kv_indices, ib, U32(t0 + t), row_stride, head_off,
-                                       page_stride) + (e - t * CHUNKS) * CH
-                    w0, w1, w2, w3 = load16(v, off)
-                    if word_bad(w0) or word_bad(w1) or word_bad(w2) or word_bad(w3):
-                        found = True
-                if found:
-                    cuda.atomic.or_(bad, rnd % 3, U32(1) << U32(j))
-            cuda.syncthreads()
-            mask = bad[rnd % 3]
-            if tid < 32 and r0 + tid < units:
-                plan[value_flags_off + r0 + tid] = (mask >> U32(tid)) & U32(1)
+        # Unit u: part u % S of pair u // S = b * Hkv + hk, tokens [kv_len s / S, kv_len (s+1) / S).
+        for u in range(cuda.blockIdx.x, units, cuda.gridDim.x):
+            pair = u // S
+            part = u - pair * S
+            b = pair // hkv
+            hk = pair - b * hkv
+            kv_len = request_kv_len(kv_indptr, kv_last, b)
+            t0 = kv_len * part // S
+            ib, row_stride, head_off = request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h)
+            bad = 0
+            # Consecutive threads take consecutive 16-byte pieces of a token row: coalesced,
+            # every byte of the part read once.
+            for e in range(tid, (kv_len * (part + 1) // S - t0) * CHUNKS, NT):
+                t = e // CHUNKS
+                off = token_offset(kv_indices, ib, U32(t0 + t), row_stride, head_off,
+                                   page_stride) + (e - t * CHUNKS) * CH
+                w0, w1, w2, w3 = load16(v, off)
+                if word_bad(w0) or word_bad(w1) or word_bad(w2) or word_bad(w3):
+                    bad = 1
+            bad = cuda.syncthreads_or(bad)
             if tid == 0:
-                bad[(rnd + 2) % 3] = U32(0)
-            rnd += 1
+                plan[value_flags_off + u] = 1 if bad else 0
 
     return value_scan
 
