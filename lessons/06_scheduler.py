@@ -472,17 +472,18 @@ assert rel.max() < 1e-6  # every order is accurate; they just disagree in the la
 # answer, and the map's order is not the best of them). What the fixed order buys is *reproducibility*:
 # the same partials always give the same bits. In nbinfer's decode kernel the CTA that finishes
 # the last chunk of a split row merges the whole list, reading the partials in the map's order,
-# so it does not matter which CTA that is. The one atomic left in the kernels is an *integer*
-# counter that elects that CTA (in the fused-merge epilogues: one counter per split row of a
-# decode item, one per row of a prefill tile); integer addition is exact, so its order changes
-# nothing. We check that in the kernels' source:
+# so it does not matter which CTA that is. The atomics left in the kernels are all on integers:
+# a counter that elects that CTA (in the fused-merge epilogues: one counter per split row of a
+# decode item, one per row of a prefill tile), and in the tensor-core kernel's guarded twin a
+# bitwise OR that marks which keys of a shared-memory tile hold a non-finite V. Integer addition
+# and OR are exact, so their order changes nothing. We check that in the kernels' source:
 
 # %%
 atomics = {mod.__name__.rsplit(".", 1)[-1]: re.findall(r"cuda\.atomic\.(\w+)\((\w+)",
                                                         inspect.getsource(mod))
            for mod in (decode_kernels, prefill_kernels, prefill_mma_kernels, fused_merge_kernels)}
 print("atomic operations per kernel module:", atomics)
-assert atomics == {"decode": [], "prefill": [], "prefill_mma": [],
+assert atomics == {"decode": [], "prefill": [], "prefill_mma": [("or_", "bad_keys")],
                    "fused_merge": [("add", "counters"), ("add", "counters")]}
 
 # %%
