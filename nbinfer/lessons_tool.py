@@ -33,6 +33,31 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parent.parent
 
 
+def start_lesson() -> Path:
+    """The first line of a lesson that runs kernels: choose Numba's CUDA simulator (lessons run
+    their kernels at tiny shapes so every step can be inspected, on any machine, GPU or not)
+    before Numba loads, so a lesson runs as ``python lessons/NN_name.py`` from any directory
+    and as a notebook, with no environment variable set by hand. Returns the repository root
+    (read files through it, never relative to the working directory).
+
+    Raises
+    ------
+    RuntimeError
+        Numba's CUDA target was already loaded without the simulator in this process (restart
+        the notebook's kernel and run the lesson from its first cell).
+    """
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    if "numba" in sys.modules:
+        from numba.core import config
+
+        if "numba.cuda" in sys.modules and not config.ENABLE_CUDASIM:
+            raise RuntimeError("numba.cuda was loaded without the CUDA simulator before this "
+                               "lesson started: restart the Python kernel and run the lesson "
+                               "from its first cell")
+        config.reload_config()  # numba core is loaded but not its CUDA target: re-read the env
+    return repo_root()
+
+
 def lessons_dir() -> Path:
     """``<repo>/lessons``."""
     return repo_root() / "lessons"
