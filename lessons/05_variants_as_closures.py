@@ -41,6 +41,7 @@ import sys
 import numpy as np
 
 from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, Variant, reference
+from nbinfer.kernels.cache import stable
 from nbinfer.kernels.decode import DecodeSpec, build_decode_kernel
 from nbinfer.lessons_tool import repo_root
 from nbinfer.variants import HOOK_KINDS, sigmoid_attention, soft_cap
@@ -195,8 +196,14 @@ assert f30.__code__ is f50.__code__ and f30 is not f30_again
 anon30 = Variant("capped", logits_transform=f30)
 anon50 = Variant("capped", logits_transform=f50)
 anon30_again = Variant("capped", logits_transform=f30_again)
-print(f"hash(capped with 30) = {hash(anon30) % 2**64:016x}, "
-      f"hash(capped with 50) = {hash(anon50) % 2**64:016x}")
+# Python's hash() of a string changes from process to process; the content digest that nbinfer's
+# disk cache keys kernels by (code, captured values, globals read) is the same in every one.
+def digest(x):
+    return hashlib.sha256(stable(x).encode()).hexdigest()[:16]
+
+
+print(f"digest(capped with 30) = {digest(anon30)}, digest(capped with 50) = {digest(anon50)}")
+assert digest(anon30) == digest(anon30_again) != digest(anon50)
 assert anon30 != anon50 and hash(anon30) != hash(anon50)
 assert anon30 == anon30_again and hash(anon30) == hash(anon30_again)
 assert cap30 == make_soft_cap(CAP) and cap30 != cap50
@@ -223,8 +230,7 @@ k50 = build_decode_kernel(spec_for(cap50))
 after = build_decode_kernel.cache_info()
 print(f"cache: {after.hits - before.hits} hits, {after.misses - before.misses} misses for 3 "
       f"calls; {after.currsize} kernels cached")
-print(f"spec hashes: cap 30 -> {hash(spec_for(cap30)) % 2**64:016x}, "
-      f"cap 50 -> {hash(spec_for(cap50)) % 2**64:016x}")
+print(f"spec digests: cap 30 -> {digest(spec_for(cap30))}, cap 50 -> {digest(spec_for(cap50))}")
 assert k30 is k30_again and k30 is not k50
 assert spec_for(cap30) == spec_for(make_soft_cap(CAP)) and spec_for(cap30) != spec_for(cap50)
 assert after.hits - before.hits == 3 and after.misses == before.misses
