@@ -208,3 +208,15 @@ def test_a_kernel_is_keyed_by_the_sources_it_is_built_from():
     spec = _spec()
     assert kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.decode")[0] != \
         kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.prefill_mma")[0]
+
+
+def test_an_unwritable_cache_folder_costs_the_reuse_not_the_kernel(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    store = KernelStore(blocker / "kernels")  # cannot be created: its parent is a file
+    key, meta = _key(_spec())
+    built = []
+    with pytest.warns(RuntimeWarning, match="not writable"):
+        header, payload, fresh = store.get_or_build(
+            key, meta, lambda: built.append(1) or ("_Z6kernel", b"cubin", {}))
+    assert fresh and payload == b"cubin" and header["name"] == "_Z6kernel" and built == [1]

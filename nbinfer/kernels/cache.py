@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -266,16 +267,27 @@ class KernelStore:
 
     def get_or_build(self, key: str, meta: dict, build):
         """``(header, payload, built)``: the stored entry, or ``build() -> (name, payload,
-        extra)`` run under the key's lock and stored."""
+        extra)`` run under the key's lock and stored. A cache folder that cannot be created or
+        written (a read-only home, a full disk) costs the reuse, never the kernel: the build's
+        result is returned with a warning."""
         hit = self.load(key, meta)
         if hit is not None:
             return hit[0], hit[1], False
-        with self.lock(key):
-            hit = self.load(key, meta)  # another process may have built it while we waited
-            if hit is not None:
-                return hit[0], hit[1], False
-            name, payload, extra = build()
-            self.save(key, meta, name, payload, extra)
+        built = None
+        try:
+            with self.lock(key):
+                hit = self.load(key, meta)  # another process may have built it meanwhile
+                if hit is not None:
+                    return hit[0], hit[1], False
+                built = build()
+                self.save(key, meta, *built)
+        except OSError as exc:
+            warnings.warn(f"nbinfer kernel cache at {self.root} is not writable ({exc}); "
+                          "compiling without it (set NBINFER_CACHE_DIR to a writable folder)",
+                          RuntimeWarning, stacklevel=3)
+            if built is None:
+                built = build()
+        name, payload, extra = built
         header = dict(extra or {}, key=key, meta=meta, name=name, size=len(payload))
         return header, payload, True
 
