@@ -112,9 +112,23 @@ def plot_reduction_map(plan: Plan, ax=None, *, title=None, figsize=None):
         row = np.repeat(np.arange(m), lengths)
         position = np.arange(plan.num_merge_nnz) - np.repeat(plan.merge_indptr[:-1], lengths)
         grid[row, plan.merge_indices] = position
-        image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", aspect="auto",
-                          interpolation="nearest", vmin=0, vmax=max(int(lengths.max()) - 1, 1))
-        fig.colorbar(image, ax=ax, label="merge position (KV order)")
+        # Positions are integers: one colour per position (a discrete map, a tick per colour),
+        # and the number written in its cell when the matrix is small enough to read.
+        import matplotlib as mpl
+
+        n = max(int(lengths.max()), 1)
+        cmap = mpl.colormaps["viridis"].resampled(n)
+        norm = mpl.colors.BoundaryNorm(np.arange(n + 1) - 0.5, n)
+        image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto",
+                          interpolation="nearest")
+        bar = fig.colorbar(image, ax=ax, label="merge position (KV order)",
+                           ticks=np.arange(0, n, max(1, n // 8)))
+        bar.ax.tick_params(length=0)
+        if m * p <= 400:
+            for r, c in zip(row, plan.merge_indices.tolist(), strict=True):
+                v = int(grid[r, c])
+                ax.text(c, r, str(v), ha="center", va="center", fontsize=8,
+                        color="white" if v < n / 2 else "black")
         if m <= 32:
             ax.set_yticks(np.arange(m), [str(r) for r in plan.merge_rows.tolist()])
         if p <= 32:
