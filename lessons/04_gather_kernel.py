@@ -198,14 +198,30 @@ assert np.array_equal(reads0, np.repeat(3 * kv_lens[:, None] * D, HQ, axis=1))
 # state of a *single* key (`m = s`, `l = 1`, `O = v`). ⊕ is exact and associative, so folding
 # the keys in one at a time gives attention over all of them; nothing is approximated, the
 # earlier terms are only rescaled when a larger logit appears. We check the claim on the host
-# first: fold `reference.merge_state` over one-key states of request 0, query head 0.
+# first: fold `reference.merge_state` over one-key states of request 0, for the query head whose
+# running maximum moves most often (the one where rescaling has the most to do).
 
 # %%
-b0, h0 = 0, 0
+b0 = 0
 slots = pt.token_slots(b0)
-keys = cache[:, 0].reshape(-1, HKV, D)[slots, h0 // G]  # request 0's keys, in token order
+
+
+def head_logits(h):
+    keys = cache[:, 0].reshape(-1, HKV, D)[slots, h // G]  # request 0's keys, in token order
+    return keys.astype(np.float64) @ q[b0, h] * SM_SCALE
+
+
+def max_moves(s):
+    """How many keys raise the running maximum after the first."""
+    return int(np.sum(s[1:] > np.maximum.accumulate(s)[:-1]))
+
+
+h0 = max(range(HQ), key=lambda h: max_moves(head_logits(h)))
 vals = cache[:, 1].reshape(-1, HKV, D)[slots, h0 // G]
-logits = keys.astype(np.float64) @ q[b0, h0] * SM_SCALE
+logits = head_logits(h0)
+print(f"query head {h0}: the running maximum moves {max_moves(logits)} times over "
+      f"{len(logits)} keys")
+assert max_moves(logits) >= 2
 run_o, run_lse = np.zeros((1, 1, D)), np.full((1, 1), -np.inf)  # the empty state
 for s_j, v_j in zip(logits, vals, strict=True):
     run_o, run_lse = reference.merge_state(run_o, run_lse, v_j[None, None], np.full((1, 1), s_j))
@@ -262,7 +278,7 @@ assert np.array_equal(reads1, np.repeat(2 * kv_lens[:, None] * D, HQ, axis=1))
 assert 2 * reads0.sum() == 3 * reads1.sum()  # v0 reads 1.5 times what v1 reads
 
 # %% [markdown]
-# The picture below replays v1 for request 0, head 0: the running maximum `m` (it only ever
+# The picture below replays v1 for request 0 and that head: the running maximum `m` (it only ever
 # moves up), the rescale factor `alpha` (1 whenever the maximum did not move, below 1 when a
 # larger logit arrived), and the running output, which converges to the two-pass answer of v0
 # with no correction step at the end.
@@ -281,26 +297,27 @@ for s_j, v_j in zip(logits, vals, strict=True):
 np.testing.assert_allclose(trace_o[-1], o0[b0, h0, 0], rtol=1e-5)
 assert np.all(np.diff(trace_m) >= 0) and all(0 <= a <= 1 for a in trace_alpha)
 
-fig, (ax_s, ax_o) = subplots(1, 2, figsize=(11, 3.5))
+fig, (ax_s, ax_a, ax_o) = subplots(1, 3, figsize=(14, 3.6))
 steps = np.arange(1, len(logits) + 1)
 ax_s.plot(steps, logits, "o", color="0.6", ms=4, label="logit s_j of key j")
 ax_s.step(steps, trace_m, where="post", color="C0", label="running max m")
-ax_a = ax_s.twinx()
-ax_a.bar(steps, trace_alpha, color="C1", alpha=0.3, width=0.6)
-ax_a.set_ylim(0, 1.6)
-ax_a.set_ylabel("rescale factor alpha = exp(m_old - m_new)", color="C1", fontsize=8)
 ax_s.set_xlabel("key j (one online-softmax step each)")
-ax_s.set_ylabel("logit")
+ax_s.set_ylabel("logit (scaled q.k)")
 ax_s.legend(fontsize=8, loc="upper left", frameon=False)
-ax_s.set_title("m moves up only; alpha < 1 rescales the old state", fontsize=10)
-ax_o.plot(steps, trace_o, "o-", ms=3, color="C2", label="running output acc/l (v1, dim 0)")
+ax_s.set_title("the running max m only moves up", fontsize=10)
+ax_a.bar(steps, trace_alpha, color="C1", width=0.6)
+ax_a.set_ylim(0, 1.05)
+ax_a.set_xlabel("key j")
+ax_a.set_ylabel("alpha = exp(m_old - m_new)")
+ax_a.set_title("alpha < 1 exactly where m moved: the old state is rescaled", fontsize=10)
+ax_o.plot(steps, trace_o, "o-", ms=3, color="C2", label="running output acc / l (v1)")
 ax_o.axhline(o0[b0, h0, 0], color="k", ls="--", lw=1, label="two-pass output (v0)")
-ax_o.axhline(o_ref[b0, h0, 0], color="crimson", ls=":", lw=1.5, label="float64 reference")
+ax_o.axhline(o_ref[b0, h0, 0], color="C4", ls=":", lw=1.5, label="float64 reference")
 ax_o.set_xlabel("keys seen")
 ax_o.set_ylabel("output, dimension 0")
-ax_o.legend(fontsize=8, frameon=False)
+ax_o.legend(fontsize=8, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=3)
 ax_o.set_title("after the last key the online state is the exact answer", fontsize=10)
-fig.suptitle("online softmax, request 0, query head 0", fontsize=11)
+fig.suptitle(f"online softmax, request 0, query head {h0}", fontsize=11)
 save_figure(fig, "04_online_softmax.png")
 show(fig)
 
