@@ -248,21 +248,35 @@ for b in range(pt.batch_size):  # every query row of request b reads exactly b's
         np.testing.assert_array_equal(np.flatnonzero(mask[row]), np.sort(slots[b]))
 
 # %%
-fig, (ax_blk, ax_el) = subplots(2, 1, figsize=(12, 9.5))
+# What the causal mask keeps inside those pages: query i of request b sits at position
+# kv_len - qo_len + i (bottom-right aligned) and reads its request's tokens 0..that position.
+causal_keep = np.zeros(mask.shape, dtype=bool)
+for b in range(pt.batch_size):
+    for i in range(qo_lens[b]):
+        q_pos = int(kv_lens[b]) - int(qo_lens[b]) + i
+        causal_keep[qo_indptr[b] + i, slots[b][:q_pos + 1]] = True
+assert not (causal_keep & ~mask).any()  # the mask only removes pairs the BSR loads
+assert [int(causal_keep[r].sum()) for r in range(qo_indptr[1])] == \
+    list(range(int(kv_lens[0]) - int(qo_lens[0]) + 1, int(kv_lens[0]) + 1))
+
+fig, (ax_blk, ax_el) = subplots(2, 1, figsize=(12, 7.6),
+                                gridspec_kw={"height_ratios": [1, 2.3]})
 req_names = [f"request {b}\n({qo_lens[b]} queries)" for b in range(pt.batch_size)]
 tile_names = [f"r{b}: q{r - qo_indptr[b]}-{r - qo_indptr[b] + br - 1}"
               for b, r in zip(tile_request, range(0, int(qo_indptr[-1]), br), strict=True)]
 page_names = [f"P{p}" for p in range(num_pages)]
 plot_bsr(ragged_bsr, ax=ax_blk, row_labels=tile_names, col_labels=page_names,
          row_bounds=qo_indptr, row_bounds_labels=req_names,
-         title="block view: one block row per tile of Br = 4 queries, one column per page",
-         xlabel="physical KV page", ylabel="query tile (request: its query tokens)")
+         title="block view: which pages each tile of Br = 4 queries loads",
+         xlabel="physical KV page", ylabel="query tile")
 plot_bsr(ragged_bsr, ax=ax_el, elements=True, row_bounds=qo_indptr,
          row_bounds_labels=req_names, row_labels=tile_names, col_labels=page_names,
-         title="element view: ragged query tokens x physical KV slots",
+         keep=causal_keep,
+         title="element view: dark = read under the causal mask; pale = loaded with the page, "
+               "masked (or past the last token)",
          xlabel="physical KV slot, by page", ylabel="ragged query token (qo_indptr = 0, 8, 12, 16)")
-fig.suptitle("ragged queries (8, 4, 4 tokens) over the paged KV cache, blocks (Br, Bc) = (4, 4)",
-             fontsize=11)
+fig.suptitle("ragged causal queries (8, 4, 4 tokens) over the paged KV cache, blocks (Br, Bc) = "
+             "(4, 4)", fontsize=11)
 save_figure(fig, "02_ragged_query_bsr.png")
 show(fig)
 

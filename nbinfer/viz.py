@@ -159,7 +159,7 @@ def _lighten(color, amount: float = 0.75):
 
 def plot_bsr(bsr, ax=None, title=None, *, elements: bool = False, row_labels=None,
              col_labels=None, annotate: bool = True, color="C0", row_bounds=None,
-             row_bounds_labels=None, xlabel=None, ylabel=None, figsize=None):
+             row_bounds_labels=None, xlabel=None, ylabel=None, figsize=None, keep=None):
     """Draw the occupancy of a block-sparse matrix with its block grid.
 
     Parameters
@@ -191,6 +191,9 @@ def plot_bsr(bsr, ax=None, title=None, *, elements: bool = False, row_labels=Non
         Axis labels (defaults describe KV columns and query rows; ``""`` for none).
     figsize : (float, float), optional
         Size of a new figure.
+    keep : bool array [rows, cols], optional
+        Element view only: the pairs a mask keeps (e.g. causal). Valid elements it drops are
+        drawn pale, like the unused tail of a block: loaded with the block, never used.
 
     Returns
     -------
@@ -208,8 +211,15 @@ def plot_bsr(bsr, ax=None, title=None, *, elements: bool = False, row_labels=Non
                 c0 = int(bsr.indices[k]) * bc
                 stored[i * br:(i + 1) * br, c0:c0 + bc] = True
         grid = stored.astype(np.int8) + np.asarray(bsr.to_dense_mask(), dtype=np.int8)
+        if keep is not None:
+            keep = np.asarray(keep, dtype=bool)
+            if keep.shape != (m, n):
+                raise ValueError(f"keep must have the matrix's shape {(m, n)}, got {keep.shape}")
+            grid = np.where((grid == 2) & ~keep, 1, grid).astype(np.int8)
         step_r, step_c = br, bc
     else:
+        if keep is not None:
+            raise ValueError("keep applies to the element view (elements=True)")
         rows, cols = nbr, nbc
         grid = 2 * np.asarray(bsr.to_dense(), dtype=np.int8)
         step_r = step_c = 1
@@ -270,12 +280,14 @@ def plot_bsr(bsr, ax=None, title=None, *, elements: bool = False, row_labels=Non
                  f"{bsr.nnz_blocks} of {nbr * nbc} blocks stored")
     ax.set_title(title, fontsize=10, pad=8)
     handles = [Patch(facecolor=to_rgba(color), edgecolor="k", linewidth=0.5,
-                     label="valid" if elements else "stored block"),
+                     label=("read (kept)" if keep is not None else "valid") if elements
+                     else "stored block"),
                Patch(facecolor=EMPTY_COLOR, edgecolor="k", linewidth=0.5,
                      label="absent (never loaded)")]
     if elements and np.any(grid == 1):
         handles.insert(1, Patch(facecolor=_lighten(color), edgecolor="k", linewidth=0.5,
-                                label="unused tail of a stored block"))
+                                label="loaded, not used (masked, or past the last token)"
+                                if keep is not None else "unused tail of a stored block"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, -0.02), ncol=len(handles),
               fontsize=8, frameon=False)
     return fig
