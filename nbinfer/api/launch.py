@@ -67,9 +67,9 @@ class AttentionLaunch:
         the page table is copied into the plan memory with the plan.
     kernel : ``(compiled, signature, plan sections)``, optional
         Default: the decode kernel of ``spec``.
-    before, after : sequences of compiled kernels or ``(kernel, grid)`` pairs, optional
+    before, after : sequences of ``(compiled kernel, grid or None)``, optional
         Kernels of the same signature launched, in order, before and after it on the same
-        arguments (and grid, unless one is given): the tensor-core prefill's value scan and
+        arguments (and on its grid where ``None``): the tensor-core prefill's value scan and
         guarded twin.
     """
 
@@ -119,8 +119,8 @@ class AttentionLaunch:
         self._strides = None
         self._event = None
         self._staging = None
-        self._before = tuple(L.sharing(*(k if isinstance(k, tuple) else (k,))) for k in before)
-        self._after = tuple(L.sharing(*(k if isinstance(k, tuple) else (k,))) for k in after)
+        self._before = tuple(L.sharing(k, grid) for k, grid in before)
+        self._after = tuple(L.sharing(k, grid) for k, grid in after)
 
     def set_strides(self, page_stride: int, kv_stride_n: int, kv_stride_h: int,
                     q_stride_n: int, q_stride_h: int) -> None:

@@ -126,12 +126,14 @@ class PrefillWrapperBase(WrapperBase):
                                  step.num_qo_heads, step.head_dim, step.batch_size,
                                  table[1].size, 0 if words is None else words.size)
         kernel, (before, after) = kernels
-        scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
-        before = tuple((k, scan_grid) for k in before)
+        if before:  # the value scan runs on a grid of its own
+            scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
+            before = tuple((k, scan_grid) for k in before)
         launch = AttentionLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
                                  step.sm_scale, self._memory,
                                  kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
-                                 num_threads=threads, before=before, after=after)
+                                 num_threads=threads, before=before,
+                                 after=tuple((k, None) for k in after))
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..variants.spec import Variant, _function_key
+from ..variants.spec import Variant, _function_key, _Identity
 
 MAGIC = b"NBINFER-KERNEL 1\n"
 _PACKAGES = ("numba", "numba-cuda", "cuda-bindings", "cuda-core")
@@ -125,7 +125,7 @@ def _stable(v, depth: int) -> str:
         return (f"{type(v).__module__}.{type(v).__qualname__}("
                 + ",".join(f"{f.name}={_stable(getattr(v, f.name), d)}"
                            for f in dataclasses.fields(v)) + ")")
-    if type(v).__name__ == "_Identity":
+    if isinstance(v, _Identity):
         raise Unkeyable(f"a hook captures {type(v.value).__name__}, which has no content key")
     text = repr(v)
     if " at 0x" in text or "object at" in text:
@@ -219,9 +219,7 @@ class KernelStore:
         path = self.path(key)
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError:
+        except OSError:  # absent or unreadable: a miss
             return None
         header = _parse(data, key, meta)
         if header is None:
@@ -230,10 +228,11 @@ class KernelStore:
             return None
         return header, data[header["_offset"]:]
 
-    def save(self, key: str, meta: dict, name: str, payload: bytes, extra: dict | None = None):
-        """Write an entry atomically (a temporary file renamed over the final name)."""
-        header = dict(extra or {}, key=key, meta=meta, name=name, size=len(payload),
-                      sha256=hashlib.sha256(payload).hexdigest())
+    def save(self, key: str, meta: dict, name: str, payload: bytes,
+             extra: dict | None = None) -> dict:
+        """Write an entry atomically (a temporary file renamed over the final name); returns
+        its header."""
+        header = _header(key, meta, name, payload, extra)
         blob = json.dumps(header, sort_keys=True).encode()
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -247,6 +246,7 @@ class KernelStore:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+        return header
 
     @contextlib.contextmanager
     def lock(self, key: str):
@@ -287,9 +287,13 @@ class KernelStore:
                           RuntimeWarning, stacklevel=3)
             if built is None:
                 built = build()
-        name, payload, extra = built
-        header = dict(extra or {}, key=key, meta=meta, name=name, size=len(payload))
-        return header, payload, True
+        return _header(key, meta, *built), built[1], True
+
+
+def _header(key: str, meta: dict, name: str, payload: bytes, extra: dict | None) -> dict:
+    """An entry's header: what it was built from, its entry name, the payload's size and hash."""
+    return dict(extra or {}, key=key, meta=meta, name=name, size=len(payload),
+                sha256=hashlib.sha256(payload).hexdigest())
 
 
 def _parse(data: bytes, key: str, meta: dict) -> dict | None:

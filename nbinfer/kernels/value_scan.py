@@ -31,7 +31,14 @@ from numba import cuda, types
 
 from ..scheduler.layout import HEADER_FIELDS
 from ..variants import standard
-from .common import ITEMSIZE, PREFILL_PLAN_SECTIONS, VALUE_SCAN_SPLITS, compile_kernel
+from .common import (
+    ITEMSIZE,
+    PREFILL_PLAN_SECTIONS,
+    VALUE_SCAN_SPLITS,
+    compile_kernel,
+    guards_masked_values,
+)
+from .hooks import device_hooks
 from .loading import loading_module
 from .primitives import primitives
 
@@ -69,7 +76,7 @@ def value_guard_kernels(spec) -> tuple[tuple, tuple]:
     from .prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel
 
     if not isinstance(spec, MmaPrefillSpec) or spec.value_guard or \
-            not (spec.custom_mask or spec.variant.logits_mask):
+            not guards_masked_values(device_hooks(spec.variant, spec.sim), spec.custom_mask):
         return (), ()
     twin = dataclasses.replace(spec, value_guard=True)
     return (build_value_scan_kernel(spec),), (build_prefill_mma_kernel(twin),)
