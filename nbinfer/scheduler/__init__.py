@@ -5,7 +5,9 @@
 it into one fixed-size int32 buffer so a CUDA graph can replay with a new plan written in place.
 
 Modules: :mod:`.planner` (``plan``), :mod:`.schedule` (``Plan``), :mod:`.lpt` (heap assignment),
-:mod:`.reduction` (partial rows, merge map), :mod:`.layout` (packing), :mod:`.draw` (pictures).
+:mod:`.reduction` (partial rows, merge map), :mod:`.layout` (packing), :mod:`.draw` (pictures),
+:mod:`.compiled` (the same plan, page-table check and packing as Numba CPU loops in
+:mod:`._loops`, for the wrappers' per-step ``plan()``; imported on demand, equal array for array).
 """
 
 from .layout import HEADER_FIELDS, HEADER_WORDS, PlanLayout

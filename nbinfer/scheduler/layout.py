@@ -24,6 +24,7 @@ as empty lists (and must skip ``merge_rows[i] < 0``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,12 @@ HEADER_WORDS = 24  # len(HEADER_FIELDS) rounded up to a multiple of 4
 _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 _CAUSAL, _FIXED = 1, 2  # flag bits
 _SECTIONS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices")
+
+
+@functools.lru_cache(maxsize=16)
+def _weight_words(alpha: float, beta: float) -> tuple[int, ...]:
+    """alpha and beta as float64, each split into two int32 header words."""
+    return tuple(np.array([alpha, beta], dtype=np.float64).view(np.int32).tolist())
 
 
 def _align(n: int) -> int:
@@ -133,6 +140,10 @@ class PlanLayout:
 
     def offsets(self) -> dict[str, int]:
         """Word offset of every section, and ``"end"`` (= :attr:`size`)."""
+        return dict(self._offsets)
+
+    @functools.cached_property
+    def _offsets(self) -> dict[str, int]:
         out, pos = {}, 0
         for name, n in self.lengths().items():
             out[name] = pos
@@ -143,7 +154,7 @@ class PlanLayout:
     @property
     def size(self) -> int:
         """Total int32 words of the buffer."""
-        return self.offsets()["end"]
+        return self._offsets["end"]
 
     @property
     def nbytes(self) -> int:
@@ -173,28 +184,25 @@ class PlanLayout:
                              f"{getattr(out, 'shape', '')}")
         out.fill(-1)
         off = self.offsets()
-        head = out[:HEADER_WORDS]
-        head[:] = 0
-        floats = np.array([plan.alpha, plan.beta], dtype=np.float64).view(np.int32)
-        flags = (_CAUSAL if plan.causal else 0) | (_FIXED if plan.fixed_split_size else 0)
-        for name, value in (("magic", PLAN_MAGIC), ("num_ctas", self.num_ctas),
-                            ("max_work", self.max_work), ("max_merge_rows", self.max_merge_rows),
-                            ("max_merge_nnz", self.max_merge_nnz), ("num_work", plan.num_work),
-                            ("num_merge_rows", plan.num_merge_rows),
-                            ("num_merge_nnz", plan.num_merge_nnz),
-                            ("num_partials", plan.num_partials), ("batch_size", plan.batch_size),
-                            ("num_qo_rows", plan.num_qo_rows), ("num_qo_heads", plan.num_qo_heads),
-                            ("num_kv_heads", plan.num_kv_heads), ("tile_q", plan.tile_q),
-                            ("tile_rows", plan.tile_rows), ("kv_chunk", plan.kv_chunk),
-                            ("granule", plan.granule), ("flags", flags)):
-            head[_H[name]] = value
-        head[_H["alpha_lo"]:_H["beta_hi"] + 1] = floats
+        out[:HEADER_WORDS] = self.header(plan)
         for name in _SECTIONS:
             arr = getattr(plan, name).reshape(-1)
             out[off[name]:off[name] + arr.size] = arr
         mi = off["merge_indptr"]
         out[mi + plan.num_merge_rows + 1:mi + self.max_merge_rows + 1] = plan.merge_indptr[-1]
         return out
+
+    def header(self, plan: Plan) -> np.ndarray:
+        """The header words of ``plan`` packed with this layout (int32 [HEADER_WORDS])."""
+        flags = (_CAUSAL if plan.causal else 0) | (_FIXED if plan.fixed_split_size else 0)
+        # HEADER_FIELDS in order: magic, capacities, counts, the problem, flags, the weights
+        head = np.array((
+            PLAN_MAGIC, self.num_ctas, self.max_work, self.max_merge_rows, self.max_merge_nnz,
+            plan.num_work, plan.num_merge_rows, plan.num_merge_nnz, plan.num_partials,
+            plan.batch_size, plan.num_qo_rows, plan.num_qo_heads, plan.num_kv_heads, plan.tile_q,
+            plan.tile_rows, plan.kv_chunk, plan.granule, flags, *_weight_words(plan.alpha, plan.beta),
+            0, 0), dtype=np.int32)
+        return head
 
     def unpack(self, buf) -> Plan:
         """Read a plan back from a buffer written by :meth:`pack` with this layout."""

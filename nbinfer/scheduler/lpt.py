@@ -24,7 +24,7 @@ import numpy as np
 
 from .._checks import check_positive_int
 
-__all__ = ["integer_costs", "lpt_assign"]
+__all__ = ["integer_costs", "integer_weights", "lpt_assign"]
 
 _INT64_SAFE = 2**62
 WEIGHT_BITS = 20
@@ -49,11 +49,18 @@ def integer_costs(l_q: np.ndarray, l_kv: np.ndarray, alpha: float, beta: float) 
     -------
     ndarray [W], int64
     """
+    wq, wkv = integer_weights(alpha, beta)
+    return wq * l_q + wkv * l_kv
+
+
+def integer_weights(alpha: float, beta: float) -> tuple[int, int]:
+    """The integer weights ``(w_q, w_kv)`` of :func:`integer_costs`: the larger weight scaled to
+    ``2**WEIGHT_BITS`` and rounded, both divided by their gcd (1 : 1 stays 1 : 1)."""
     top = max(alpha, beta)
     ia = round(alpha / top * 2**WEIGHT_BITS)
     ib = round(beta / top * 2**WEIGHT_BITS)
     g = math.gcd(ia, ib)
-    return (ia // g) * l_q + (ib // g) * l_kv
+    return ia // g, ib // g
 
 
 def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:

@@ -98,6 +98,16 @@ class Plan:
             raise ValueError(f"Plan.merge_indptr must have {m + 1} entries ending at "
                              f"{self.merge_indices.size}, got {self.merge_indptr.shape}")
 
+    @classmethod
+    def _from_scheduler(cls, **fields) -> Plan:
+        """A plan from arrays the scheduler built consistent by construction: the shape checks
+        of ``__post_init__`` skipped (a few us of a serving step), the arrays still frozen."""
+        plan = object.__new__(cls)
+        plan.__dict__.update(fields)
+        for name in _ARRAYS:
+            fields[name].flags.writeable = False
+        return plan
+
     # -- sizes ---------------------------------------------------------------------------------
     @property
     def num_ctas(self) -> int:

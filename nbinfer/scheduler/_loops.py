@@ -1,0 +1,242 @@
+"""The loops of :mod:`.compiled`, at module level so that Numba's on-disk cache keeps them
+(``cache=True``: compiled once per machine, loaded in milliseconds by later processes).
+
+Imported only by :func:`nbinfer.scheduler.compiled._kernels`, the first time a wrapper plans:
+``import nbinfer`` never imports numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+_OK, _FALLBACK = 0, 1
+jit = njit(cache=True, nogil=True)
+
+
+@jit
+def sift_down(heap, i, n):
+    key = heap[i]
+    while True:
+        child = 2 * i + 1
+        if child >= n:
+            break
+        if child + 1 < n and heap[child + 1] < heap[child]:
+            child += 1
+        if heap[child] >= key:
+            break
+        heap[i] = heap[child]
+        i = child
+    heap[i] = key
+
+@jit
+def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causal, tile_q):
+    batch = qo_indptr.size - 1
+    num_rows = qo_indptr[batch]
+    # 1. query tiles
+    if tile_q == 0:
+        mean = num_rows / batch * group if batch else 0.0
+        tile_q = 128 if mean > 64 else (64 if mean > 16 else 16)
+    max_qo = 1
+    if batch:
+        max_qo = 0
+        for b in range(batch):
+            max_qo = max(max_qo, qo_indptr[b + 1] - qo_indptr[b])
+    tile_rows = max(1, min(tile_q // group, max_qo))
+    ntiles = 0
+    for b in range(batch):
+        ntiles += (qo_indptr[b + 1] - qo_indptr[b] + tile_rows - 1) // tile_rows
+    t_req = np.empty(ntiles, np.int64)
+    t_qs = np.empty(ntiles, np.int64)
+    t_rows = np.empty(ntiles, np.int64)
+    t_eff = np.empty(ntiles, np.int64)
+    t = 0
+    eff_sum = 0
+    for b in range(batch):
+        qo_len = qo_indptr[b + 1] - qo_indptr[b]
+        for i in range((qo_len + tile_rows - 1) // tile_rows):
+            qs = i * tile_rows
+            qe = min(qs + tile_rows, qo_len)
+            eff = kv[b]
+            if causal:
+                eff = min(max(kv[b] - qo_len + qe, 0), kv[b])
+            t_req[t] = b
+            t_qs[t] = qs
+            t_rows[t] = qe - qs
+            t_eff[t] = eff
+            eff_sum += eff
+            t += 1
+    # 2. KV chunks, and 4a. partial rows
+    if fixed > 0:
+        kv_chunk = fixed
+    else:
+        kv_chunk = max(1, (hkv * eff_sum + num_ctas - 1) // num_ctas)
+        kv_chunk = (kv_chunk + granule - 1) // granule * granule
+    t_size = np.empty(ntiles, np.int64)
+    t_nch = np.empty(ntiles, np.int64)
+    t_base = np.empty(ntiles, np.int64)
+    nchunks = 0
+    num_partials = 0
+    merge_rows_n = 0
+    for t in range(ntiles):
+        eff = t_eff[t]
+        if fixed > 0:
+            size = fixed
+        else:
+            n0 = max(1, (eff + kv_chunk - 1) // kv_chunk)
+            size = max(granule, ((eff + n0 - 1) // n0 + granule - 1) // granule * granule)
+        n = max(1, (eff + size - 1) // size)
+        t_size[t], t_nch[t] = size, n
+        if n > 1:
+            t_base[t] = num_partials
+            num_partials += t_rows[t] * n
+            merge_rows_n += t_rows[t]
+        else:
+            t_base[t] = -1
+        nchunks += n
+    num_work = nchunks * hkv
+    if max(num_work, num_partials, num_rows) > 2147483647:
+        return (_FALLBACK, np.empty((0, 7), np.int32), np.empty(0, np.int32),
+                np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32),
+                np.empty(0, np.int32), np.empty(0, np.int32), 0, tile_q, tile_rows, kv_chunk)
+    work = np.empty((num_work, 7), np.int32)
+    costs = np.empty(num_work, np.int64)
+    w = 0
+    for t in range(ntiles):
+        for c in range(t_nch[t]):
+            ks = c * t_size[t]
+            ke = min(ks + t_size[t], t_eff[t])
+            prow = t_base[t] + c * t_rows[t] if t_base[t] >= 0 else -1
+            cost = wq * (t_rows[t] * group) + wkv * (ke - ks)
+            for h in range(hkv):
+                work[w, 0] = t_req[t]
+                work[w, 1] = h
+                work[w, 2] = t_qs[t]
+                work[w, 3] = t_qs[t] + t_rows[t]
+                work[w, 4] = ks
+                work[w, 5] = ke
+                work[w, 6] = prow
+                costs[w] = cost
+                w += 1
+    # 3. LPT: largest first (stable), each to the least-loaded CTA (key load * n + cta)
+    # The hkv items of a chunk are adjacent and cost the same, so sorting the chunks (stably)
+    # and expanding each to its heads gives the items' stable order at 1/hkv of the sort.
+    chunk_order = np.argsort(-costs[::hkv], kind="mergesort")
+    order = np.empty(num_work, np.int64)
+    for k in range(chunk_order.size):
+        for h in range(hkv):
+            order[k * hkv + h] = chunk_order[k] * hkv + h
+    owner = np.empty(num_work, np.int64)
+    positive = 0
+    for k in range(num_work):
+        if costs[order[k]] > 0:
+            positive += 1
+    first = min(num_ctas, positive)
+    for k in range(first):
+        owner[k] = k
+    if first < num_work:
+        if costs[order[0]] * 1.0 * num_work * num_ctas >= 2.0**61:
+            return (_FALLBACK, work, np.empty(0, np.int32), np.empty(0, np.int32),
+                    np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32),
+                    np.empty(0, np.int32), 0, tile_q, tile_rows, kv_chunk)
+        heap = np.empty(num_ctas, np.int64)
+        for k in range(num_ctas):
+            heap[k] = (costs[order[k]] * num_ctas + k) if k < first else k
+        for i in range(num_ctas // 2 - 1, -1, -1):
+            sift_down(heap, i, num_ctas)
+        for k in range(first, num_work):
+            top = heap[0]
+            owner[k] = top % num_ctas
+            heap[0] = top + costs[order[k]] * num_ctas
+            sift_down(heap, 0, num_ctas)
+    cta_indptr = np.zeros(num_ctas + 1, np.int32)
+    for k in range(num_work):
+        cta_indptr[owner[k] + 1] += 1
+    for c in range(num_ctas):
+        cta_indptr[c + 1] += cta_indptr[c]
+    fill = cta_indptr[:-1].copy()
+    cta_work = np.empty(num_work, np.int32)
+    for k in range(num_work):
+        cta_work[fill[owner[k]]] = order[k]
+        fill[owner[k]] += 1
+    # 4b. reduction map, and the merge list of every item's partial rows
+    merge_rows = np.empty(merge_rows_n, np.int32)
+    merge_indptr = np.zeros(merge_rows_n + 1, np.int32)
+    merge_indices = np.empty(num_partials, np.int32)
+    list_of = np.full(max(num_partials, 1), -1, np.int32)
+    m = 0
+    e = 0
+    for t in range(ntiles):
+        if t_base[t] < 0:
+            continue
+        r = t_rows[t]
+        for j in range(r):
+            merge_rows[m] = qo_indptr[t_req[t]] + t_qs[t] + j
+            for c in range(t_nch[t]):
+                p = t_base[t] + c * r + j
+                merge_indices[e] = p
+                list_of[p] = m
+                e += 1
+            merge_indptr[m + 1] = e
+            m += 1
+    item_merge = np.empty(num_work, np.int32)
+    for w in range(num_work):
+        p = work[w, 6]
+        item_merge[w] = list_of[p] if p >= 0 else -1
+    return (_OK, work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices,
+            item_merge, num_partials, tile_q, tile_rows, kv_chunk)
+
+
+@jit
+def pack(out, plan_words, off, head, work, cta_indptr, cta_work, merge_rows, merge_indptr,
+         merge_indices, max_merge_rows, zero_end, extras, extra_off, extra_len):
+    # the plan in PlanLayout.pack's format, zeros up to zero_end, then each extra section
+    out[:plan_words] = -1
+    out[:head.size] = head
+    flat = work.reshape(-1)
+    out[off[0]:off[0] + flat.size] = flat
+    out[off[1]:off[1] + cta_indptr.size] = cta_indptr
+    out[off[2]:off[2] + cta_work.size] = cta_work
+    out[off[3]:off[3] + merge_rows.size] = merge_rows
+    out[off[4]:off[4] + merge_indptr.size] = merge_indptr
+    out[off[5]:off[5] + merge_indices.size] = merge_indices
+    last = merge_indptr[merge_indptr.size - 1]
+    for i in range(merge_indptr.size, max_merge_rows + 1):
+        out[off[4] + i] = last
+    out[plan_words:zero_end] = 0
+    pos = 0
+    for k in range(extra_off.size):  # the extra sections, concatenated in ``extras``
+        n = extra_len[k]
+        out[extra_off[k]:extra_off[k] + n] = extras[pos:pos + n]
+        pos += n
+
+
+@jit
+def check_table(indptr, indices, last, page_size):
+    # (0, snapshots of the table, every request's KV length, largest page id + 1) when the
+    # table is valid (FlashInfer's rules, as check_page_table states them); (1, ...) if not
+    batch = indptr.size - 1
+    ptr = indptr.copy()
+    kv_lens = np.zeros(max(batch, 0), np.int64)
+    nnz = indptr[batch] if batch >= 0 else 0
+    bad = (1, ptr, indices[:0].copy(), last[:0].copy(), kv_lens, 0)
+    if batch < 0 or indptr[0] != 0 or last.size != batch:
+        return bad
+    for b in range(batch):
+        if indptr[b + 1] < indptr[b]:
+            return bad
+    if indices.size < nnz:
+        return bad
+    idx = indices[:nnz].copy()
+    pages = 0
+    for i in range(nnz):
+        if idx[i] < 0:
+            return bad
+        pages = max(pages, idx[i] + 1)
+    lst = last.copy()
+    for b in range(batch):
+        n = indptr[b + 1] - indptr[b]
+        if lst[b] < (1 if n > 0 else 0) or lst[b] > page_size:
+            return bad
+        kv_lens[b] = (n - 1) * page_size + lst[b] if n > 0 else 0
+    return (0, ptr, idx, lst, kv_lens, pages)

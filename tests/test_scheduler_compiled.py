@@ -1,0 +1,135 @@
+"""The compiled scheduler (nbinfer.scheduler.compiled) gives exactly the NumPy planner's plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from test_scheduler import batches
+
+from nbinfer.api.workspace import item_merge_lists
+from nbinfer.formats.paged import check_page_table
+from nbinfer.scheduler import PlanLayout, plan
+from nbinfer.scheduler.compiled import check_page_table_fast, pack_compiled, plan_compiled
+
+SETTINGS = settings(max_examples=150, deadline=None)
+NAMES = ("indptr", "indices", "last_page_len")
+
+
+def _same(kwargs):
+    want = plan(**kwargs)
+    got, item_merge = plan_compiled(np.asarray(kwargs.pop("qo_indptr")),
+                                    np.asarray(kwargs.pop("kv_lens"), dtype=np.int64), **kwargs)
+    assert got == want
+    np.testing.assert_array_equal(item_merge, item_merge_lists(want))
+    return want
+
+
+@SETTINGS
+@given(batches(max_batch=8))
+def test_equal_to_the_numpy_planner(kwargs):
+    _same(kwargs)
+
+
+@pytest.mark.parametrize("lens", [
+    [4096] * 64,  # uniform decode: every item alike, so LPT ties everywhere
+    [30000, 7, 100, 1, 5000, 64, 2, 900] * 4,  # skewed: splits, merges, heap
+    [0, 0, 1500, 0, 12000, 3, 0, 0],  # empty requests
+    [1024] * 300,  # more items than CTAs, all of one cost
+])
+def test_equal_on_decode_steps(lens, rng):
+    b = len(lens)
+    for ctas in (528, 7):
+        p = _same(dict(qo_indptr=np.arange(b + 1), kv_lens=lens, num_qo_heads=32,
+                       num_kv_heads=8, num_ctas=ctas, granule=256))
+        assert p.num_work >= b * 8
+    zipf = np.minimum(rng.zipf(1.3, size=128) * 64, 65536)
+    _same(dict(qo_indptr=np.arange(129), kv_lens=zipf, num_qo_heads=32, num_kv_heads=8,
+               num_ctas=528, granule=256))
+
+
+def test_equal_on_prefill_steps(rng):
+    qo = rng.integers(1, 600, size=12)
+    kv = qo + rng.integers(0, 3000, size=12)
+    for causal in (False, True):
+        _same(dict(qo_indptr=np.concatenate(([0], np.cumsum(qo))), kv_lens=kv, num_qo_heads=32,
+                   num_kv_heads=8, num_ctas=528, granule=64, causal=causal))
+
+
+def test_huge_costs_fall_back_to_the_exact_planner():
+    # KV weighted 2**20 : 3 against query rows: cost keys past 2**61, where the NumPy planner's
+    # heap switches to Python ints; the compiled one hands such steps to it
+    p = _same(dict(qo_indptr=np.arange(1101), kv_lens=[2**22] * 1100, num_qo_heads=1,
+                   num_kv_heads=1, num_ctas=1024, alpha=3e-6, beta=1.0))
+    assert int(p.work[:, 5].max()) * 2**20 * p.num_work * p.num_ctas >= 2**61
+
+
+@SETTINGS
+@given(batches(max_batch=8))
+def test_pack_equal_to_layout_pack(kwargs):
+    p = plan(**kwargs)
+    layout = PlanLayout(p.num_ctas, p.num_work + 3, p.num_merge_rows + 2, p.num_merge_nnz + 1)
+    want = layout.pack(p)
+    got = pack_compiled(layout, p, np.zeros(layout.size, dtype=np.int32))
+    np.testing.assert_array_equal(got, want)
+    assert layout.unpack(got) == p
+
+
+@pytest.mark.parametrize("table", [
+    ([0, 2, 3], [5, 1, 9], [16, 3]),
+    ([0, 0, 2], [4, 4, 7], [0, 1]),  # empty request: its last_page_len may be 0
+    ([0, 2, 3], [5, 1, 9, 99, -7], [16, 3]),  # a longer indices buffer: only 3 are read
+    ([0], [], []),
+])
+def test_page_table_fast_path_matches_the_validator(table):
+    arrays = tuple(np.array(a, dtype=np.int32) for a in table)
+    *got, pages = check_page_table_fast(*arrays, 16, NAMES)
+    want = check_page_table(*arrays, 16)
+    assert pages == (int(want[1].max()) + 1 if want[1].size else 0)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+        assert g.dtype == w.dtype and not g.flags.writeable
+    assert not np.shares_memory(got[1], arrays[1])  # a snapshot
+
+
+@pytest.mark.parametrize("table, message", [
+    (([1, 2], [0, 1], [1]), "indptr\\[0\\] must be 0"),
+    (([0, 2, 1], [0, 1], [1, 1]), "non-decreasing"),
+    (([0, 3], [0, 1], [1]), "at least indptr\\[-1\\]=3"),
+    (([0, 2], [0, -1], [1]), "indices values must lie"),
+    (([0, 2], [0, 1], [17]), "last_page_len values must lie"),
+    (([0, 2], [0, 1], [0]), "last_page_len values must lie"),
+    (([0, 2], [0, 1], [1, 1]), "must have length 1"),
+])
+def test_page_table_fast_path_raises_the_validators_errors(table, message):
+    for dtype in (np.int32, np.int64):
+        arrays = tuple(np.array(a, dtype=dtype) for a in table)
+        with pytest.raises((ValueError, TypeError), match=message):
+            check_page_table_fast(*arrays, 16, NAMES)
+
+
+def test_a_wrappers_plans_agree_across_the_switch_to_the_compiled_planner(rng):
+    # plan() #1 runs the NumPy planner, #2 on the compiled loops: the same step must give the
+    # same schedule and the same words in plan memory; a step of another batch size in the same
+    # power-of-two bucket reuses the layout (no rebinding of the prepared launch)
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+    from nbinfer.formats import PageTable
+
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(8 << 20, dtype=np.uint8), backend="sim")
+    pt = PageTable.from_kv_lens(rng.integers(1, 3000, size=5), 16, rng=rng)
+    args = (pt.indptr, pt.indices, pt.last_page_len, 8, 2, 64, 16)
+    words = []
+    for _ in range(2):
+        w.plan(*args)
+        step = w.step_plan
+        words.append(step.launch.ints[:step.launch.layout.words["end"]].copy())
+        if len(words) == 1:
+            first = step.schedule
+    assert step.schedule == first
+    np.testing.assert_array_equal(words[0], words[1])
+    for batch in (5, 6):  # 5 and 6 requests of 1000 tokens: the same buckets
+        pt = PageTable.from_kv_lens([1000] * batch, 16, rng=rng)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 8, 2, 64, 16)
+        if batch == 5:
+            layout = w.step_plan.launch.layout
+    assert w.step_plan.launch.layout is layout
