@@ -246,6 +246,15 @@ def warmup(*, head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("flo
                 rows += got
                 bar.step(task.label)
     bar.close()
+    # The plan() side: the compiled scheduler, loaded into this process (and compiled into
+    # Numba's disk cache the first time on this machine), so no step of a generation pays it.
+    from .scheduler import compiled
+
+    t1 = time.perf_counter()
+    cached = compiled.loaded()
+    compiled.load()
+    rows.append({"task": "plan()", "kernel": "scheduler (CPU)", "cached": cached,
+                 "seconds": time.perf_counter() - t1})
     if progress:
         print(summary(rows, time.perf_counter() - t0, n), file=file)
     return rows

@@ -92,8 +92,10 @@ def test_warmup_fills_the_cache_in_parallel_and_reports_it(tmp_path, monkeypatch
     kw = dict(head_dims=[64], group_sizes=[2], options=[{"logits_soft_cap": 7.0}],
               kinds=["decode", "ragged"], processes=2, progress=False)
     first = nbinfer.warmup(**kw)
-    assert [r["cached"] for r in first] == [False, False]
-    assert {r["kernel"] for r in first} == {"decode", "prefill_mma"}
+    kernels, scheduler = first[:-1], first[-1]
+    assert [r["cached"] for r in kernels] == [False, False]
+    assert {r["kernel"] for r in kernels} == {"decode", "prefill_mma"}
+    assert scheduler["task"] == "plan()"  # the compiled planner, loaded in this process
     again = nbinfer.warmup(**kw)
     assert all(r["cached"] for r in again)
     assert len(list((tmp_path / "kernels").glob("*.nbk"))) == 2

@@ -266,6 +266,19 @@ def current_stream(x) -> int:
     return 0
 
 
+def stream_getter(x):
+    """A zero-argument function returning the CUDA stream handle :func:`current_stream` gives
+    for arrays on ``x``'s device (one C call for torch, where that is most of plan()'s need)."""
+    if array_kind(x) == "torch" and x.device.type == "cuda":
+        import torch
+
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return lambda: raw(index)
+    return lambda: current_stream(x)
+
+
 def to_host(x) -> np.ndarray:
     """An array of any kind as a host NumPy array (torch bf16, which NumPy lacks, as float32)."""
     if isinstance(x, (list, tuple)):
@@ -302,6 +315,20 @@ def host_index(x, name: str) -> np.ndarray:
     else:
         arr = np.array(to_host(x), copy=True)
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
+    return arr
+
+
+def host_view(x, name: str) -> np.ndarray:
+    """An index array of any kind and integer dtype as a host NumPy array, without a copy
+    where the memory already is on the host (the caller snapshots what it keeps)."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif isinstance(x, (list, tuple)):
+        return host_index(x, name)
+    else:
+        arr = to_host(x)
+    if arr.dtype.kind not in "iu":  # not bool, float or object
         raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
     return arr
 

@@ -71,6 +71,8 @@ class WrapperBase:
         rows = step.num_qo_rows
         L = step.launch
         P = L.launch
+        if L.fast is not None:
+            L.fast.dirty = True  # this call rebinds lengths and strides the fast path relies on
         kind = arrays.array_kind(q)
         shape = (rows, step.num_qo_heads, step.head_dim) if q_strides_of is None else \
             (step.num_qo_heads, step.head_dim)

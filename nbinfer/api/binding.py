@@ -162,6 +162,17 @@ def page_table(indptr, indices, last_page_len, page_size: int,
     return tuple(frozen(a) for a in out)
 
 
+def page_table_fast(indptr, indices, last_page_len, page_size: int,
+                    names=("indptr", "indices", "last_page_len")):
+    """:func:`page_table` in one compiled pass for int32 tables (the common case; any other
+    dtype, and every error, goes through the same validator)."""
+    from ..scheduler.compiled import check_page_table_fast
+
+    return check_page_table_fast(arrays.host_view(indptr, names[0]),
+                                 arrays.host_view(indices, names[1]),
+                                 arrays.host_view(last_page_len, names[2]), page_size, names)
+
+
 def frozen(a: np.ndarray) -> np.ndarray:
     """A read-only copy of ``a`` (plans hold snapshots, never the caller's arrays)."""
     a = np.array(a, copy=True)
@@ -188,4 +199,4 @@ def workspace_like(template, nbytes: int, backend: str):
 
 
 __all__ = ["bind", "bind_view", "check_output", "check_workspace", "frozen", "nbytes", "output",
-           "page_table", "same_device", "workspace_f32", "workspace_like"]
+           "page_table", "page_table_fast", "same_device", "workspace_f32", "workspace_like"]

@@ -8,20 +8,20 @@ merged inside it) and is called once per layer with the same plan.
 
 from __future__ import annotations
 
-import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 
 from .. import reference, scheduler
 from .._checks import check_dim, check_heads, check_ndim, check_positive_int, check_sm_scale
 from ..kernels.decode import DecodeSpec
-from ..scheduler import PlanLayout
+from ..scheduler import PlanLayout, compiled
 from ..variants import compose, from_flashinfer_args
 from ..variants import resolve as resolve_variant
 from . import arrays, binding
 from .base import WrapperBase, kv_strides, write_reference
 from .dtypes import normalize_dtype
-from .fast_path import TorchFastPath, run_fast
+from .fast_path import TorchFastPath
 from .launch import AttentionLaunch
 from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
@@ -90,6 +90,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                     raise TypeError(f"{name} must be int32, got {arrays.dtype_name(buf)}")
         self._graph_buffers = buffers if use_cuda_graph else None
         self._graph_layout = None
+        # Per-wrapper memos of what stays the same between steps: validated static arguments,
+        # one prepared launch per kernel spec (rebound to each step's layout), workspace
+        # layouts, decode's qo_indptr per batch size, the grid, the stream getter.
+        self._configs, self._launches, self._layouts, self._aranges = {}, {}, {}, {}
+        self._num_ctas = None
+        self._planned = False
+        self._stream = arrays.stream_getter(self._workspace)
+        self._workspace_bytes = binding.nbytes(self._workspace)
 
     @property
     def is_cuda_graph_enabled(self) -> bool:
@@ -113,9 +121,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         batch (batch invariance).
 
         The work list comes from :func:`nbinfer.scheduler.plan` (LPT over a fixed persistent
-        grid); it is copied into the wrapper's plan memory with the page table in one transfer
-        on the current stream, and serves every run() until the next plan(). A failed plan()
-        leaves no plan: run() raises until plan() succeeds.
+        grid; from a wrapper's second plan() on, its compiled twin
+        :func:`nbinfer.scheduler.compiled.plan_compiled`, which gives the same plan in a
+        fraction of the host time); it is copied into the wrapper's plan memory with the page
+        table in one asynchronous transfer on the current stream, and serves every run() until
+        the next plan(). A failed plan() leaves no plan: run() raises until plan() succeeds.
         """
         self._install(self._build, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                       head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
@@ -127,14 +137,95 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
     def _build(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                page_size, *, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
                rope_scale, rope_theta, q_data_type, kv_data_type, fixed_split_size, variant):
+        # Everything but the page table is the same from step to step: validated once per
+        # distinct set of arguments (keyed with their types, so 128 and 128.0 differ).
+        statics = (num_qo_heads, num_kv_heads, head_dim, page_size, pos_encoding_mode,
+                   window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+                   kv_data_type, fixed_split_size, variant)
+        cfg = self._config(statics)
+        # A wrapper's first plan() uses the NumPy planner; later ones the compiled loops, which
+        # cost Numba's CPU start-up (~0.3-0.6 s) once per process (compiled.load's docstring).
+        fast = self._planned or compiled.loaded()
+        if fast:
+            compiled.load()
+            indptr, indices, last, kv_lens, min_pages = binding.page_table_fast(
+                indptr, indices, last_page_len, cfg.page_size)
+        else:
+            indptr, indices, last, kv_lens = binding.page_table(indptr, indices, last_page_len,
+                                                                cfg.page_size)
+            min_pages = int(indices.max()) + 1 if indices.size else 0
+        batch = indptr.size - 1
+        qo_indptr = self._aranges.get(batch)
+        if qo_indptr is None:
+            qo_indptr = self._aranges.setdefault(
+                batch, binding.frozen(np.arange(batch + 1, dtype=np.int32)))
+        fields = dict(batch_size=batch, num_qo_rows=batch, num_qo_heads=num_qo_heads,
+                      num_kv_heads=num_kv_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
+                      q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, sm_scale=cfg.sm_scale,
+                      variant=cfg.variant, qo_indptr=qo_indptr, kv_indptr=indptr,
+                      kv_indices=indices, kv_last_page_len=last, kv_lens=kv_lens)
+        if self._backend == "reference":
+            return StepPlan(**fields)
+        if self._num_ctas is None:
+            self._num_ctas = persistent_ctas(self._backend)
+        if fast:
+            sched, item_merge = compiled.plan_compiled(
+                qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._num_ctas,
+                granule=cfg.granule, fixed_split_size=fixed_split_size)
+        else:
+            sched = scheduler.plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
+                                   self._num_ctas, granule=cfg.granule,
+                                   fixed_split_size=fixed_split_size)
+            item_merge = item_merge_lists(sched)
+        layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
+                                  cfg.head_dim, cfg.page_size, fixed_split_size)
+        launch = self._launches.get(cfg.spec)
+        if launch is None:
+            launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
+                                     self._num_ctas, cfg.sm_scale, self._memory,
+                                     self._graph_buffers)
+            self._launches[cfg.spec] = launch
+        else:
+            launch.bind(layout, cfg.sm_scale)
+        table = (indptr, indices, last)
+        staged = layout.stage(sched, item_merge, None if self._graph_buffers else table,
+                              out=launch.staging(layout.words["end"]), compiled=fast)
+        launch.upload(staged, table, self._stream())
+        torch_fast = launch.fast
+        if torch_fast is not None:
+            torch_fast.update(batch, num_qo_heads, cfg.head_dim, min_pages)
+        elif self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
+            torch_fast = TorchFastPath(SimpleNamespace(**fields), launch, self._kv_layout,
+                                       self._workspace.device)
+        if self._graph_buffers is not None:
+            self._graph_layout = layout
+        self._planned = True
+        return StepPlan(**fields, schedule=sched, spec=cfg.spec, launch=launch,
+                        fast=torch_fast)
+
+    def _config(self, statics):
+        """The validated static half of plan()'s arguments (memoised per wrapper)."""
+        try:
+            key = statics + tuple(map(type, statics))
+            cfg = self._configs.get(key)
+        except TypeError:  # an unhashable argument (a variant holding a list): no memo
+            key, cfg = None, None
+        if cfg is None:
+            cfg = self._validate_statics(*statics)
+            if key is not None:
+                if len(self._configs) >= 32:
+                    self._configs.clear()
+                self._configs[key] = cfg
+        return cfg
+
+    def _validate_statics(self, num_qo_heads, num_kv_heads, head_dim, page_size,
+                          pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                          rope_theta, q_data_type, kv_data_type, fixed_split_size, variant):
         group = check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
         page_size = check_positive_int("page_size", page_size)
         if fixed_split_size is not None:
             check_positive_int("fixed_split_size", fixed_split_size)
-        indptr, indices, last, kv_lens = binding.page_table(indptr, indices, last_page_len,
-                                                            page_size)
-        batch = indptr.size - 1
         q_dtype = normalize_dtype("q_data_type", q_data_type)
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         sm_scale = check_sm_scale(sm_scale, head_dim)
@@ -142,37 +233,39 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                 logits_soft_cap=logits_soft_cap,
                                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
                                 rope_theta=rope_theta)
-        step = StepPlan(batch, batch, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-                        kv_dtype, sm_scale, var, binding.frozen(np.arange(batch + 1, dtype=np.int32)),
-                        indptr, indices, last, kv_lens)
-        if self._backend == "reference":
-            return step
-        spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
-                          kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
-                          variant=var, sparse=True, sim=self._backend == "sim")
-        num_ctas = persistent_ctas(self._backend)
-        sched = scheduler.plan(np.arange(batch + 1), kv_lens, num_qo_heads, num_kv_heads,
-                               num_ctas, granule=max(MIN_CHUNK, spec.tokens_per_group * 4),
-                               fixed_split_size=fixed_split_size)
-        layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
-                                  head_dim, page_size, fixed_split_size)
-        launch = AttentionLaunch(spec, self._workspace, layout, self._backend, num_ctas,
-                                 sm_scale, self._memory, self._graph_buffers)
-        table = (indptr, indices, last)
-        staged = layout.stage(sched, item_merge_lists(sched),
-                              None if self._graph_buffers else table)
-        launch.upload(staged, table, arrays.current_stream(self._workspace))
-        fast = None
-        if self._backend == "cuda" and arrays.array_kind(self._workspace) == "torch":
-            fast = TorchFastPath(step, launch, self._kv_layout, self._workspace.device)
-        if self._graph_buffers is not None:
-            self._graph_layout = layout
-        return dataclasses.replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
+        spec = granule = None
+        if self._backend != "reference":
+            spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
+                              kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
+                              variant=var, sparse=True, sim=self._backend == "sim")
+            granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
+        return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
+                               kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,
+                               granule=granule)
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
         if self._graph_buffers is None:
-            return WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, batch, pages)
+            # Capacities rounded up to powers of two: consecutive steps of a generation share a
+            # layout, so the prepared launch needs no rebinding (unless the rounded partial
+            # states would not fit the workspace: then the exact layout).
+            counts = (sched.num_ctas, hq, hkv, d, sched.num_work, sched.num_merge_rows,
+                      sched.num_merge_nnz, batch, pages)
+            layout = self._layouts.get(counts)  # this exact step seen before
+            if layout is not None:
+                return layout
+            key = (*counts[:4], *map(_pow2, counts[4:]))
+            layout = self._layouts.get(key)
+            if layout is None:
+                layout = WorkspaceLayout(PlanLayout(sched.num_ctas, *key[4:7]), hkv, hq, d,
+                                         *key[7:])
+                if layout.nbytes > self._workspace_bytes:
+                    return WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, batch, pages)
+                if len(self._layouts) >= 256:
+                    self._layouts.clear()
+                self._layouts[key] = layout
+            self._layouts[counts] = layout
+            return layout
         layout = self._graph_layout
         if layout is None:  # fixed by the first plan() that succeeds (_build sets it)
             max_batch = int(self._graph_buffers[2].shape[0])
@@ -213,9 +306,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         ``return_lse``.
         """
         step = self._slot.get()
-        res = run_fast(step, q, paged_kv_cache, out, lse, return_lse)
-        if res is not None:
-            return res
+        if step.fast is not None:  # torch tensors matching the plan: a few comparisons
+            res = step.fast(q, paged_kv_cache, out, lse, return_lse)
+            if res is not None:
+                return res if return_lse else res[0]
         B, Hq, D = step.batch_size, step.num_qo_heads, step.head_dim
         check_q("q", q, (B, Hq, D), ("batch_size planned", "num_qo_heads", "head_dim"),
                 step.q_dtype)
@@ -232,6 +326,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             paged_kv_cache, (tuple, list)) else ("k_cache", "v_cache")
         return self._launch(step, q, (k_cache, v_cache), names,
                             kv_strides(self._kv_layout, paged=True), out, lse, return_lse)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1)."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def check_q(name, q, shape, what, dtype):

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.common import ARG, DECODE_PLAN_SECTIONS
 from ..kernels.decode import NUM_THREADS, build_decode_kernel, decode_signature
-from ..kernels.launch import PreparedLaunch
+from ..kernels.launch import PreparedLaunch, _driver, check
 from . import arrays, binding
 from .workspace import WorkspaceLayout
 
@@ -29,14 +29,51 @@ class PlanMemory:
     """A wrapper's own int32 memory for its plans (device memory; NumPy in the simulator).
 
     Grows when a plan needs more words; a CUDA-graph wrapper sizes it once for its fixed layout,
-    so the captured kernel's pointers stay valid.
+    so the captured kernel's pointers stay valid. ``generation`` counts the buffers it has had:
+    a launch bound to an older one rebinds.
     """
 
     def __init__(self, backend: str):
         self.backend = backend
         self._buf = None
+        self.address = 0
+        self.generation = 0
+        self._staging = None
+        self.event = None  # recorded after each upload; the staging buffer is free once it fires
+
+    def staging(self, words: int) -> np.ndarray:
+        """A host int32 buffer of ``words`` to stage the next upload in (pinned memory on the
+        GPU), free to write: the previous upload out of it has finished."""
+        if self.backend == "cuda":
+            drv = _driver()
+            if self.event is None:
+                self.event = drv.event()
+            else:
+                check(drv.event_synchronize(self.event), "cuEventSynchronize")
+        if self._staging is None or self._staging.size < words:
+            if self.backend == "sim":
+                self._staging = np.zeros(max(words, 64), dtype=np.int32)
+            else:
+                from numba import cuda
+
+                self._staging = cuda.pinned_array(max(2 * words, 1024), dtype=np.int32)
+        return self._staging[:words]
+
+    def __del__(self):
+        if self.event is not None:
+            try:
+                _driver().event_destroy(self.event)
+            except Exception:  # pragma: no cover - interpreter shutdown
+                pass
+
+    def reserve(self, words: int) -> None:
+        """Make room for ``words`` (a new, larger buffer when needed; ``generation`` counts)."""
+        if self._buf is None or self._buf.size < words:
+            self.get(words)
 
     def get(self, words: int):
+        """The first ``words`` of the buffer (grown when needed). On the GPU a view costs tens
+        of us of Numba bookkeeping: the launch path uses ``address`` and :meth:`reserve`."""
         if self._buf is None or self._buf.size < words:
             n = max(int(words), 4)
             if self.backend == "sim":
@@ -45,11 +82,16 @@ class PlanMemory:
                 from numba import cuda
 
                 self._buf = cuda.device_array(n, dtype=np.int32)
+                self.address = self._buf.__cuda_array_interface__["data"][0]
+            self.generation += 1
         return self._buf[:words]
 
 
 class AttentionLaunch:
     """A launch whose plan-side arguments live in ``memory`` and ``workspace`` at ``layout``.
+
+    Built once per kernel and rebound (:meth:`bind`) to each step's layout, which on the GPU is
+    a few pointer and offset writes into the prepared argument block.
 
     Parameters
     ----------
@@ -76,51 +118,72 @@ class AttentionLaunch:
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,
                  sm_scale: float, memory: PlanMemory, page_table_buffers=None, *, kernel=None,
                  num_threads: int = NUM_THREADS, before=(), after=()):
-        self.backend, self.layout = backend, layout
-        compiled, signature, sections = kernel or (build_decode_kernel(spec),
-                                                   decode_signature(spec), DECODE_PLAN_SECTIONS)
+        self.backend, self.memory = backend, memory
+        compiled, signature, self._sections = kernel or (
+            build_decode_kernel(spec), decode_signature(spec), DECODE_PLAN_SECTIONS)
         self.launch = PreparedLaunch(compiled, signature, num_ctas, num_threads,
                                      sim=backend == "sim")
-        f32 = binding.workspace_f32(workspace, backend)
-        cai = getattr(f32, "__cuda_array_interface__", None)
-        addr = cai["data"][0] if cai is not None else f32.ctypes.data
-        if addr % 16:
+        self._f32 = binding.workspace_f32(workspace, backend)
+        cai = getattr(self._f32, "__cuda_array_interface__", None)
+        self._f32_addr = cai["data"][0] if cai is not None else self._f32.ctypes.data
+        if self._f32_addr % 16:
             # The prefill kernels' fused merge copies partial states 16 bytes at a time.
             raise ValueError(f"float_workspace_buffer must start at a 16-byte aligned address, "
-                             f"got one {addr % 16} bytes past it")
-        if f32.size * 4 < layout.nbytes:
-            raise ValueError(f"float_workspace_buffer holds {f32.size * 4} bytes, this plan "
-                             f"needs {layout.nbytes}")
-        w = layout.words
-        self.ints = memory.get(w["end"])
-        L = self.launch
-        L.set_array(ARG["plan"], self.ints)
-        L.set_array(ARG["counters"], self.ints[w["counters"]:w["kv_indptr"]])
+                             f"got one {self._f32_addr % 16} bytes past it")
         self.page_table_buffers = page_table_buffers
-        if page_table_buffers is None:
-            sizes = {"kv_indptr": layout.max_batch + 1, "kv_indices": layout.max_pages,
-                     "kv_last_page_len": layout.max_batch}
-            for name, n in sizes.items():
-                L.set_array(ARG[name], self.ints[w[name]:w[name] + max(1, n)])
-        else:
+        self._table_ptrs = None
+        if page_table_buffers is not None:
             for name, buf in zip(("kv_indptr", "kv_indices", "kv_last_page_len"),
                                  page_table_buffers, strict=True):
-                binding.bind(L, ARG[name], buf, backend)
+                binding.bind(self.launch, ARG[name], buf, backend)
+            if backend == "cuda" and all(arrays.on_device(b) for b in page_table_buffers):
+                self._table_ptrs = tuple(arrays.device_pointer(b)[0] for b in page_table_buffers)
+        self._bound = None
+        self._strides = None
+        self.fast = None  # run()'s fast path for torch tensors (the wrapper attaches it)
+        self.bind(layout, sm_scale)
+        self._before = tuple(self.launch.sharing(k, grid) for k, grid in before)
+        self._after = tuple(self.launch.sharing(k, grid) for k, grid in after)
+
+    def bind(self, layout: WorkspaceLayout, sm_scale: float) -> None:
+        """Point the plan-side arguments at ``layout``'s sections (a no-op when they already
+        are): plan memory, page-table sections, partial states, the section offsets."""
+        w = layout.words
+        self.memory.reserve(w["end"])
+        key = (layout, sm_scale, self.memory.generation)
+        if key == self._bound:
+            return
+        ints = self.memory.get(w["end"])
+        if self._f32.size * 4 < layout.nbytes:
+            raise ValueError(f"float_workspace_buffer holds {self._f32.size * 4} bytes, this "
+                             f"plan needs {layout.nbytes}")
+        self.layout, self.ints = layout, ints
+        L = self.launch
+        sizes = {"plan": w["end"], "counters": w["kv_indptr"] - w["counters"]}
+        if self.page_table_buffers is None:
+            sizes.update(kv_indptr=layout.max_batch + 1, kv_indices=layout.max_pages,
+                         kv_last_page_len=layout.max_batch)
         o_off, s_off = layout.float_offsets()
         o_n, s_n = layout.partial_elems
-        L.set_array(ARG["tmp_o"], f32[o_off:o_off + max(o_n, 1)])
-        L.set_array(ARG["tmp_lse"], f32[s_off:s_off + max(s_n, 1)])
+        if self.backend == "cuda":
+            base = self.memory.address
+            for name, n in sizes.items():
+                L.set_pointer(ARG[name], base + 4 * (0 if name == "plan" else w[name]), max(1, n))
+            L.set_pointer(ARG["tmp_o"], self._f32_addr + 4 * o_off, max(o_n, 1))
+            L.set_pointer(ARG["tmp_lse"], self._f32_addr + 4 * s_off, max(s_n, 1))
+        else:
+            for name, n in sizes.items():
+                start = 0 if name == "plan" else w[name]
+                L.set_array(ARG[name], ints[start:start + max(1, n)])
+            L.set_array(ARG["tmp_o"], self._f32[o_off:o_off + max(o_n, 1)])
+            L.set_array(ARG["tmp_lse"], self._f32[s_off:s_off + max(s_n, 1)])
         L.set_scalar(ARG["num_kv_heads"], layout.num_kv_heads)
         L.set_scalar(ARG["sm_scale"], sm_scale)
-        offsets = layout.plan.offsets()
+        offsets = layout.plan_offsets
         first = len(ARG)
-        for i, name in enumerate(sections):
+        for i, name in enumerate(self._sections):
             L.set_scalar(first + i, offsets[name] if name in offsets else w[name])
-        self._strides = None
-        self._event = None
-        self._staging = None
-        self._before = tuple(L.sharing(k, grid) for k, grid in before)
-        self._after = tuple(L.sharing(k, grid) for k, grid in after)
+        self._bound = key
 
     def set_strides(self, page_stride: int, kv_stride_n: int, kv_stride_h: int,
                     q_stride_n: int, q_stride_h: int) -> None:
@@ -131,6 +194,10 @@ class AttentionLaunch:
                 self.launch.set_scalar(ARG[name], value)
             self._strides = st
 
+    def staging(self, words: int) -> np.ndarray:
+        """Where to stage the next plan (:meth:`PlanMemory.staging`)."""
+        return self.memory.staging(words)
+
     def upload(self, staged: np.ndarray, page_table, stream: int) -> None:
         """Copy the staged int32 words (and, in graph mode, the page table into the caller's
         buffers) to the device, ordered on ``stream`` after the work already queued there."""
@@ -140,21 +207,31 @@ class AttentionLaunch:
                 for buf, host in zip(self.page_table_buffers, page_table, strict=True):
                     arrays.to_kernel(buf, "sim")[: host.size] = host
             return
-        from numba import cuda
+        tables = () if self.page_table_buffers is None else page_table
+        extra = sum(t.size for t in tables) if self._table_ptrs is not None else 0
+        buf = self.staging(staged.size + extra)
+        if buf.ctypes.data != staged.ctypes.data:
+            buf[: staged.size] = staged
+        drv = _driver()
+        ptr = buf.ctypes.data
+        check(drv.memcpy_htod_async(self.memory.address, ptr, 4 * staged.size, stream),
+              "cuMemcpyHtoDAsync")
+        if self._table_ptrs is not None:
+            pos = staged.size
+            for dst, host in zip(self._table_ptrs, tables, strict=True):
+                buf[pos:pos + host.size] = host
+                check(drv.memcpy_htod_async(dst, ptr + 4 * pos, 4 * host.size, stream),
+                      "cuMemcpyHtoDAsync")
+                pos += host.size
+        elif tables:
+            from numba import cuda
 
-        if self._event is not None:
-            self._event.synchronize()  # the previous step's copy has left the staging buffer
-        if self._staging is None or self._staging.size < staged.size:
-            self._staging = cuda.pinned_array(staged.size, dtype=np.int32)
-        self._staging[: staged.size] = staged
-        s = cuda.external_stream(stream) if stream else cuda.default_stream()
-        self.ints[: staged.size].copy_to_device(self._staging[: staged.size], stream=s)
-        if self.page_table_buffers is not None:
-            for buf, host in zip(self.page_table_buffers, page_table, strict=True):
-                dev = arrays.to_kernel(buf, "cuda")
-                dev[: host.size].copy_to_device(np.ascontiguousarray(host, dtype=np.int32), stream=s)
-        self._event = cuda.event(timing=False)
-        self._event.record(s)
+            s = cuda.external_stream(stream) if stream else cuda.default_stream()
+            for dst, host in zip(self.page_table_buffers, tables, strict=True):
+                dev = arrays.to_kernel(dst, "cuda")
+                dev[: host.size].copy_to_device(np.ascontiguousarray(host, dtype=np.int32),
+                                                stream=s)
+        check(drv.event_record(self.memory.event, stream), "cuEventRecord")
 
     def __call__(self, stream: int) -> None:
         """Launch the kernel (and the kernels around it) on ``stream``."""

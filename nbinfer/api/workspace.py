@@ -25,12 +25,14 @@ arguments stay valid and only the bytes they point to change.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..kernels.common import VALUE_SCAN_SPLITS
 from ..scheduler import Plan, PlanLayout
+from ..scheduler.compiled import pack_compiled
 
 __all__ = ["WorkspaceLayout", "item_merge_lists"]
 
@@ -51,7 +53,7 @@ class WorkspaceLayout:
     max_pages: int
     max_mask_words: int = 0
 
-    @property
+    @functools.cached_property
     def words(self) -> dict[str, int]:
         """Word offsets of the int32 sections and ``"end"`` (16-byte aligned)."""
         sizes = (("plan", self.plan.size), ("item_merge", self.plan.max_work),
@@ -67,6 +69,11 @@ class WorkspaceLayout:
             pos += _align4(max(n, 1))
         out["end"] = pos
         return out
+
+    @functools.cached_property
+    def plan_offsets(self) -> dict[str, int]:
+        """Word offsets of the plan's sections inside the plan (:meth:`PlanLayout.offsets`)."""
+        return self.plan.offsets()
 
     @property
     def partial_elems(self) -> tuple[int, int]:
@@ -89,19 +96,25 @@ class WorkspaceLayout:
         return self.plan.fits(plan) and batch <= self.max_batch and pages <= self.max_pages
 
     def stage(self, plan: Plan, item_merge: np.ndarray, page_table=None,
-              out: np.ndarray | None = None, **sections) -> np.ndarray:
+              out: np.ndarray | None = None, *, compiled: bool = False,
+              **sections) -> np.ndarray:
         """The int32 part of the workspace for ``plan`` (counters zero), ready to copy.
 
         ``page_table`` is ``(kv_indptr, kv_indices, kv_last_page_len)`` (omitted when the caller
         owns those buffers); ``sections`` may give ``qo_indptr``, ``mask_indptr``,
-        ``mask_words``, ``q_pos0`` and ``qo_end`` (int32 arrays).
+        ``mask_words``, ``q_pos0`` and ``qo_end`` (int32 arrays). ``compiled``: pack with
+        :func:`nbinfer.scheduler.compiled.pack_compiled` (the same words in one call).
         """
         w = self.words
         buf = np.zeros(w["end"], dtype=np.int32) if out is None else out
-        if out is not None:
+        # plan, then zeros over item_merge and counters (every launch expects zero counters)
+        if compiled:
+            pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], extras=(item_merge,),
+                          extra_offsets=(w["item_merge"],))
+        else:
+            self.plan.pack(plan, out=buf[:self.plan.size])
             buf[w["item_merge"]:w["kv_indptr"]] = 0
-        self.plan.pack(plan, out=buf[:self.plan.size])
-        buf[w["item_merge"]:w["item_merge"] + item_merge.size] = item_merge
+            buf[w["item_merge"]:w["item_merge"] + item_merge.size] = item_merge
         if page_table is not None:
             sections.update(zip(("kv_indptr", "kv_indices", "kv_last_page_len"), page_table,
                                 strict=True))

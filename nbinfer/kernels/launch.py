@@ -14,6 +14,8 @@ the kernel the ordinary way, so callers have one code path.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import types
 
@@ -54,9 +56,7 @@ class PreparedLaunch:
         # One 8-byte cell per field; cuLaunchKernel reads each through its own pointer, so
         # 4-byte scalars sit in the low half of their cell (little endian).
         self._vals = np.zeros(max(n, 1), dtype=np.int64)
-        base = self._vals.ctypes.data
-        self._ptrs = np.array([base + 8 * i for i in range(n)], dtype=np.uint64)
-        self._params = self._ptrs.ctypes.data
+        self._bind_cells()
         self._keep = {}
         for i, ty in enumerate(self._types):
             if isinstance(ty, types.Array):
@@ -74,12 +74,21 @@ class PreparedLaunch:
             twin._args = list(self._args)
             return twin
         twin._vals = self._vals.copy()
-        base = twin._vals.ctypes.data
-        twin._ptrs = np.array([base + 8 * i for i in range(self._ptrs.size)], dtype=np.uint64)
-        twin._params = twin._ptrs.ctypes.data
         twin._func = kernel.handle
+        twin._bind_cells()
         twin._keep = dict(self._keep)
         return twin
+
+    def _bind_cells(self) -> None:
+        # A memoryview writes one cell in ~0.1 us (a NumPy item assignment costs more); the
+        # pointer array and the foreign call's arguments are built once, for the last stream.
+        raw = memoryview(self._vals).cast("B")
+        self._cells, self._cells_i32, self._cells_f32 = raw.cast("q"), raw.cast("i"), raw.cast("f")
+        base = self._vals.ctypes.data
+        self._ptrs = np.array([base + 8 * i for i in range(self._vals.size)], dtype=np.uint64)
+        self._params = self._ptrs.ctypes.data
+        self._stream = None
+        self._bound = None
 
     def sharing(self, kernel, grid=None) -> PreparedLaunch:
         """A launch of ``kernel`` (same signature and block; this grid unless ``grid`` is given)
@@ -93,6 +102,7 @@ class PreparedLaunch:
             twin.grid = _dim3(grid)
         if not self.sim:
             twin._func = kernel.handle
+            twin._stream = twin._bound = None  # its own foreign-call arguments (same cells)
         return twin
 
     def set_array(self, i: int, arr) -> None:
@@ -107,10 +117,15 @@ class PreparedLaunch:
     def set_pointer(self, i: int, ptr: int, nitems: int) -> None:
         """Bind argument ``i`` (an array) to ``nitems`` elements at device address ``ptr``."""
         s = self._slot[i]
-        v = self._vals
-        v[s + 2] = nitems
-        v[s + 4] = ptr
-        v[s + 5] = nitems
+        c = self._cells
+        c[s + 2] = nitems
+        c[s + 4] = ptr
+        c[s + 5] = nitems
+
+    def set_data(self, i: int, ptr: int) -> None:
+        """Rebind only the data pointer of array argument ``i`` (its length unchanged): the
+        per-call write of run()'s fast paths."""
+        self._cells[self._slot[i] + 4] = ptr
 
     def set_scalar(self, i: int, value) -> None:
         ty = self._types[i]
@@ -118,17 +133,27 @@ class PreparedLaunch:
             self._args[i] = np.dtype(str(ty)).type(value)
             return
         s = self._slot[i]
-        cell = self._vals[s:s + 1]
-        cell[0] = 0
-        cell.view(np.dtype(str(ty)))[0] = value
+        if ty.bitwidth == 64:
+            self._cells[s] = int(value) if isinstance(ty, types.Integer) else 0
+            if isinstance(ty, types.Float):
+                self._vals[s:s + 1].view(np.float64)[0] = value
+            return
+        # a 4-byte scalar in the low half of its cell, the high half zero
+        self._cells[s] = 0
+        if isinstance(ty, types.Float):
+            self._cells_f32[2 * s] = float(value)
+        else:
+            self._cells_i32[2 * s] = int(value)
 
     def __call__(self, stream: int = 0) -> None:
         """Launch on the CUDA stream with handle ``stream`` (0: the legacy default stream)."""
         if self.sim:
             self.kernel[self.grid, self.block](*self._args)
             return
-        err = _cu_launch_kernel()(self._func, *self.grid, *self.block, 0, stream, self._params,
-                                  None)
+        if stream != self._stream:
+            self._bound = (self._func, *self.grid, *self.block, 0, stream, self._params, None)
+            self._stream = stream
+        err = _driver().launch(*self._bound)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
 
@@ -141,22 +166,43 @@ def _dim3(dims) -> tuple[int, int, int]:
     return dims + (1,) * (3 - len(dims))
 
 
-_LAUNCH = []
+class _Driver:
+    """The few driver entry points the host path calls per step, through ctypes: one foreign
+    call each (~1 us), instead of the Python wrappers' argument objects and result enums."""
 
-
-def _cu_launch_kernel():
-    # The driver's cuLaunchKernel through ctypes: one foreign call (~1 us) instead of the
-    # cuda.bindings wrapper's argument objects and result enum.
-    if not _LAUNCH:
+    def __init__(self):
         import ctypes
 
         lib = ctypes.CDLL("libcuda.so.1")
-        fn = lib.cuLaunchKernel
-        u32, ptr = ctypes.c_uint, ctypes.c_void_p
-        fn.argtypes = [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr]
-        fn.restype = ctypes.c_int
-        _LAUNCH.append(fn)
-    return _LAUNCH[0]
+        u32, ptr, size = ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
+        sig = {"cuLaunchKernel": [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr],
+               "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ptr, size, ptr],
+               "cuEventCreate": [ptr, u32], "cuEventRecord": [ptr, ptr],
+               "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr]}
+        for name, argtypes in sig.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        self.ctypes = ctypes
+        self.launch = lib.cuLaunchKernel
+        self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
+        self._event_create, self.event_record = lib.cuEventCreate, lib.cuEventRecord
+        self.event_synchronize, self.event_destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
+
+    def event(self) -> int:
+        """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""
+        handle = self.ctypes.c_void_p()
+        check(self._event_create(self.ctypes.byref(handle), 2), "cuEventCreate")
+        return handle.value
+
+
+def check(err: int, what: str) -> None:
+    if err:
+        raise RuntimeError(f"{what} failed with CUresult {err}")
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver()
 
 
 __all__ = ["PreparedLaunch", "ARRAY_FIELDS"]
