@@ -3,7 +3,7 @@
 # parallel, so the kernel specs compile on six cores at once), then the decode benchmark alone
 # on the GPU (nothing else running while it times), then the optional benchmarks named, each
 # alone too. Logs and JSON go to $OUT.
-#   [SKIP_DECODE=1] bash bench/gpu_check.sh [prefill] [sched]
+#   [SKIP_DECODE=1] bash bench/gpu_check.sh [prefill] [sched] [host]
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
@@ -41,11 +41,16 @@ for extra in "$@"; do
   case $extra in
     prefill) python3 bench/prefill.py --out "$OUT/prefill_h200.json" >"$OUT/prefill.log" 2>&1 || status=1 ;;
     sched) python3 bench/scheduler.py --out "$OUT/scheduler_h200.json" >"$OUT/scheduler.log" 2>&1 || status=1 ;;
-    *) echo "unknown benchmark: $extra (prefill, sched)"; status=1 ;;
+    host) { python3 bench/host.py --profile --out "$OUT/host_h200.json" &&
+            python3 bench/launch_cost.py --out "$OUT/launch_cost.json"; } >"$OUT/host.log" 2>&1 || status=1 ;;
+    *) echo "unknown benchmark: $extra (prefill, sched, host)"; status=1 ;;
   esac
 done
 for f in gpu_a gpu_b gpu_b2 gpu_b3 gpu_c gpu_d; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
 cat "$OUT/gpu_time.log"
-for f in "$@"; do [ "$f" = sched ] && f=scheduler; tail -4 "$OUT/$f.log" 2>/dev/null; done
+for f in "$@"; do
+  case $f in sched) tail -4 "$OUT/scheduler.log" ;; host) tail -32 "$OUT/host.log" ;;
+    *) tail -4 "$OUT/$f.log" ;; esac 2>/dev/null
+done
 tail -6 "$OUT/decode.log" 2>/dev/null
 exit $status
