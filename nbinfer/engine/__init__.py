@@ -1,0 +1,17 @@
+"""A small serving engine over nbinfer's attention: a Llama-family model, one paged KV pool,
+continuous batching with chunked prefill and preemption.
+
+Modules: :mod:`.config` (model shapes, named configurations, Hugging Face ``config.json``),
+:mod:`.model` (the NumPy decoder, random weights, RoPE), :mod:`.pool` (page ids with reference
+counts), :mod:`.runners` (a model over the paged caches), :mod:`.engine` (the step scheduler).
+"""
+
+from .config import CONFIGS, ModelConfig, config_from_hf, named_config
+from .engine import Engine, Request, StepReport
+from .model import NumpyLlama, generate_alone, init_weights, rope_frequencies
+from .pool import PagePool, pages_for_budget
+from .runners import NumpyRunner
+
+__all__ = ["CONFIGS", "Engine", "ModelConfig", "NumpyLlama", "NumpyRunner", "PagePool",
+           "Request", "StepReport", "config_from_hf", "generate_alone", "init_weights",
+           "named_config", "pages_for_budget", "rope_frequencies"]

@@ -1,0 +1,249 @@
+"""Continuous batching over one paged KV pool: sequences, the step scheduler, greedy decoding.
+
+Each :meth:`Engine.step`:
+
+1. **schedules** up to ``max_step_tokens`` new tokens: every running sequence that is decoding
+   gets its one token first (oldest first), then sequences still prefilling continue, then
+   waiting requests start, in arrival order; a prompt longer than what is left of the budget is
+   prefilled in chunks over several steps;
+2. **allocates pages** for the scheduled tokens; when the pool runs dry, the youngest running
+   sequence is **preempted**: its pages are freed and it goes back to the front of the queue,
+   to be recomputed (prompt and tokens generated so far) when pages are free again;
+3. **runs the model** once on the whole batch (each layer appends the step's keys and values to
+   their pages, then attends causally over each sequence's pages);
+4. **samples** (greedy) the next token of every sequence whose scheduled tokens reached the end
+   of what it has, and retires the sequences that are done, freeing their pages.
+
+The runner (:mod:`.runners`) does the arithmetic; everything here is host bookkeeping, the same
+for the NumPy and the torch model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .pool import PagePool
+
+__all__ = ["Engine", "Request", "StepReport"]
+
+
+@dataclass
+class Request:
+    """One generation request.
+
+    Attributes
+    ----------
+    prompt : list of int
+        Token ids (at least one).
+    max_new_tokens : int
+        Tokens to generate (>= 1).
+    arrival : int
+        Step at which the request arrives (for :meth:`Engine.run`).
+    """
+
+    prompt: list
+    max_new_tokens: int
+    arrival: int = 0
+
+    def __post_init__(self):
+        self.prompt = [int(t) for t in self.prompt]
+        if not self.prompt:
+            raise ValueError("prompt must hold at least one token")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+
+
+@dataclass
+class _Sequence:
+    rid: int
+    request: Request
+    order: int  # admission order: the youngest (largest) is preempted first
+    output: list = field(default_factory=list)
+    pages: list = field(default_factory=list)
+    computed: int = 0  # tokens whose K and V are in the pool
+
+    @property
+    def tokens(self) -> list:
+        return self.request.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.request.max_new_tokens
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one step did: request ids and token counts per sequence (``prefill`` for chunks of
+    more than one token, ``decode`` for single tokens), preemptions, pages in use."""
+
+    step: int
+    scheduled: tuple  # (request id, new tokens)
+    sampled: tuple  # (request id, token)
+    finished: tuple
+    preempted: tuple
+    pages_in_use: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Engine:
+    """Serve :class:`Request` objects with a model runner over one :class:`PagePool`.
+
+    Parameters
+    ----------
+    runner : a model runner (:class:`~nbinfer.engine.runners.NumpyRunner`, ...) whose caches
+        hold ``num_pages`` pages of ``page_size`` tokens
+    num_pages, page_size : int
+    max_step_tokens : int
+        Token budget of a step (decode tokens and prefill chunks together).
+    max_batch : int
+        Sequences per step.
+    """
+
+    def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
+                 max_batch: int = 64):
+        for name, value in (("max_step_tokens", max_step_tokens), ("max_batch", max_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.runner, self.pool = runner, PagePool(num_pages, page_size)
+        self.max_step_tokens, self.max_batch = max_step_tokens, max_batch
+        self.waiting: list[_Sequence] = []
+        self.running: list[_Sequence] = []
+        self.finished: dict[int, list] = {}
+        self.steps = self.preemptions = 0
+        self._next_rid = self._next_order = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> int:
+        """Queue ``request``; returns its id. A request whose prompt and output can never fit
+        the pool at once is refused."""
+        need = -(-(len(request.prompt) + request.max_new_tokens) // self.pool.page_size)
+        if need > self.pool.num_pages:
+            raise ValueError(f"request needs {need} pages, the pool has {self.pool.num_pages}")
+        rid = self._next_rid
+        self._next_rid += 1
+        self.waiting.append(_Sequence(rid, request, order=-1))
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        """Schedule, allocate, run and sample once (see the module docstring)."""
+        preempted = []
+        plan = self._schedule()
+        plan = self._allocate(plan, preempted)
+        sampled, finished = [], []
+        if plan:
+            logits = self._run(plan)
+            row = 0
+            for seq, n in plan:
+                row += n
+                seq.computed += n
+                if seq.computed == len(seq.tokens):  # reached the end: the next token is due
+                    token = int(np.argmax(logits[row - 1]))
+                    seq.output.append(token)
+                    sampled.append((seq.rid, token))
+                    if seq.done:
+                        finished.append(seq.rid)
+            for seq, _ in plan:
+                if seq.done and seq in self.running:
+                    self.running.remove(seq)
+                    self.pool.release(seq.pages)
+                    seq.pages = []
+                    self.finished[seq.rid] = seq.output
+        self.steps += 1
+        return StepReport(self.steps - 1, tuple((s.rid, n) for s, n in plan), tuple(sampled),
+                          tuple(finished), tuple(preempted),
+                          self.pool.num_pages - self.pool.num_free)
+
+    def _schedule(self) -> list:
+        """``[(sequence, new tokens)]`` within the step's token and batch budgets."""
+        budget, plan = self.max_step_tokens, []
+        decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
+        prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
+        for seq in sorted(decoding, key=lambda s: s.order) + sorted(prefilling,
+                                                                    key=lambda s: s.order):
+            if budget == 0 or len(plan) == self.max_batch:
+                return plan
+            n = min(len(seq.tokens) - seq.computed, budget)
+            plan.append((seq, n))
+            budget -= n
+        while self.waiting and budget and len(plan) < self.max_batch:
+            seq = self.waiting.pop(0)
+            if seq.order < 0:
+                seq.order = self._next_order
+                self._next_order += 1
+            self.running.append(seq)
+            n = min(len(seq.tokens) - seq.computed, budget)
+            plan.append((seq, n))
+            budget -= n
+        return plan
+
+    def _allocate(self, plan: list, preempted: list) -> list:
+        """Give every scheduled sequence the pages its new tokens need, oldest first; when the
+        pool is short, preempt the youngest running sequence (recomputed later)."""
+        ps = self.pool.page_size
+        for seq, n in sorted(plan, key=lambda p: p[0].order):
+            if seq not in self.running:  # preempted for an older sequence already
+                continue
+            need = -(-(seq.computed + n) // ps) - len(seq.pages)
+            while need > 0:
+                pages = self.pool.alloc(need)
+                if pages is not None:
+                    seq.pages += pages
+                    break
+                victim = max(self.running, key=lambda s: s.order)
+                self._preempt(victim)
+                preempted.append(victim.rid)
+                if victim is seq:
+                    break
+        return [(s, n) for s, n in plan if s in self.running]
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.pages, seq.computed = [], 0
+        self.waiting.insert(0, seq)
+        self.preemptions += 1
+
+    def _run(self, plan: list) -> np.ndarray:
+        """The batch of ``plan`` as the runner takes it, and its logits."""
+        ps = self.pool.page_size
+        tokens, positions, qo, kv_indptr, indices, last = [], [], [0], [0], [], []
+        for seq, n in plan:
+            tokens += seq.tokens[seq.computed:seq.computed + n]
+            positions += range(seq.computed, seq.computed + n)
+            qo.append(qo[-1] + n)
+            length = seq.computed + n
+            used = -(-length // ps)
+            indices += seq.pages[:used]
+            kv_indptr.append(kv_indptr[-1] + used)
+            last.append(length - (used - 1) * ps)
+        as32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
+        return self.runner.forward(np.asarray(tokens), np.asarray(positions), as32(qo),
+                                   as32(kv_indptr), as32(indices), as32(last))
+
+    # -- a whole run ---------------------------------------------------------------------------
+    def run(self, requests, *, max_steps: int = 100000, on_step=None) -> list[list]:
+        """Serve ``requests`` (each arriving at its ``arrival`` step) to completion; returns the
+        generated tokens of each, in the order given. ``on_step(report)`` sees every step."""
+        pending = sorted(range(len(requests)), key=lambda i: requests[i].arrival)
+        rids = {}
+        while pending or self.has_work:
+            while pending and requests[pending[0]].arrival <= self.steps:
+                i = pending.pop(0)
+                rids[i] = self.add_request(requests[i])
+            if self.steps >= max_steps:
+                raise RuntimeError(f"not done after {max_steps} steps")
+            report = self.step()
+            if on_step is not None:
+                on_step(report)
+        return [self.finished[rids[i]] for i in range(len(requests))]

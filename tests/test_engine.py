@@ -1,0 +1,157 @@
+"""The engine on the CPU: greedy tokens equal to each request run alone without paging.
+
+The tiny configuration in float64 (the NumPy model, attention from nbinfer.reference), requests
+arriving mid-run, prompts longer than a step's token budget (chunked prefill), a pool too small
+for every request at once (preemption and recompute); and a control that breaks the paged
+attention on purpose, to show the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nbinfer.engine import (
+    CONFIGS,
+    Engine,
+    ModelConfig,
+    NumpyLlama,
+    NumpyRunner,
+    PagePool,
+    Request,
+    config_from_hf,
+    generate_alone,
+    init_weights,
+    named_config,
+    pages_for_budget,
+    rope_frequencies,
+)
+
+CFG = CONFIGS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return NumpyLlama(CFG, init_weights(CFG, seed=3))
+
+
+def _requests(rng, n, arrivals=True):
+    lens = rng.integers(1, 40, size=n)
+    return [Request(list(rng.integers(0, CFG.vocab_size, size=int(k))), int(rng.integers(1, 9)),
+                    arrival=int(rng.integers(0, 6)) if arrivals else 0) for k in lens]
+
+
+def _alone(model, requests):
+    return [generate_alone(model, r.prompt, r.max_new_tokens) for r in requests]
+
+
+@pytest.mark.parametrize("page_size, budget", [(4, 16), (1, 7), (16, 256)])
+def test_tokens_equal_each_request_alone(model, rng, page_size, budget):
+    requests = _requests(rng, 6)
+    engine = Engine(NumpyRunner(model, 128, page_size), 128, page_size,
+                    max_step_tokens=budget)
+    reports = []
+    out = engine.run(requests, on_step=reports.append)
+    assert out == _alone(model, requests)
+    assert engine.preemptions == 0 and engine.pool.num_free == 128  # every page came back
+    assert all(r.num_tokens <= budget for r in reports)
+    chunks = {}
+    for r in reports:
+        for rid, n in r.scheduled:
+            chunks.setdefault(rid, []).append(n)
+    if max(len(r.prompt) for r in requests) > budget:  # a prompt prefilled over several steps
+        assert any(sum(n > 1 for n in ns) >= 2 for ns in chunks.values())
+
+
+def test_a_small_pool_preempts_the_youngest_and_recomputes(model, rng):
+    requests = [Request(list(rng.integers(0, CFG.vocab_size, size=12)), 10) for _ in range(5)]
+    # 5 requests of up to 22 tokens = 6 pages each at page size 4; 12 pages hold two of them
+    engine = Engine(NumpyRunner(model, 12, 4), 12, 4, max_step_tokens=64)
+    preempted = []
+    out = engine.run(requests, on_step=lambda r: preempted.extend(r.preempted))
+    assert engine.preemptions > 0 and preempted
+    assert out == _alone(model, requests)
+    assert engine.pool.num_free == 12
+
+
+def test_the_comparison_fails_when_paged_attention_is_wrong(model, rng):
+    class AliasedPage(NumpyRunner):  # the first logical page of the batch aliases the last one
+        def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last):
+            wrong = kv_indices.copy()
+            if wrong.size > 1:
+                wrong[0] = wrong[-1]
+            return super().forward(tokens, positions, qo, kv_indptr, wrong, last)
+
+    requests = [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6) for _ in range(3)]
+    engine = Engine(AliasedPage(model, 64, 4), 64, 4)
+    assert engine.run(requests) != _alone(model, requests)
+
+
+def test_step_reports_show_decode_and_prefill_in_one_batch(model, rng):
+    engine = Engine(NumpyRunner(model, 64, 4), 64, 4, max_step_tokens=10)
+    reports = []
+    engine.run([Request([1, 2, 3], 6), Request(list(range(30)), 2, arrival=2)],
+               on_step=reports.append)
+    mixed = [r for r in reports if len(r.scheduled) == 2]
+    assert mixed  # request 0 decodes while request 1's prompt is prefilled in chunks
+    assert any(dict(r.scheduled)[0] == 1 and dict(r.scheduled)[1] > 1 for r in mixed)
+
+
+def test_requests_are_validated(model):
+    engine = Engine(NumpyRunner(model, 4, 4), 4, 4)
+    with pytest.raises(ValueError, match="prompt"):
+        Request([], 3)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        Request([1], 0)
+    with pytest.raises(ValueError, match="needs 5 pages"):
+        engine.add_request(Request([1] * 15, 5))
+    with pytest.raises(ValueError, match="max_step_tokens"):
+        Engine(NumpyRunner(model, 4, 4), 4, 4, max_step_tokens=0)
+
+
+def test_page_pool_counts_owners():
+    pool = PagePool(4, 16)
+    a = pool.alloc(3)
+    assert a == [0, 1, 2] and pool.num_free == 1 and pool.alloc(2) is None
+    pool.retain(a[:2])  # a second sequence shares the first two pages
+    pool.release(a)
+    assert pool.num_free == 2  # page 2 had one owner; pages 0 and 1 still have one
+    pool.release(a[:2])
+    assert pool.num_free == 4 and pool.occupancy == 0
+    with pytest.raises(ValueError, match="free page"):
+        pool.release([0])
+    assert pages_for_budget(10 * 1024, CFG.kv_bytes_per_token(4), 16) == 10 * 1024 // (
+        CFG.kv_bytes_per_token(4) * 16)
+    with pytest.raises(ValueError, match="holds no page"):
+        pages_for_budget(10, 1000, 16)
+
+
+def test_configs_and_hf_config():
+    llama = named_config("llama-3.2-1b")
+    assert round(llama.num_parameters() / 1e9, 2) == 1.24  # Llama-3.2-1B has 1.24 B weights
+    assert round(named_config("qwen2.5-0.5b").num_parameters() / 1e6) == 494
+    hf = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+          "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+          "num_key_value_heads": 8, "rope_theta": 500000.0, "rms_norm_eps": 1e-5,
+          "tie_word_embeddings": True,
+          "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    got = config_from_hf(hf)
+    assert (got.num_parameters(), got.head_dim, got.rope_scaling) == (
+        llama.num_parameters(), 64, llama.rope_scaling)
+    with pytest.raises(ValueError, match="config must be one of"):
+        named_config("gpt2")
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig(10, 8, 8, 1, num_heads=3, num_kv_heads=2, head_dim=4)
+
+
+def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
+    cfg = named_config("llama-3.2-1b")
+    plain = rope_frequencies(ModelConfig(**{**cfg.__dict__, "rope_scaling": None}))
+    scaled = rope_frequencies(cfg)
+    wavelen = 2 * np.pi / plain
+    high, low = wavelen < 8192 / 4, wavelen > 8192 / 1
+    np.testing.assert_array_equal(scaled[high], plain[high])
+    np.testing.assert_allclose(scaled[low], plain[low] / 32)
+    mid = ~(high | low)
+    assert np.all((scaled[mid] <= plain[mid]) & (scaled[mid] >= plain[mid] / 32))
