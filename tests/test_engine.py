@@ -74,6 +74,40 @@ def test_a_small_pool_preempts_the_youngest_and_recomputes(model, rng):
     assert engine.pool.num_free == 12
 
 
+def _shared_prefix_requests(rng, n, prefix_len=24):
+    prefix = list(rng.integers(0, CFG.vocab_size, size=prefix_len))
+    return [Request(prefix + list(rng.integers(0, CFG.vocab_size, size=int(rng.integers(1, 9)))),
+                    int(rng.integers(2, 8)), arrival=2 * i) for i in range(n)]
+
+
+def test_prefix_cache_reuses_pages_and_changes_no_token(model, rng):
+    requests = _shared_prefix_requests(rng, 6)
+    want = _alone(model, requests)
+    runs = {}
+    for cache in (False, True):
+        engine = Engine(NumpyRunner(model, 128, 4), 128, 4, max_step_tokens=32,
+                        prefix_cache=cache)
+        reports = []
+        runs[cache] = (engine.run(requests, on_step=reports.append), engine.prefix_hit_rate,
+                       sum(r.num_tokens for r in reports))
+        held = engine.tree.num_pages if cache else 0
+        assert engine.pool.num_free + held == 128  # pages are the tree's or free
+        assert np.all(engine.pool.refs[engine.pool.refs > 0] == 1)  # nobody else holds one
+    assert runs[False][0] == runs[True][0] == want
+    assert runs[False][1] == 0 and runs[True][1] > 0.5  # 5 of 6 requests reuse 24 tokens
+    assert runs[True][2] < runs[False][2]  # the cached prefix is not computed again
+
+
+def test_prefix_cache_evicts_before_it_preempts(model, rng):
+    requests = _shared_prefix_requests(rng, 8, prefix_len=16)
+    requests += [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6, arrival=3 + i)
+                 for i in range(4)]
+    engine = Engine(NumpyRunner(model, 16, 4), 16, 4, max_step_tokens=24, prefix_cache=True)
+    assert engine.run(requests) == _alone(model, requests)
+    assert engine.prefix_hit_rate > 0 and engine.evicted_pages > 0 and engine.preemptions > 0
+    assert engine.pool.num_free + engine.tree.num_pages == 16
+
+
 def test_the_comparison_fails_when_paged_attention_is_wrong(model, rng):
     class AliasedPage(NumpyRunner):  # the first logical page of the batch aliases the last one
         def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last):

@@ -198,3 +198,22 @@ def test_cascade_equals_batch_attention(rng, page_size, mode):
     out[lv.rows], out_lse[lv.rows] = o, lse
     assert_close(out, ref, what=f"cascade {mode} o")
     assert_close(out_lse, ref_lse, what=f"cascade {mode} lse")
+
+
+def test_evict_drops_least_recently_used_leaves_first():
+    tree = RadixTree(2)
+    a, b = [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8, 9]
+    tree.insert(a, [0, 1, 2])
+    tree.insert(b, [0, 1, 3, 4])  # shares pages 0 and 1 with a; page 4 is b's partial tail
+    assert (len(tree), tree.num_pages) == (2, 5)
+    tree.match(b)  # b was used last: a's own page goes first
+    assert tree.evict(1) == [2]
+    assert a not in tree and b in tree and tree.match(a)[0] == 4  # a's shared prefix stays
+    # a leaf whose pages a caller still uses is skipped
+    assert tree.evict(1, evictable=lambda page: page != 4) == []
+    assert tree.evict(10) == [4, 3, 0, 1]  # b's tail, its page, then the now-bare prefix
+    assert (len(tree), tree.num_pages, tree.match(b)[0]) == (0, 0, 0)
+    tree.insert(a, [5, 6, 7])  # pages freed by eviction may be reused
+    assert tree.lookup(a).tolist() == [5, 6, 7]
+    with pytest.raises(ValueError, match="num_pages"):
+        tree.evict(-1)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..formats.radix import RadixTree
 from .pool import PagePool
 
 __all__ = ["Engine", "Request", "StepReport"]
@@ -64,6 +65,7 @@ class _Sequence:
     output: list = field(default_factory=list)
     pages: list = field(default_factory=list)
     computed: int = 0  # tokens whose K and V are in the pool
+    cached: int = 0  # full pages handed to the prefix cache so far
 
     @property
     def tokens(self) -> list:
@@ -103,10 +105,15 @@ class Engine:
         Token budget of a step (decode tokens and prefill chunks together).
     max_batch : int
         Sequences per step.
+    prefix_cache : bool
+        Keep the full pages of every sequence in a :class:`~nbinfer.formats.RadixTree`; a new
+        request starts from the pages of its longest cached prefix (``prefix_hit_rate``), and
+        cached pages nobody runs on are evicted, least recently used first, when the pool runs
+        dry.
     """
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
-                 max_batch: int = 64):
+                 max_batch: int = 64, prefix_cache: bool = False):
         for name, value in (("max_step_tokens", max_step_tokens), ("max_batch", max_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -115,8 +122,15 @@ class Engine:
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
         self.finished: dict[int, list] = {}
-        self.steps = self.preemptions = 0
+        self.steps = self.preemptions = self.evicted_pages = 0
         self._next_rid = self._next_order = 0
+        self.tree = RadixTree(page_size) if prefix_cache else None
+        self.prompt_tokens = self.cached_tokens = 0  # over admissions (a recompute counts again)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted tokens whose KV came from the prefix cache."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, request: Request) -> int:
@@ -154,6 +168,7 @@ class Engine:
                     if seq.done:
                         finished.append(seq.rid)
             for seq, _ in plan:
+                self._cache(seq)
                 if seq.done and seq in self.running:
                     self.running.remove(seq)
                     self.pool.release(seq.pages)
@@ -178,14 +193,38 @@ class Engine:
             budget -= n
         while self.waiting and budget and len(plan) < self.max_batch:
             seq = self.waiting.pop(0)
-            if seq.order < 0:
-                seq.order = self._next_order
-                self._next_order += 1
-            self.running.append(seq)
+            self._admit(seq)
             n = min(len(seq.tokens) - seq.computed, budget)
             plan.append((seq, n))
             budget -= n
         return plan
+
+    def _admit(self, seq: _Sequence) -> None:
+        """Move ``seq`` to the running set, starting from its longest cached prefix (at least
+        its last token is computed, so its logits exist)."""
+        if seq.order < 0:
+            seq.order = self._next_order
+            self._next_order += 1
+        self.running.append(seq)
+        self.prompt_tokens += len(seq.tokens)
+        if self.tree is not None and len(seq.tokens) > 1:
+            n, pages = self.tree.match(seq.tokens[:-1])
+            if n:
+                seq.pages = pages.tolist()
+                self.pool.retain(seq.pages)
+                seq.computed, seq.cached = n, n // self.pool.page_size
+                self.cached_tokens += n
+
+    def _cache(self, seq: _Sequence) -> None:
+        """Hand ``seq``'s newly completed pages to the prefix cache (the tree takes a reference
+        to each page it did not hold)."""
+        ps = self.pool.page_size
+        full = seq.computed // ps
+        if self.tree is None or full <= seq.cached:
+            return
+        already = self.tree.insert(seq.tokens[:full * ps], seq.pages[:full]) // ps
+        self.pool.retain(seq.pages[already:full])
+        seq.cached = full
 
     def _allocate(self, plan: list, preempted: list) -> list:
         """Give every scheduled sequence the pages its new tokens need, oldest first; when the
@@ -200,6 +239,13 @@ class Engine:
                 if pages is not None:
                     seq.pages += pages
                     break
+                if self.tree is not None:  # cached pages no sequence runs on go first
+                    freed = self.tree.evict(need - self.pool.num_free,
+                                            lambda p: self.pool.refs[p] == 1)
+                    if freed:
+                        self.pool.release(freed)
+                        self.evicted_pages += len(freed)
+                        continue
                 victim = max(self.running, key=lambda s: s.order)
                 self._preempt(victim)
                 preempted.append(victim.rid)
@@ -210,7 +256,7 @@ class Engine:
     def _preempt(self, seq: _Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.pages, seq.computed = [], 0
+        seq.pages, seq.computed, seq.cached = [], 0, 0
         self.waiting.insert(0, seq)
         self.preemptions += 1
 

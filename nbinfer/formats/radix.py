@@ -24,13 +24,14 @@ __all__ = ["CascadeLevels", "RadixTree"]
 
 
 class _Node:
-    __slots__ = ("tokens", "pages", "children", "tails", "terminal")
+    __slots__ = ("tokens", "pages", "children", "tails", "terminal", "stamp")
 
-    def __init__(self, tokens=(), pages=()):
+    def __init__(self, tokens=(), pages=(), stamp=0):
         self.tokens, self.pages = list(tokens), list(pages)
         self.children = {}  # tokens of the child's first page (tuple) -> _Node
         self.tails = {}  # tokens of a partial last page (tuple) -> its page id
         self.terminal = False  # a stored sequence ends exactly here
+        self.stamp = stamp  # when a match or insert last went through it (for eviction)
 
 
 @dataclass(frozen=True, eq=False)
@@ -111,6 +112,7 @@ class RadixTree:
         self._root = _Node()
         self._held = set()  # every page id the tree holds
         self._count = 0
+        self._clock = 0  # advances with every match and insert: the eviction order
 
     def __len__(self) -> int:
         """Number of distinct stored sequences."""
@@ -169,8 +171,77 @@ class RadixTree:
         pages : int32 array, shape [num_matched_tokens // page_size]
             The tree's page ids holding those tokens, in logical order.
         """
-        _, _, _, pos, pages = self._descend(self._tokens(tokens))
+        toks = self._tokens(tokens)
+        _, _, _, pos, pages = self._descend(toks)
+        self._touch(toks)
         return pos, np.asarray(pages, dtype=np.int32)
+
+    def _touch(self, toks) -> None:
+        """Stamp every node on the path of ``toks`` as just used."""
+        self._clock += 1
+        ps, node, pos = self.page_size, self._root, 0
+        while pos + ps <= len(toks):
+            node = node.children.get(tuple(toks[pos:pos + ps]))
+            if node is None:
+                return
+            node.stamp = self._clock
+            if toks[pos:pos + len(node.tokens)] != node.tokens:
+                return  # the path leaves this edge part-way
+            pos += len(node.pages) * ps
+
+    @property
+    def num_pages(self) -> int:
+        """Pages the tree holds."""
+        return len(self._held)
+
+    def evict(self, num_pages: int, evictable=None) -> list[int]:
+        """Drop least recently used leaves until ``num_pages`` pages are out (or none is left).
+
+        A leaf is a partial tail page or a node with no children and no tails; the one whose
+        path was matched or inserted longest ago goes first (a tail before its node). Only
+        leaves whose every page passes ``evictable(page)`` are taken (a serving engine passes
+        "no running sequence holds it"). Sequences that ended in a dropped leaf are no longer
+        stored; their prefixes above it still match.
+
+        Parameters
+        ----------
+        num_pages : int
+            Pages wanted, >= 0.
+        evictable : callable, optional
+            ``evictable(page_id) -> bool``; default every page.
+
+        Returns
+        -------
+        list of int
+            The page ids dropped, which the caller may free.
+        """
+        want = check_positive_int("num_pages", num_pages, minimum=0)
+        ok = evictable or (lambda page: True)
+        freed = []
+        while len(freed) < want:
+            best, stack = None, [(self._root, None, None)]
+            while stack:
+                node, parent, key = stack.pop()
+                cands = [((node.stamp, 0, len(freed)), (node, tail, [page]))
+                         for tail, page in node.tails.items()]
+                if parent is not None and not node.children and not node.tails:
+                    cands.append(((node.stamp, 1, 0), (parent, key, node.pages)))
+                for rank, cand in cands:
+                    if (best is None or rank < best[0]) and all(ok(p) for p in cand[2]):
+                        best = (rank, cand)
+                stack.extend((c, node, k) for k, c in node.children.items())
+            if best is None:
+                break
+            (_, kind, _), (owner, key, pages) = best
+            if kind == 0:  # a tail: one stored sequence ends in it
+                del owner.tails[key]
+                self._count -= 1
+            else:
+                leaf = owner.children.pop(key)
+                self._count -= leaf.terminal
+            self._held.difference_update(pages)
+            freed += pages
+        return freed
 
     def lookup(self, tokens) -> np.ndarray:
         """All pages (int32 ``[ceil(n / page_size)]``) of a stored sequence; KeyError if absent."""
@@ -213,6 +284,7 @@ class RadixTree:
         toks = self._tokens(tokens)
         pg = self._check_pages(toks, pages, "pages")
         ps = self.page_size
+        self._clock += 1
         node, child, j, pos, _ = self._descend(toks)
         if child is not None:  # diverge (or end) inside child's edge: split at page j
             upper = _Node(child.tokens[:j * ps], child.pages[:j])
@@ -223,10 +295,11 @@ class RadixTree:
         full = (len(toks) - pos) // ps  # new whole pages, then maybe a partial tail page
         tail = tuple(toks[pos + full * ps:])
         if full:
-            new = _Node(toks[pos:pos + full * ps], pg[pos // ps:pos // ps + full])
+            new = _Node(toks[pos:pos + full * ps], pg[pos // ps:pos // ps + full], self._clock)
             node.children[tuple(toks[pos:pos + ps])] = new
             self._held.update(new.pages)
             node = new
+        self._touch(toks)
         if (tail in node.tails) if tail else node.terminal:
             return len(toks)  # the very same sequence is stored already
         if tail:
