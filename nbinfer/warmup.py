@@ -28,6 +28,8 @@ import time
 import types
 from dataclasses import dataclass
 
+from ._progress import ProgressBar
+
 KINDS = ("decode", "prefill", "ragged", "single_decode", "append", "merge")
 NUM_KV_HEADS = 8  # of the tiny warm-up problems; kernels depend on the group size, not on it
 
@@ -232,7 +234,7 @@ def warmup(*, head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("flo
     n = processes or min(len(todo), os.cpu_count() or 1, 8)
     rows: list[dict] = []
     t0 = time.perf_counter()
-    bar = _Bar(len(todo), file if progress else None)
+    bar = ProgressBar(len(todo), file if progress else None)
     if n == 1:
         for task in todo:
             rows += run_task(task)
@@ -273,32 +275,6 @@ def summary(rows: list[dict], seconds: float, processes: int) -> str:
                  f"{len(rows) - len(compiled)} already cached; {seconds:.1f} s wall with "
                  f"{processes} process{'es' if processes > 1 else ''}")
     return "\n".join(lines)
-
-
-class _Bar:
-    """A one-line text progress bar (no dependency)."""
-
-    def __init__(self, total: int, file):
-        self.total, self.done, self.file, self.t0 = total, 0, file, time.perf_counter()
-        self._draw("")
-
-    def step(self, label: str):
-        self.done += 1
-        self._draw(label)
-
-    def _draw(self, label: str):
-        if self.file is None:
-            return
-        filled = 30 * self.done // max(self.total, 1)
-        t = time.perf_counter() - self.t0
-        self.file.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} "
-                        f"{t:5.0f} s  {label[:60]:<60}")
-        self.file.flush()
-
-    def close(self):
-        if self.file is not None:
-            self.file.write("\n")
-            self.file.flush()
 
 
 def main(argv=None) -> int:

@@ -189,3 +189,49 @@ def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():
     np.testing.assert_allclose(scaled[low], plain[low] / 32)
     mid = ~(high | low)
     assert np.all((scaled[mid] <= plain[mid]) & (scaled[mid] >= plain[mid] / 32))
+
+
+def test_checkpoint_folder_round_trip(model, tmp_path):
+    import json
+
+    from nbinfer.engine.checkpoint import load_checkpoint, read_safetensors, write_safetensors
+
+    untied = ModelConfig(**{**CFG.__dict__, "tie_embeddings": False, "attention_bias": True})
+    weights = init_weights(untied, seed=5)
+    (tmp_path / "config.json").write_text(json.dumps(untied.to_hf()))
+    names = sorted(weights)
+    write_safetensors(tmp_path / "a.safetensors", {k: weights[k] for k in names[:5]})
+    write_safetensors(tmp_path / "b.safetensors", {k: weights[k] for k in names[5:]})
+    cfg, loaded = load_checkpoint(tmp_path)
+    assert cfg == untied and sorted(loaded) == names
+    assert all(np.array_equal(loaded[k], weights[k]) for k in names)
+    prompt = [3, 1, 4, 1, 5, 9]
+    assert generate_alone(NumpyLlama(cfg, loaded), prompt, 5) == \
+        generate_alone(NumpyLlama(untied, weights), prompt, 5)
+    # bf16 tensors are read as the top halves of float32
+    bits = np.array([1.0, -2.5, 3.140625], dtype=np.float32).view(np.uint32) >> 16
+    raw = bits.astype(np.uint16).tobytes()
+    head = json.dumps({"x": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 6]}}).encode()
+    (tmp_path / "bf16.bin").write_bytes(len(head).to_bytes(8, "little") + head + raw)
+    assert read_safetensors(tmp_path / "bf16.bin")["x"].tolist() == [1.0, -2.5, 3.140625]
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_checkpoint(tmp_path / "missing")
+
+
+def test_generate_command(capsys, tmp_path):
+    from nbinfer.generate import main
+
+    assert main(["--requests", "3", "--prompt-len", "10", "--output-len", "4", "--quiet",
+                 "--shared-prefix", "0.5", "--arrival", "poisson", "--page-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "check: 3/3 requests give the same greedy tokens" in out and "tokens/s" in out
+    for bad, name in ((["--requests", "0"], "--requests"), (["--shared-prefix", "1"],
+                      "--shared-prefix"), (["--config", "gpt9"], "--config"),
+                      (["--cuda-graphs", "on"], "--cuda-graphs"),
+                      (["--checkpoint", str(tmp_path)], "--checkpoint")):
+        try:
+            code = main(bad)
+        except SystemExit as exc:
+            code = exc.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and name in err[0], (bad, err)

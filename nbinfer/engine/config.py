@@ -85,6 +85,21 @@ class ModelConfig:
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + emb + h
 
+    def to_hf(self) -> dict:
+        """This configuration as a Hugging Face ``config.json`` dict (Llama, or Qwen2 when the
+        projections carry biases): :func:`config_from_hf` reads it back."""
+        cfg = {"model_type": "qwen2" if self.attention_bias else "llama",
+               "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+               "intermediate_size": self.intermediate_size,
+               "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_heads,
+               "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim,
+               "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+               "tie_word_embeddings": self.tie_embeddings,
+               "attention_bias": self.attention_bias, "_name_or_path": self.name}
+        if self.rope_scaling is not None:
+            cfg["rope_scaling"] = {"rope_type": "llama3", **self.rope_scaling}
+        return cfg
+
     def kv_bytes_per_token(self, itemsize: int) -> int:
         """KV-cache bytes one token takes over all layers (K and V)."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * itemsize

@@ -9,6 +9,8 @@ the new rows over each sequence's pages.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from .model import NumpyLlama
@@ -32,6 +34,7 @@ class NumpyRunner:
         self.model, self.page_size = model, page_size
         shape = (num_pages, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [np.zeros(shape, dtype=model.dtype) for _ in range(cfg.num_layers)]
+        self.attention_seconds = 0.0  # wall time inside append + attention, all steps
 
     def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len):
         """Logits ``[len(tokens), vocab]`` of one step (see the module docstring)."""
@@ -41,10 +44,13 @@ class NumpyRunner:
         batch_idx, pos = reference.get_batch_indices_positions(qo_indptr, kv_lens, len(tokens))
 
         def attend(layer, q, k, v):
+            t0 = time.perf_counter()
             cache = self.caches[layer]
             reference.append_paged_kv_cache(k, v, batch_idx, pos, cache, kv_indices, kv_indptr,
                                             kv_last_page_len)
-            return reference.batch_prefill_with_paged_kv_cache(
+            o = reference.batch_prefill_with_paged_kv_cache(
                 q, qo_indptr, cache, kv_indptr, kv_indices, kv_last_page_len, causal=True)
+            self.attention_seconds += time.perf_counter() - t0
+            return o
 
         return self.model.forward(np.asarray(tokens), np.asarray(positions), attend)

@@ -1,0 +1,170 @@
+"""Generate with the engine: ``python -m nbinfer.generate [options]``.
+
+With no arguments: the ``tiny`` model with random weights, six requests of 24-token prompts and
+16 new tokens each, arriving at once, on the CPU (the NumPy model in float64 over a paged pool,
+attention from :mod:`nbinfer.reference`); prints each request's token ids, a summary (output
+tokens/s, step latency p50/p99, pool occupancy, prefix hit rate, preemptions, the share of step
+time spent in attention) and the check against running every request alone through the NumPy
+model without paging. ``--help`` lists the options; a bad option gets a one-line error.
+
+The GPU path (the torch model with nbinfer's kernels, CUDA graphs) is not part of this version:
+on any machine this command runs the CPU engine, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["main", "make_requests"]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, naming the option (argparse's own text does)
+        self.exit(2, f"nbinfer.generate: error: {message}\n")
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a positive {kind.__name__}, got {text!r}") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+    return parse
+
+
+def _fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    from .engine.config import CONFIGS
+
+    p = _Parser(prog="python -m nbinfer.generate",
+                description="Serve random or checkpoint requests with nbinfer's engine.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", default="tiny", choices=sorted(CONFIGS),
+                     help="named model shape, random weights (default tiny)")
+    src.add_argument("--checkpoint", default=None, metavar="DIR",
+                     help="local Hugging Face folder (config.json + *.safetensors)")
+    p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
+                   help="compute dtype of the CPU model")
+    p.add_argument("--requests", type=_positive(int), default=6)
+    p.add_argument("--prompt-len", type=_positive(int), default=24)
+    p.add_argument("--output-len", type=_positive(int), default=16)
+    p.add_argument("--arrival", default="all", choices=["all", "poisson"],
+                   help="all at step 0, or Poisson arrivals at --rate requests per step")
+    p.add_argument("--rate", type=_positive(float), default=0.5)
+    p.add_argument("--shared-prefix", type=_fraction, default=0.0, metavar="F",
+                   help="share of each prompt that every request has in common")
+    p.add_argument("--pool-pages", type=_positive(int), default=256)
+    p.add_argument("--page-size", type=_positive(int), default=4)
+    p.add_argument("--max-step-tokens", type=_positive(int), default=64)
+    p.add_argument("--prefix-cache", default="on", choices=["on", "off"])
+    p.add_argument("--cuda-graphs", default="off", choices=["on", "off"],
+                   help="GPU engine only (not in this version)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the comparison with each request run alone")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def make_requests(rng, n, prompt_len, output_len, vocab, shared_prefix=0.0, arrival="all",
+                  rate=0.5):
+    """``n`` requests of random prompts, a common first ``shared_prefix`` share, arriving at
+    step 0 or as a Poisson process of ``rate`` requests per step."""
+    from .engine import Request
+
+    common = list(rng.integers(0, vocab, size=int(prompt_len * shared_prefix)))
+    steps = np.zeros(n, dtype=int) if arrival == "all" else \
+        np.floor(np.cumsum(rng.exponential(1.0 / rate, size=n))).astype(int)
+    return [Request(common + list(rng.integers(0, vocab, size=prompt_len - len(common))),
+                    output_len, arrival=int(s)) for s in steps]
+
+
+def main(argv=None) -> int:
+    a = parser().parse_args(argv)
+    from . import reference  # noqa: F401  (loaded before the clock: the first step's latency)
+    from ._progress import ProgressBar
+    from .engine import Engine, NumpyLlama, NumpyRunner, generate_alone, init_weights, named_config
+    from .engine.checkpoint import load_checkpoint
+
+    err = sys.stderr
+    if a.cuda_graphs == "on":
+        print("nbinfer.generate: error: argument --cuda-graphs: the GPU engine is not part of "
+              "this version (CPU only)", file=err)
+        return 2
+    try:
+        if a.checkpoint:
+            cfg, weights = load_checkpoint(a.checkpoint)
+        else:
+            cfg = named_config(a.config)
+            weights = init_weights(cfg, seed=a.seed)
+    except (OSError, ValueError) as exc:
+        print(f"nbinfer.generate: error: argument --checkpoint: {exc}", file=err)
+        return 2
+    dtype = np.dtype(a.dtype)
+    model = NumpyLlama(cfg, weights, dtype=dtype)
+    rng = np.random.default_rng(a.seed)
+    requests = make_requests(rng, a.requests, a.prompt_len, a.output_len, cfg.vocab_size,
+                             a.shared_prefix, a.arrival, a.rate)
+    runner = NumpyRunner(model, a.pool_pages, a.page_size)
+    engine = Engine(runner, a.pool_pages, a.page_size, max_step_tokens=a.max_step_tokens,
+                    prefix_cache=a.prefix_cache == "on")
+    print(f"engine: {cfg.name} ({cfg.num_parameters() / 1e6:.2f} M weights), CPU NumPy "
+          f"{dtype.name}, {a.pool_pages} pages of {a.page_size} tokens, {a.requests} requests, "
+          f"prompt {a.prompt_len} (shared {a.shared_prefix:.0%}), output {a.output_len}")
+    bar = ProgressBar(a.requests * a.output_len, None if a.quiet else err)
+    latency, occupancy, t_prev = [], [], [time.perf_counter()]
+
+    def on_step(report):
+        now = time.perf_counter()
+        latency.append(now - t_prev[0])
+        t_prev[0] = now
+        occupancy.append(report.pages_in_use / a.pool_pages)
+        bar.step(f"step {report.step}: {report.num_tokens} tokens", n=len(report.sampled))
+
+    t0 = time.perf_counter()
+    try:
+        outputs = engine.run(requests, on_step=on_step)
+    except ValueError as exc:
+        bar.close()
+        print(f"nbinfer.generate: error: argument --pool-pages: {exc}", file=err)
+        return 2
+    wall = time.perf_counter() - t0
+    bar.close()
+    for i, out in enumerate(outputs):
+        print(f"request {i}: {out}")
+    lat = np.array(latency) * 1e3
+    n_out = sum(len(o) for o in outputs)
+    print(f"{n_out} output tokens in {wall:.2f} s: {n_out / wall:.1f} tokens/s over "
+          f"{engine.steps} steps; step latency p50 {np.percentile(lat, 50):.1f} ms, "
+          f"p99 {np.percentile(lat, 99):.1f} ms")
+    print(f"pool occupancy mean {np.mean(occupancy):.0%}, peak {max(occupancy):.0%}; prefix hit "
+          f"rate {engine.prefix_hit_rate:.0%}; preemptions {engine.preemptions}; evicted pages "
+          f"{engine.evicted_pages}; attention {runner.attention_seconds / wall:.0%} of the time")
+    if a.no_check:
+        return 0
+    alone = [generate_alone(model, r.prompt, r.max_new_tokens) for r in requests]
+    same = sum(o == w for o, w in zip(outputs, alone, strict=True))
+    print(f"check: {same}/{len(outputs)} requests give the same greedy tokens as each run alone "
+          f"without paging ({dtype.name})")
+    return 0 if same == len(outputs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
