@@ -3,8 +3,8 @@
 With no arguments: the ``tiny`` model with random weights, six requests of 24-token prompts and
 16 new tokens each, arriving at once, on the CPU (the NumPy model in float64 over a paged pool,
 attention from :mod:`nbinfer.reference`); prints each request's token ids, a summary (output
-tokens/s, step latency p50/p99, pool occupancy, prefix hit rate, preemptions, the share of step
-time spent in attention) and the check against running every request alone through the NumPy
+tokens/s, step latency p50/p99, pool occupancy, prefix hit rate, preemptions, cascade steps, the
+share of step time spent in attention) and the check against running every request alone through the NumPy
 model without paging. ``--help`` lists the options; a bad option gets a one-line error.
 
 The GPU path (the torch model with nbinfer's kernels, CUDA graphs) is not part of this version:
@@ -74,6 +74,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=_positive(int), default=4)
     p.add_argument("--max-step-tokens", type=_positive(int), default=64)
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"])
+    p.add_argument("--cascade", default="auto", choices=["auto", "off"],
+                   help="decode steps whose requests share pages run as a cascade (auto)")
     p.add_argument("--cuda-graphs", default="off", choices=["on", "off"],
                    help="GPU engine only (not in this version)")
     p.add_argument("--seed", type=int, default=0)
@@ -124,10 +126,12 @@ def main(argv=None) -> int:
                              a.shared_prefix, a.arrival, a.rate)
     runner = NumpyRunner(model, a.pool_pages, a.page_size)
     engine = Engine(runner, a.pool_pages, a.page_size, max_step_tokens=a.max_step_tokens,
-                    prefix_cache=a.prefix_cache == "on")
+                    prefix_cache=a.prefix_cache == "on", cascade=a.cascade)
     print(f"engine: {cfg.name} ({cfg.num_parameters() / 1e6:.2f} M weights), CPU NumPy "
           f"{dtype.name}, {a.pool_pages} pages of {a.page_size} tokens, {a.requests} requests, "
           f"prompt {a.prompt_len} (shared {a.shared_prefix:.0%}), output {a.output_len}")
+    if a.cascade == "auto":
+        print(f"attention rule: {Engine.CASCADE_RULE}")
     bar = ProgressBar(a.requests * a.output_len, None if a.quiet else err)
     latency, occupancy, t_prev = [], [], [time.perf_counter()]
 
@@ -156,7 +160,8 @@ def main(argv=None) -> int:
           f"p99 {np.percentile(lat, 99):.1f} ms")
     print(f"pool occupancy mean {np.mean(occupancy):.0%}, peak {max(occupancy):.0%}; prefix hit "
           f"rate {engine.prefix_hit_rate:.0%}; preemptions {engine.preemptions}; evicted pages "
-          f"{engine.evicted_pages}; attention {runner.attention_seconds / wall:.0%} of the time")
+          f"{engine.evicted_pages}; cascade steps {engine.cascade_steps} of {engine.steps}; "
+          f"attention {runner.attention_seconds / wall:.0%} of the time")
     if a.no_check:
         return 0
     alone = [generate_alone(model, r.prompt, r.max_new_tokens) for r in requests]

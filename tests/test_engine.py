@@ -55,12 +55,10 @@ def test_tokens_equal_each_request_alone(model, rng, page_size, budget):
     assert out == _alone(model, requests)
     assert engine.preemptions == 0 and engine.pool.num_free == 128  # every page came back
     assert all(r.num_tokens <= budget for r in reports)
-    chunks = {}
-    for r in reports:
-        for rid, n in r.scheduled:
-            chunks.setdefault(rid, []).append(n)
-    if max(len(r.prompt) for r in requests) > budget:  # a prompt prefilled over several steps
-        assert any(sum(n > 1 for n in ns) >= 2 for ns in chunks.values())
+    if max(len(r.prompt) for r in requests) > budget:
+        # a prompt longer than the budget is prefilled over several steps: some step schedules
+        # a chunk that does not reach the end of its sequence (no token sampled for it)
+        assert any(rid not in dict(r.sampled) for r in reports for rid, _ in r.scheduled)
 
 
 def test_a_small_pool_preempts_the_youngest_and_recomputes(model, rng):
@@ -98,6 +96,27 @@ def test_prefix_cache_reuses_pages_and_changes_no_token(model, rng):
     assert runs[True][2] < runs[False][2]  # the cached prefix is not computed again
 
 
+def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
+    requests = _shared_prefix_requests(rng, 5, prefix_len=32)
+    for r in requests:
+        r.max_new_tokens = 8
+    results = {}
+    for cascade in ("auto", "off"):
+        engine = Engine(NumpyRunner(model, 128, 4), 128, 4, prefix_cache=True, cascade=cascade)
+        reports = []
+        results[cascade] = engine.run(requests, on_step=reports.append)
+        kinds = {r.attention for r in reports}
+        if cascade == "off":
+            assert kinds <= {"paged", ""} and engine.cascade_steps == 0
+        else:  # later requests share the 32-token prefix's pages: decode steps cascade
+            assert "cascade" in kinds and engine.cascade_steps > 0
+            assert all(all(n == 1 for _, n in r.scheduled) for r in reports
+                       if r.attention == "cascade")
+    assert results["auto"] == results["off"] == _alone(model, requests)
+    with pytest.raises(ValueError, match="cascade"):
+        Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
+
+
 def test_prefix_cache_evicts_before_it_preempts(model, rng):
     requests = _shared_prefix_requests(rng, 8, prefix_len=16)
     requests += [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6, arrival=3 + i)
@@ -110,7 +129,7 @@ def test_prefix_cache_evicts_before_it_preempts(model, rng):
 
 def test_the_comparison_fails_when_paged_attention_is_wrong(model, rng):
     class AliasedPage(NumpyRunner):  # the first logical page of the batch aliases the last one
-        def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last):
+        def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last, levels=None):
             wrong = kv_indices.copy()
             if wrong.size > 1:
                 wrong[0] = wrong[-1]

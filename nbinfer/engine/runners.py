@@ -36,8 +36,11 @@ class NumpyRunner:
         self.caches = [np.zeros(shape, dtype=model.dtype) for _ in range(cfg.num_layers)]
         self.attention_seconds = 0.0  # wall time inside append + attention, all steps
 
-    def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len):
-        """Logits ``[len(tokens), vocab]`` of one step (see the module docstring)."""
+    def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                levels=None):
+        """Logits ``[len(tokens), vocab]`` of one step (see the module docstring); with
+        ``levels`` (:class:`~nbinfer.formats.radix.CascadeLevels` of a decode step) attention
+        runs as a cascade over them instead of over the page table."""
         from .. import reference
 
         kv_lens = reference.kv_lengths(kv_indptr, kv_last_page_len, self.page_size)
@@ -48,8 +51,14 @@ class NumpyRunner:
             cache = self.caches[layer]
             reference.append_paged_kv_cache(k, v, batch_idx, pos, cache, kv_indices, kv_indptr,
                                             kv_last_page_len)
-            o = reference.batch_prefill_with_paged_kv_cache(
-                q, qo_indptr, cache, kv_indptr, kv_indices, kv_last_page_len, causal=True)
+            if levels is None:
+                o = reference.batch_prefill_with_paged_kv_cache(
+                    q, qo_indptr, cache, kv_indptr, kv_indices, kv_last_page_len, causal=True)
+            else:
+                o = np.empty(q.shape, dtype=np.float64)
+                o[levels.rows] = reference.multi_level_cascade_attention(
+                    q[levels.rows], levels.qo_indptr_arr, cache, levels.paged_kv_indptr_arr,
+                    levels.paged_kv_indices_arr, levels.paged_kv_last_page_len_arr)
             self.attention_seconds += time.perf_counter() - t0
             return o
 
