@@ -704,14 +704,15 @@ show(fig)
 # step to the next, and a recorded launch would read garbage.
 #
 # **A recorded launch, replayed with a new plan.** The simulator has no CUDA graphs, but we can
-# do what a graph does: keep the launch of step 1 (the kernel, its grid and every argument,
-# exactly as `run()` bound them) and call it again after step 2's `plan()`. With
-# `use_cuda_graph=True` the wrapper keeps one fixed-capacity layout of its plan memory and reads
-# the page table from caller-owned buffers, so step 2's plan and page table land in the same
-# memory that the step-1 launch points to (`wrapper.step_plan.launch` is the prepared launch,
-# `.layout` its offsets). The batch keeps its size (2 slots; a finished request leaves an empty
-# slot, here slot 0 in step 2), and `q` and `out` are the same arrays, refilled in place, as
-# they are in a graph-captured serving loop.
+# do what a graph does: copy the launch of step 1 (the kernel, its grid and every argument,
+# exactly as `run()` bound them: a graph captures them by value) and call the copy again after
+# step 2's `plan()`. With `use_cuda_graph=True` the wrapper keeps one fixed-capacity layout of
+# its plan memory and reads the page table from caller-owned buffers, so step 2's plan and page
+# table land in the same memory that the step-1 arguments point to (`wrapper.step_plan.launch`
+# is the wrapper's prepared launch, `.layout` its offsets; `.launch.with_kernel(...)` copies its
+# argument block). The batch keeps its size (2 slots; a finished request leaves an empty slot,
+# here slot 0 in step 2), and `q` and `out` are the same arrays, refilled in place, as they are
+# in a graph-captured serving loop.
 
 # %%
 POOL = 24
@@ -731,17 +732,18 @@ for step, lens in enumerate(([20, 150], [0, 130])):
     q_buf[:] = rng.standard_normal(q_buf.shape)
     if recorded is None:
         gw.run(q_buf, graph_cache, out=out_buf)  # step 1: an ordinary run() ...
-        recorded = gw.step_plan.launch  # ... whose launch (kernel, grid, arguments) we keep
-        first_plan, first_layout = gw.schedule, recorded.layout
+        prepared = gw.step_plan.launch.launch
+        recorded = prepared.with_kernel(prepared.kernel)  # ... whose arguments we copy
+        first_plan, first_layout = gw.schedule, gw.step_plan.launch.layout
     else:
-        assert gw.step_plan.launch is not recorded and gw.schedule != first_plan
+        assert gw.schedule != first_plan
         assert gw.step_plan.launch.layout == first_layout  # same offsets for the new plan
         out_buf[:] = np.nan
         recorded(0)  # replay step 1's launch: it reads step 2's plan from the plan memory
     expect = reference.batch_decode_with_paged_kv_cache(q_buf, graph_cache, step_pt.indptr,
                                                         step_pt.indices, step_pt.last_page_len)
     print(f"step {step + 1}: lengths {lens}, {gw.schedule.num_work} work items, "
-          f"{gw.schedule.num_merge_rows} split row(s), grid {recorded.launch.grid[0]} CTAs, "
+          f"{gw.schedule.num_merge_rows} split row(s), grid {recorded.grid[0]} CTAs, "
           f"relative error {rel_err(out_buf, expect):.1e}")
     assert rel_err(out_buf, expect) <= 2e-5
 assert np.all(out_buf[0] == 0)  # the empty slot: no keys, output 0
