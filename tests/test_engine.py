@@ -254,3 +254,34 @@ def test_generate_command(capsys, tmp_path):
             code = exc.code
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and len(err) == 1 and name in err[0], (bad, err)
+
+
+def test_torch_model_matches_the_numpy_model(model):
+    torch = pytest.importorskip("torch")
+    from nbinfer.engine.torch_model import TorchLlama
+
+    cfg = ModelConfig(**{**CFG.__dict__, "tie_embeddings": False, "attention_bias": True,
+                         "rope_scaling": named_config("llama-3.2-1b").rope_scaling})
+    weights = init_weights(cfg, seed=11)
+    np_model, t_model = NumpyLlama(cfg, weights), TorchLlama(cfg, weights)
+    g = cfg.group_size
+
+    def sdpa(layer, q, k, v):  # one request, contiguous KV, causal: plain torch attention
+        qh, kh, vh = (x.transpose(0, 1) for x in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qh, kh.repeat_interleave(g, 0), vh.repeat_interleave(g, 0), is_causal=True)
+        return o.transpose(0, 1)
+
+    def reference_attend(layer, q, k, v):
+        from nbinfer import reference
+
+        return reference.single_prefill_with_kv_cache(q, k, v, causal=True)
+
+    tokens = np.array([5, 17, 200, 3, 99, 42, 7, 255])
+    pos = np.arange(tokens.size)
+    want = np_model.forward(tokens, pos, reference_attend)
+    got = t_model.forward(torch.as_tensor(tokens), torch.as_tensor(pos), sdpa).numpy()
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()  # float32 against float64
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
+    with pytest.raises(TypeError, match="dtype"):
+        TorchLlama(cfg, weights, dtype=torch.int32)

@@ -3,7 +3,9 @@ continuous batching with chunked prefill and preemption.
 
 Modules: :mod:`.config` (model shapes, named configurations, Hugging Face ``config.json``),
 :mod:`.model` (the NumPy decoder, random weights, RoPE), :mod:`.pool` (page ids with reference
-counts), :mod:`.runners` (a model over the paged caches), :mod:`.engine` (the step scheduler).
+counts), :mod:`.runners` (a model over the paged caches), :mod:`.engine` (the step scheduler),
+:mod:`.checkpoint` (Hugging Face folders, read with NumPy), :mod:`.torch_model` (the decoder in
+torch; needs the optional ``nbinfer[torch]``, so it is not imported here).
 """
 
 from .config import CONFIGS, ModelConfig, config_from_hf, named_config
