@@ -6,9 +6,11 @@ Each :meth:`Engine.step`:
    gets its one token first (oldest first), then sequences still prefilling continue, then
    waiting requests start, in arrival order; a prompt longer than what is left of the budget is
    prefilled in chunks over several steps;
-2. **allocates pages** for the scheduled tokens; when the pool runs dry, the youngest running
-   sequence is **preempted**: its pages are freed and it goes back to the front of the queue,
-   to be recomputed (prompt and tokens generated so far) when pages are free again;
+2. **allocates pages** for the scheduled tokens (a waiting request is admitted only when the
+   pages of its first chunk are free, after evicting cached pages nobody runs on); when the pool
+   runs dry as running sequences grow, the youngest running sequence is **preempted**: its pages
+   are freed and it goes back to the front of the queue, to be recomputed (prompt and tokens
+   generated so far) when pages are free again;
 3. **runs the model** once on the whole batch (each layer appends the step's keys and values to
    their pages, then attends causally over each sequence's pages);
 4. **samples** (greedy) the next token of every sequence whose scheduled tokens reached the end
@@ -206,13 +208,34 @@ class Engine:
             n = min(len(seq.tokens) - seq.computed, budget)
             plan.append((seq, n))
             budget -= n
+        ps = self.pool.page_size
+        # pages the running sequences' new tokens take: admissions must leave them free
+        reserved = sum(max(0, -(-(s.computed + n) // ps) - len(s.pages)) for s, n in plan)
         while self.waiting and budget and len(plan) < self.max_batch:
-            seq = self.waiting.pop(0)
+            seq = self.waiting[0]
+            cached = self._cached_prefix(seq)
+            n = min(len(seq.tokens) - cached, budget)
+            need = -(-(cached + n) // ps) - cached // ps
+            short = need - (self.pool.num_free - reserved)
+            if short > 0 and self.tree is not None:
+                freed = self.tree.evict(short, lambda p: self.pool.refs[p] == 1)
+                self.pool.release(freed)
+                self.evicted_pages += len(freed)
+                short -= len(freed)
+            if short > 0:  # admitting it now would only preempt it again: wait for pages
+                break
+            self.waiting.pop(0)
             self._admit(seq)
-            n = min(len(seq.tokens) - seq.computed, budget)
             plan.append((seq, n))
             budget -= n
+            reserved += need
         return plan
+
+    def _cached_prefix(self, seq: _Sequence) -> int:
+        """Tokens of ``seq`` the prefix cache holds (what :meth:`_admit` will reuse)."""
+        if self.tree is None or len(seq.tokens) < 2:
+            return 0
+        return self.tree.match(seq.tokens[:-1])[0]
 
     def _admit(self, seq: _Sequence) -> None:
         """Move ``seq`` to the running set, starting from its longest cached prefix (at least
