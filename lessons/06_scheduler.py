@@ -19,11 +19,10 @@
 #    in which order), and why nbinfer merges in that fixed order instead of with atomics:
 #    float32 merges in different orders give different bits;
 # 4. the real persistent decode kernel in Numba's CUDA simulator: checked against the float64
-#    reference, and bit-for-bit identical whenever the lengths (hence the plan) are the same;
-# 5. plan reuse and CUDA graphs: a fixed grid and a fixed plan layout, so a launch recorded
-#    once runs the next step's plan.
+#    reference, and bit-for-bit identical whenever the lengths (hence the plan) are the same.
 #
-# Sections 1-3 are pure NumPy; section 4 and the end of section 5 run the kernel in the
+# Why the grid is fixed and the plan packs into fixed offsets, so that a CUDA graph replays
+# every step, is lesson 10. Sections 1-3 are pure NumPy; section 4 runs the kernel in the
 # simulator at tiny shapes (the first cell picks it, so the lesson runs anywhere).
 
 # %%
@@ -37,15 +36,14 @@ import itertools
 import re
 
 import numpy as np
-from matplotlib.patches import Patch, Rectangle
+from matplotlib.patches import Rectangle
 
 import nbinfer.kernels.decode as decode_kernels
 import nbinfer.kernels.fused_merge as fused_merge_kernels
 import nbinfer.kernels.prefill as prefill_kernels
 import nbinfer.kernels.prefill_mma as prefill_mma_kernels
-from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, PlanLayout, reference, scheduler
-from nbinfer.api.decode import CTAS_PER_SM, MIN_CHUNK, persistent_ctas
-from nbinfer.scheduler import HEADER_WORDS, WORK_FIELDS
+from nbinfer import BatchDecodeWithPagedKVCacheWrapper, PageTable, reference, scheduler
+from nbinfer.api.decode import MIN_CHUNK, persistent_ctas
 from nbinfer.viz import request_colors, save_figure, show, subplots
 
 np.set_printoptions(linewidth=100)
@@ -609,160 +607,6 @@ for kw in ({}, {"fixed_split_size": 64}):
     assert (cuts(alone, 0) == cuts(inside, 1)) == bool(kw)
 
 # %% [markdown]
-# ## 5. Plan reuse and CUDA graphs
-#
-# A model with 32 layers attends over the same lengths in every layer of a step, so one plan
-# serves all of them: `plan()` once per step, `run()` once per layer. The CPU cost is paid once.
-#
-# CUDA graphs remove the remaining CPU cost, the launches themselves: a graph records kernel
-# launches once, with their arguments *by value* (grid size, pointers, offsets), and replays
-# them. So a replay can only work with a new plan if nothing the launch was recorded with
-# changes. Two design choices make that so:
-#
-# 1. **The grid is fixed.** The decode kernel is persistent: `num_ctas` CTAs (SMs x 4 on a GPU,
-#    `persistent_ctas("sim")` in the simulator) whatever the batch, each looping over its queue.
-#    A plan for 1 request and a plan for 50 have the same number of queues.
-# 2. **The plan lives at fixed offsets.** `PlanLayout.bound(...)` fixes capacities (CTAs, work
-#    items, merge rows, merge entries) large enough for every batch up to a maximum size, hence
-#    the word offset of every section. Each step packs its plan into the same buffer; only the
-#    bytes change, and a header says how many entries of each section are valid.
-
-# %%
-assert CTAS_PER_SM == 4  # the GPU grid: persistent_ctas("cuda") = SM count x 4
-for lens in ([700], [20, 150, 90], list(rng.integers(1, 500, size=50))):
-    p = scheduler.plan(np.arange(len(lens) + 1), lens, HQ, HKV, NUM_CTAS, granule=GRANULE)
-    print(f"batch of {len(lens):2d}: {p.num_work:2d} work items in {p.num_ctas} CTA queues")
-    assert p.num_ctas == NUM_CTAS and p.cta_indptr.size == NUM_CTAS + 1
-
-MAX_BATCH = 8
-layout = PlanLayout.bound(NUM_CTAS, MAX_BATCH, HQ, HKV)
-step_b_lens = rng.integers(100, 1200, size=5)
-step_a = lpt_plan  # section 1's batch: 8 requests, one of them long
-step_b = scheduler.plan(np.arange(step_b_lens.size + 1), step_b_lens, HQ, HKV, NUM_CTAS,
-                        granule=GRANULE)
-print(layout, f"= {layout.nbytes} bytes")
-print(f"{'section':>14} {'fixed offset':>13} {'tight offset A':>15} {'tight offset B':>15}")
-tight_a, tight_b = PlanLayout.for_plan(step_a).offsets(), PlanLayout.for_plan(step_b).offsets()
-for name, off in layout.offsets().items():
-    print(f"{name:>14} {off:13d} {tight_a[name]:15d} {tight_b[name]:15d}")
-assert layout.fits(step_a) and layout.fits(step_b)
-moved = [s for s in tight_a if tight_a[s] != tight_b[s]]
-assert moved == list(tight_a)[2:]  # tight layouts move every section after `work`
-
-buffer = np.empty(layout.size, dtype=np.int32)  # stands for the wrapper's fixed plan memory
-address = buffer.ctypes.data
-snapshots = {}
-for name, step in (("step A", step_a), ("step B", step_b)):
-    layout.pack(step, out=buffer)  # in place: same memory, new bytes
-    assert buffer.ctypes.data == address
-    assert layout.unpack(buffer) == step
-    snapshots[name] = buffer.copy()
-assert not np.array_equal(snapshots["step A"], snapshots["step B"])
-print(f"step A: {step_a.num_work} items, step B: {step_b.num_work} items, one buffer of "
-      f"{layout.size} words at a fixed address; unpack() gives each step's plan back")
-
-# %%
-section_color = dict(zip(["header", "work", "cta_indptr", "cta_work", "merge_rows",
-                          "merge_indptr", "merge_indices"], request_colors(7), strict=True))
-
-
-def valid_words(p, name):
-    return {"header": HEADER_WORDS, "work": p.num_work * WORK_FIELDS, "cta_indptr": p.num_ctas + 1,
-            "cta_work": p.num_work, "merge_rows": p.num_merge_rows,
-            "merge_indptr": p.num_merge_rows + 1, "merge_indices": p.num_merge_nnz}[name]
-
-
-strips = [("step A, fixed layout", layout, step_a), ("step B, fixed layout", layout, step_b),
-          ("step A, tight layout", PlanLayout.for_plan(step_a), step_a),
-          ("step B, tight layout", PlanLayout.for_plan(step_b), step_b)]
-fig, ax = subplots(figsize=(12, 3.2))
-for y, (_, lay, p) in enumerate(strips):
-    off = lay.offsets()
-    names = list(section_color)
-    for name, nxt in zip(names, names[1:] + ["end"], strict=True):
-        used = valid_words(p, name)
-        ax.broken_barh([(off[name], used)], (y - 0.38, 0.76), facecolors=section_color[name])
-        ax.broken_barh([(off[name] + used, off[nxt] - off[name] - used)], (y - 0.38, 0.76),
-                       facecolors="white", edgecolors=section_color[name], hatch="///", lw=0.5)
-for x in layout.offsets().values():
-    ax.axvline(x, color="k", lw=0.5, ls=":", alpha=0.6)
-ax.set_yticks(range(len(strips)), labels=[r[0] for r in strips], fontsize=8)
-ax.invert_yaxis()
-ax.set_xlabel("int32 word offset in the wrapper's plan memory (dotted: fixed section starts)")
-handles = [Patch(color=c, label=s) for s, c in section_color.items()]
-handles.append(Patch(facecolor="white", edgecolor="k", hatch="///", label="unused capacity"))
-ax.legend(handles=handles, fontsize=7.5, ncol=8, loc="lower center", bbox_to_anchor=(0.5, 1.0),
-          frameon=False)
-ax.set_title("two steps packed into one fixed layout: same offsets, different bytes", fontsize=10,
-             pad=24)
-save_figure(fig, "06_packed_plan.png")
-show(fig)
-
-# %% [markdown]
-# In the fixed layout every section starts at the same word for both steps; only the filled part
-# changes. Tight layouts (`PlanLayout.for_plan`) would move every section after `work` from one
-# step to the next, and a recorded launch would read garbage.
-#
-# **A recorded launch, replayed with a new plan.** The simulator has no CUDA graphs, but we can
-# do what a graph does: copy the launch of step 1 (the kernel, its grid and every argument,
-# exactly as `run()` bound them: a graph captures them by value) and call the copy again after
-# step 2's `plan()`. With `use_cuda_graph=True` the wrapper keeps one fixed-capacity layout of
-# its plan memory and reads the page table from caller-owned buffers, so step 2's plan and page
-# table land in the same memory that the step-1 arguments point to (`wrapper.step_plan.launch`
-# is the wrapper's prepared launch, `.layout` its offsets; `.launch.with_kernel(...)` copies its
-# argument block). The batch keeps its size (2 slots; a finished request leaves an empty slot,
-# here slot 0 in step 2), and `q` and `out` are the same arrays, refilled in place, as they are
-# in a graph-captured serving loop.
-
-# %%
-POOL = 24
-graph_cache = rng.standard_normal((POOL, 2, PAGE, SIM_HKV, SIM_D)).astype(np.float32)
-q_buf = np.zeros((2, SIM_HQ, SIM_D), np.float32)
-out_buf = np.zeros_like(q_buf)
-table_bufs = (np.zeros(3, np.int32), np.zeros(POOL, np.int32), np.zeros(2, np.int32))
-gw = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD", use_cuda_graph=True,
-                                        paged_kv_indptr_buffer=table_bufs[0],
-                                        paged_kv_indices_buffer=table_bufs[1],
-                                        paged_kv_last_page_len_buffer=table_bufs[2], backend="auto")
-recorded = None
-for step, lens in enumerate(([20, 150], [0, 130])):
-    step_pt = PageTable.from_kv_lens(lens, PAGE, num_pages=POOL, rng=rng)
-    gw.plan(step_pt.indptr, step_pt.indices, step_pt.last_page_len, SIM_HQ, SIM_HKV, SIM_D, PAGE,
-            q_data_type="float32", fixed_split_size=64)
-    q_buf[:] = rng.standard_normal(q_buf.shape)
-    if recorded is None:
-        gw.run(q_buf, graph_cache, out=out_buf)  # step 1: an ordinary run() ...
-        prepared = gw.step_plan.launch.launch
-        recorded = prepared.with_kernel(prepared.kernel)  # ... whose arguments we copy
-        first_plan, first_layout = gw.schedule, gw.step_plan.launch.layout
-    else:
-        assert gw.schedule != first_plan
-        assert gw.step_plan.launch.layout == first_layout  # same offsets for the new plan
-        out_buf[:] = np.nan
-        recorded(0)  # replay step 1's launch: it reads step 2's plan from the plan memory
-    expect = reference.batch_decode_with_paged_kv_cache(q_buf, graph_cache, step_pt.indptr,
-                                                        step_pt.indices, step_pt.last_page_len)
-    print(f"step {step + 1}: lengths {lens}, {gw.schedule.num_work} work items, "
-          f"{gw.schedule.num_merge_rows} split row(s), grid {recorded.grid[0]} CTAs, "
-          f"relative error {rel_err(out_buf, expect):.1e}")
-    assert rel_err(out_buf, expect) <= 2e-5
-assert np.all(out_buf[0] == 0)  # the empty slot: no keys, output 0
-
-# %% [markdown]
-# The step-1 launch never saw step 2's lengths, yet it computed step 2 correctly, empty slot and
-# all: everything step-dependent was data in the plan memory and the page-table buffers, read
-# through addresses that did not move. On a GPU the same loop captures `run()` in a real
-# `torch.cuda.CUDAGraph` and replays it after each `plan()`; that is the GPU test
-# `tests/test_gpu_scheduler.py::test_cuda_graph_replays_new_plans` (uniform, skewed and padded
-# steps through one graph), and `test_bitwise_deterministic_over_100_runs` in the same file checks
-# that 100 runs on a GPU, where CTAs really do race, give identical bits.
-
-# %%
-gpu_tests = (ROOT / "tests" / "test_gpu_scheduler.py").read_text()
-assert "def test_cuda_graph_replays_new_plans" in gpu_tests and "CUDAGraph" in gpu_tests
-assert "def test_bitwise_deterministic_over_100_runs" in gpu_tests
-
-# %% [markdown]
 # ## Summary
 #
 # * `plan()` is a few NumPy lines on the CPU: query tile `T_q` from `mean(qo_len) x G`, KV chunk
@@ -772,5 +616,5 @@ assert "def test_bitwise_deterministic_over_100_runs" in gpu_tests
 #   *happen* (within 4/3 of optimal, often optimal); round-robin does not.
 # * The reduction map fixes the merge order. Any order is equally accurate, but only a fixed one
 #   is reproducible: same lengths -> same plan -> same bits.
-# * A fixed persistent grid plus a fixed plan layout turns every step-dependent decision
-#   into data, so one recorded launch (a CUDA graph) serves every step.
+# * Lesson 10 shows how a fixed persistent grid plus a fixed plan layout turn every
+#   step-dependent decision into data, so one recorded launch (a CUDA graph) serves every step.
