@@ -158,6 +158,10 @@ def test_requests_are_validated(model):
         Request([1], 0)
     with pytest.raises(ValueError, match="needs 5 pages"):
         engine.add_request(Request([1] * 15, 5))
+    with pytest.raises(ValueError, match=">= 0"):
+        Request([3, -1], 2)
+    with pytest.raises(ValueError, match="vocab_size 256"):
+        engine.add_request(Request([3, 256], 1))
     with pytest.raises(ValueError, match="max_step_tokens"):
         Engine(NumpyRunner(model, 4, 4), 4, 4, max_step_tokens=0)
 

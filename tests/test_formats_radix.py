@@ -217,3 +217,11 @@ def test_evict_drops_least_recently_used_leaves_first():
     assert tree.lookup(a).tolist() == [5, 6, 7]
     with pytest.raises(ValueError, match="num_pages"):
         tree.evict(-1)
+
+
+def test_evict_counts_the_use_of_sequences_shorter_than_a_page():
+    tree = RadixTree(4)
+    tree.insert(list(range(1, 9)), [0, 1])
+    tree.insert([9, 9], [2])  # a tail hanging off the root
+    tree.match([9, 9])  # used last
+    assert tree.evict(1) == [0, 1] and [9, 9] in tree

@@ -133,3 +133,37 @@ def test_a_wrappers_plans_agree_across_the_switch_to_the_compiled_planner(rng):
         if batch == 5:
             layout = w.step_plan.launch.layout
     assert w.step_plan.launch.layout is layout
+
+
+def test_load_prepares_the_signatures_a_wrapper_uses(rng):
+    # Numba types read-only arrays apart from writable ones; after load(), a wrapper's compiled
+    # plan() (its second) must find every signature it needs already loaded
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+    from nbinfer.formats import PageTable
+    from nbinfer.scheduler import _loops, compiled
+
+    compiled.load()
+    before = {f: len(f.signatures) for f in (_loops.schedule, _loops.check_table, _loops.pack)}
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, dtype=np.uint8), backend="sim")
+    for _ in range(3):
+        pt = PageTable.from_kv_lens(rng.integers(1, 300, size=3), 16, rng=rng)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 8, 2, 64, 16)
+        w.plan(pt.indptr.copy(), pt.indices.copy(), pt.last_page_len.copy(), 8, 2, 64, 16)
+    assert {f: len(f.signatures) for f in before} == before
+
+
+def test_head_counts_with_the_same_group_get_their_own_launch(rng):
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper, reference
+    from nbinfer.formats import PageTable
+
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, dtype=np.uint8), backend="sim")
+    pt = PageTable.from_kv_lens([40, 7], 16, rng=rng)
+    for hq, hkv in ((4, 2), (8, 4)):  # group 2 both times: one kernel spec, two shapes
+        cache = rng.standard_normal((pt.num_pages, 2, 16, hkv, 64)).astype(np.float32)
+        q = rng.standard_normal((2, hq, 64)).astype(np.float32)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, 64, 16, q_data_type="float32")
+        out = w.run(q, cache)
+        ref = reference.batch_decode_with_paged_kv_cache(q, cache, pt.indptr, pt.indices,
+                                                         pt.last_page_len)
+        np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
+    assert len(w._launches) == 2

@@ -179,12 +179,15 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             item_merge = item_merge_lists(sched)
         layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
                                   cfg.head_dim, cfg.page_size, fixed_split_size)
-        launch = self._launches.get(cfg.spec)
+        # The spec fixes the group size, not the head counts, which the fast path's shape
+        # checks and strides depend on: one prepared launch per (spec, heads).
+        launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
+        launch = self._launches.get(launch_key)
         if launch is None:
             launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
                                      self._num_ctas, cfg.sm_scale, self._memory,
                                      self._graph_buffers)
-            self._launches[cfg.spec] = launch
+            self._launches[launch_key] = launch
         else:
             launch.bind(layout, cfg.sm_scale)
         table = (indptr, indices, last)

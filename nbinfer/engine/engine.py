@@ -54,6 +54,8 @@ class Request:
         self.prompt = [int(t) for t in self.prompt]
         if not self.prompt:
             raise ValueError("prompt must hold at least one token")
+        if min(self.prompt) < 0:
+            raise ValueError(f"prompt token ids must be >= 0, got {min(self.prompt)}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
@@ -152,6 +154,11 @@ class Engine:
     def add_request(self, request: Request) -> int:
         """Queue ``request``; returns its id. A request whose prompt and output can never fit
         the pool at once is refused."""
+        vocab = getattr(getattr(getattr(self.runner, "model", None), "cfg", None), "vocab_size",
+                        None)
+        if vocab is not None and max(request.prompt) >= vocab:
+            raise ValueError(f"prompt token ids must be < vocab_size {vocab}, got "
+                             f"{max(request.prompt)}")
         need = -(-(len(request.prompt) + request.max_new_tokens) // self.pool.page_size)
         if need > self.pool.num_pages:
             raise ValueError(f"request needs {need} pages, the pool has {self.pool.num_pages}")

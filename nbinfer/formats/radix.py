@@ -180,6 +180,7 @@ class RadixTree:
         """Stamp every node on the path of ``toks`` as just used."""
         self._clock += 1
         ps, node, pos = self.page_size, self._root, 0
+        node.stamp = self._clock  # the root's tails (sequences shorter than a page) too
         while pos + ps <= len(toks):
             node = node.children.get(tuple(toks[pos:pos + ps]))
             if node is None:

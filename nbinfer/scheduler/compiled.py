@@ -60,13 +60,26 @@ def load() -> None:
     if _LOADED[0]:
         return
     schedule, pack, check = _kernels()
-    one = np.ones(1, dtype=np.int32)
-    check(np.array([0, 1], dtype=np.int32), one, one, 1)
-    plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)  # type and load each signature once
+    # Numba types a read-only array apart from a writable one: load every variant the wrappers
+    # pass (page tables from torch or NumPy, writable or frozen; decode's frozen qo_indptr and
+    # the check's frozen KV lengths), so none is loaded inside a later plan().
+    for frozen in (False, True):
+        one = _frozen(np.ones(1, dtype=np.int32), frozen)
+        check(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1)
+        qo = _frozen(np.arange(2, dtype=np.int32), frozen)
+        plan_compiled(qo, _frozen(np.array([8], dtype=np.int64), frozen), 1, 1, 1)
+        plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
     layout = PlanLayout(1, 1, 0, 0)
-    sched = plan(np.arange(2), [8], 1, 1, 1)
+    sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
+    pack_compiled(layout, sched, np.empty(layout.size + 4, dtype=np.int32),
+                  zero_end=layout.size + 4, extras=(item_merge,), extra_offsets=(layout.size,))
     _LOADED[0] = True
+
+
+def _frozen(a: np.ndarray, frozen: bool) -> np.ndarray:
+    a.flags.writeable = not frozen
+    return a
 
 
 _LOADED = [False]
