@@ -22,6 +22,7 @@ from .variants import Variant, compose
 # CUDA modules load when a wrapper, merge or append is first touched.
 _LAZY = {
     "append_paged_kv_cache": "api.append",
+    "PagedKVAppendWrapper": "api.append",
     "get_batch_indices_positions": "api.append",
     "MultiLevelCascadeAttentionWrapper": "api.cascade",
     "BatchDecodeWithPagedKVCacheWrapper": "api.decode",
@@ -63,6 +64,7 @@ __all__ = [
     "BlockSparseAttentionWrapper",
     "MultiLevelCascadeAttentionWrapper",
     "PageTable",
+    "PagedKVAppendWrapper",
     "Plan",
     "PlanLayout",
     "StepPlan",

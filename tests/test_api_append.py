@@ -12,7 +12,11 @@ from conftest import SIMULATOR
 from dense import random_paged_cache
 
 from nbinfer import reference
-from nbinfer.api.append import append_paged_kv_cache, get_batch_indices_positions
+from nbinfer.api.append import (
+    PagedKVAppendWrapper,
+    append_paged_kv_cache,
+    get_batch_indices_positions,
+)
 from nbinfer.kernels.append import (
     AppendSpec,
     append_launch_config,
@@ -150,6 +154,46 @@ def test_errors_before_any_write(rng, change, error, match):
     assert _equal(cache, before)  # validation runs before the launch
 
 
+# --- plan once, run per layer ----------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("as_tuple", [False, True])
+def test_append_wrapper_equals_the_function_in_every_layer(rng, layout, as_tuple):
+    key, value, bi, pos, cache, indices, indptr, last = _case(rng, np.float16, 8, layout,
+                                                              as_tuple)
+    layers = [cache, _copy(cache)]
+    wrapper = PagedKVAppendWrapper(cache, layout)
+    wrapper.plan(bi, pos, indices, indptr, last)
+    for i, layer in enumerate(layers):
+        k, v = key + i, value - i  # each layer its own keys and values
+        want = _copy(layer)
+        reference.append_paged_kv_cache(k, v, bi, pos, want, indices, indptr, last,
+                                        kv_layout=layout)
+        wrapper.run(k, v, layer)
+        assert _equal(layer, want)
+
+
+def test_append_wrapper_errors(rng):
+    key, value, bi, pos, cache, indices, indptr, last = _case(rng, np.float16, 8, "NHD", False)
+    wrapper = PagedKVAppendWrapper(cache)
+    with pytest.raises(RuntimeError, match="plan"):
+        wrapper.run(key, value, cache)
+    with pytest.raises(ValueError, match="positions"):  # the function's own validation
+        wrapper.plan(bi, pos + 100, indices, indptr, last)
+    with pytest.raises(RuntimeError, match="plan"):  # a failed plan leaves none
+        wrapper.run(key, value, cache)
+    wrapper.plan(bi, pos, indices, indptr, last)
+    with pytest.raises(ValueError, match="append_key"):
+        wrapper.run(key[:-1], value[:-1], cache)
+    with pytest.raises(ValueError, match="paged_kv_cache"):
+        wrapper.run(key, value, cache[:-1])
+    small = PagedKVAppendWrapper(cache)
+    small.reserve(1, 1, 1)
+    with pytest.raises(ValueError, match="reserved"):
+        small.plan(bi, pos, indices, indptr, last)
+    with pytest.raises(ValueError, match="max_tokens"):
+        small.reserve(0, 1, 1)
+
+
 # --- the H200 -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -196,3 +240,38 @@ def test_gpu_numpy_round_trip(rng):
     reference.append_paged_kv_cache(key, value, bi, pos, want, indices, indptr, last)
     append_paged_kv_cache(key, value, bi, pos, cache, indices, indptr, last, backend="cuda")
     assert _equal(cache, want)
+
+
+@pytest.mark.gpu
+def test_gpu_append_wrapper_replays_in_a_cuda_graph(rng):
+    torch = pytest.importorskip("torch")
+    heads, dim, page, num_pages = 8, 64, 16, 64
+    cache = torch.zeros(num_pages, 2, page, heads, dim, dtype=torch.bfloat16, device="cuda")
+    wrapper = PagedKVAppendWrapper(cache)
+    wrapper.reserve(8, 8, num_pages)
+    key, value = (torch.zeros(8, heads, dim, dtype=torch.bfloat16, device="cuda")
+                  for _ in range(2))
+    graph = None
+    want = cache.clone()
+    for step in range(3):  # a new plan each step, the same captured launch
+        lens = rng.integers(1, 100, size=8)
+        pages = -(-lens // page)
+        ids = rng.permutation(num_pages)[:pages.sum()].astype(np.int32)
+        indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        last = (lens - (pages - 1) * page).astype(np.int32)
+        bi, pos = np.arange(8, dtype=np.int32), (lens - 1).astype(np.int32)
+        wrapper.plan(bi, pos, ids, indptr, last)
+        key.copy_(torch.randn(8, heads, dim, device="cuda"))
+        value.copy_(torch.randn(8, heads, dim, device="cuda"))
+        if graph is None:
+            wrapper.run(key, value, cache)  # loads the kernel before the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                wrapper.run(key, value, cache)
+        graph.replay()
+        page_of = torch.as_tensor(ids[indptr[:-1] + pos // page].astype(np.int64), device="cuda")
+        slot = torch.as_tensor((pos % page).astype(np.int64), device="cuda")
+        want[page_of, 0, slot] = key
+        want[page_of, 1, slot] = value
+        torch.cuda.synchronize()
+        assert torch.equal(cache, want), step

@@ -12,7 +12,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from .._checks import KV_LAYOUTS, check_choice, check_dim, check_ndim, check_range, dtype_name
+from .._checks import (
+    KV_LAYOUTS,
+    check_choice,
+    check_dim,
+    check_ndim,
+    check_positive_int,
+    check_range,
+    dtype_name,
+)
 from ..formats.paged import check_page_table
 from ..kernels.append import (
     WORD_DTYPES,
@@ -24,7 +32,7 @@ from ..kernels.append import (
 from . import arrays
 from .state import check_placement, named_dtype
 
-__all__ = ["append_paged_kv_cache", "get_batch_indices_positions"]
+__all__ = ["PagedKVAppendWrapper", "append_paged_kv_cache", "get_batch_indices_positions"]
 
 
 def get_batch_indices_positions(append_indptr, seq_lens, nnz: int):
@@ -92,6 +100,153 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     the checked host copies of any others.
     """
     be = arrays.resolve_backend(backend)
+    caches, combined, k_cache, (num_pages, page_size, heads, dim), kind = _check_kv(
+        append_key, append_value, paged_kv_cache, kv_layout, be)
+    v_cache = k_cache if combined else caches["v_cache"]
+    nnz = int(append_key.shape[0])
+    table = _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
+                           nnz, num_pages, page_size)
+    if be == "reference":
+        bi, pos, indptr, indices, last = table
+        reference.append_paged_kv_cache(append_key, append_value, bi, pos, paged_kv_cache,
+                                        indices[:indptr[-1]], indptr, last, kv_layout=kv_layout)
+        return None
+    if be == "sim" and not combined and _pair_overlaps(k_cache, v_cache):
+        # K and V are views of one pool: the simulator copies each kernel argument back after
+        # the launch, so overlapping spans would undo one side's writes. Work on copies.
+        return _append_on_copies(append_key, append_value, batch_indices, positions, caches,
+                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout)
+    users = (batch_indices, positions, kv_indptr, kv_indices)
+    idx = [_index_arg(u, h, be) for u, h in zip(users, table[:4], strict=True)]
+    _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, 0)
+    return None
+
+
+class PagedKVAppendWrapper:
+    """:func:`append_paged_kv_cache` split into a plan (the step's indices, validated and
+    uploaded once) and a run per layer.
+
+    A model appends the same step's tokens to every layer's cache: the indices are the same,
+    only the keys, values and cache change. ``plan()`` checks the indices on the host (as the
+    function does) and copies them to the wrapper's own device memory on the current stream,
+    asynchronously; ``run()`` checks shapes and launches, with no copy and no synchronisation,
+    so a captured run replays in a CUDA graph (after :meth:`reserve`, the memory never moves).
+
+    Parameters
+    ----------
+    paged_kv_cache : array or (array, array)
+        One of the caches the runs will write (every layer's has the same shape, dtype and
+        device): fixes ``num_pages``, ``page_size``, the heads, ``head_dim`` and the dtype.
+    kv_layout : {"NHD", "HND"}
+    backend : {"auto", "cuda", "sim", "reference"}
+    """
+
+    def __init__(self, paged_kv_cache, kv_layout: str = "NHD", *, backend: str = "auto"):
+        from .launch import PlanMemory
+
+        self._backend = arrays.resolve_backend(backend)
+        check_choice("kv_layout", kv_layout, KV_LAYOUTS)
+        self._layout = kv_layout
+        k_cache, _, self._combined = _split_cache(paged_kv_cache)
+        ps_axis, h_axis = (1, 2) if kv_layout == "NHD" else (2, 1)
+        self._num_pages = int(k_cache.shape[0])
+        self._page_size, self._heads, self._dim = (int(k_cache.shape[a])
+                                                   for a in (ps_axis, h_axis, 3))
+        self._shape = tuple(k_cache.shape)
+        self._memory = PlanMemory(self._backend) if self._backend != "reference" else None
+        self._stream = arrays.stream_getter(k_cache) if self._backend == "cuda" else None
+        self._limit = None  # words, once reserve() fixed the memory
+        self._planned = None
+
+    def reserve(self, max_tokens: int, max_batch: int, max_pages: int) -> None:
+        """Size the device memory once for steps of up to these counts, so its address never
+        changes (what a captured CUDA graph needs); a larger plan() then raises."""
+        words = (2 * check_positive_int("max_tokens", max_tokens)
+                 + check_positive_int("max_batch", max_batch) + 1
+                 + check_positive_int("max_pages", max_pages))
+        if self._memory is not None:
+            self._memory.reserve(words)
+        self._limit = words
+
+    def plan(self, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len) -> None:
+        """Validate one step's indices (as :func:`append_paged_kv_cache` documents them) and
+        upload them; every later :meth:`run` appends with them."""
+        self._planned = None
+        nnz = int(arrays.host_int32(batch_indices, "batch_indices").size)
+        table = _check_indices(batch_indices, positions, kv_indices, kv_indptr,
+                               kv_last_page_len, nnz, self._num_pages, self._page_size)
+        if self._backend == "reference":
+            self._planned = (nnz, table)
+            return
+        bi, pos, indptr, indices = table[:4]
+        sizes = [a.size for a in (bi, pos, indptr, indices)]
+        words = sum(sizes)
+        if self._limit is not None and words > self._limit:
+            raise ValueError(f"this step's append ({nnz} tokens, {indptr.size - 1} requests, "
+                             f"{indices.size} pages) does not fit the reserved memory")
+        mem = self._memory
+        staged = mem.staging(words)
+        offsets = np.cumsum([0] + sizes)
+        for a, o in zip((bi, pos, indptr, indices), offsets, strict=False):
+            staged[o:o + a.size] = a
+        if self._backend == "sim":
+            buf = mem.get(words)
+            buf[:] = staged
+            views = [buf[o:o + n] for o, n in zip(offsets, sizes, strict=False)]
+        else:
+            from ..kernels.launch import _driver, check
+
+            mem.reserve(words)
+            drv, stream = _driver(), self._stream()
+            check(drv.memcpy_htod_async(mem.address, staged.ctypes.data, 4 * words, stream),
+                  "cuMemcpyHtoDAsync")
+            check(drv.event_record(mem.event, stream), "cuEventRecord")
+            views = [_DeviceSpan(mem.address + 4 * int(o), n)
+                     for o, n in zip(offsets, sizes, strict=False)]
+        self._planned = (nnz, views)
+
+    def run(self, append_key, append_value, paged_kv_cache) -> None:
+        """Append ``append_key, append_value [nnz, Hkv, D]`` (the planned ``nnz``) to
+        ``paged_kv_cache`` (the constructor's shape, dtype and device), in place."""
+        if self._planned is None:
+            raise RuntimeError("run() needs a successful plan() first")
+        be = self._backend
+        caches, combined, k_cache, dims, kind = _check_kv(append_key, append_value,
+                                                          paged_kv_cache, self._layout, be)
+        if tuple(k_cache.shape) != self._shape or combined != self._combined:
+            raise ValueError(f"paged_kv_cache must have the planned shape {self._shape} "
+                             f"({'combined' if self._combined else 'a (k, v) pair'}), got "
+                             f"{tuple(k_cache.shape)}")
+        nnz, views = self._planned
+        check_dim("append_key", append_key, 0, nnz, "nnz planned")
+        if be == "reference":
+            bi, pos, indptr, indices, last = views
+            reference.append_paged_kv_cache(append_key, append_value, bi, pos, paged_kv_cache,
+                                            indices[:indptr[-1]], indptr, last,
+                                            kv_layout=self._layout)
+            return
+        if be == "cuda" and kind == "numpy":
+            raise TypeError("PagedKVAppendWrapper.run takes device arrays on the GPU backend")
+        if be == "sim" and not combined and _pair_overlaps(*caches.values()):
+            raise ValueError("k_cache and v_cache overlap: pass the combined [P, 2, ...] cache")
+        _launch(append_key, append_value, caches, combined, self._layout, be, kind, views,
+                self._stream() if self._stream is not None else 0)
+
+
+class _DeviceSpan:
+    """``n`` items of ``typestr`` at device address ``ptr``, as a kernel argument (no Numba
+    device array: building one costs tens of microseconds)."""
+
+    __slots__ = ("__cuda_array_interface__",)
+
+    def __init__(self, ptr: int, n: int, typestr: str = "<i4"):
+        self.__cuda_array_interface__ = {"shape": (n,), "typestr": typestr, "data": (ptr, False),
+                                         "version": 3, "strides": None}
+
+
+def _check_kv(append_key, append_value, paged_kv_cache, kv_layout, be):
+    """The shape, dtype and placement checks of an append's keys, values and cache; returns
+    ``(caches, combined, k_cache, (num_pages, page_size, heads, dim), kind)``."""
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
     k_cache, v_cache, combined = _split_cache(paged_kv_cache)
     num_pages = int(k_cache.shape[0])
@@ -113,17 +268,28 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     for name, a in caches.items():
         if isinstance(a, np.ndarray) and not a.flags.writeable:
             raise ValueError(f"{name} must be writable (it is updated in place)")
-    table = _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len,
-                           nnz, num_pages, page_size)
-    if be == "reference":
-        bi, pos, indptr, indices, last = table
-        reference.append_paged_kv_cache(append_key, append_value, bi, pos, paged_kv_cache,
-                                        indices[:indptr[-1]], indptr, last, kv_layout=kv_layout)
-        return None
-    if nnz == 0 or heads * dim == 0:
-        return None
+    return caches, combined, k_cache, (num_pages, page_size, heads, dim), kind
 
-    itemsize = 4 if kv_dtype == "float32" else 2
+
+def _pair_overlaps(k_cache, v_cache) -> bool:
+    """Whether the spans the simulator's kernel views of K and V cover overlap (two views of
+    one pool do, though no element is in both)."""
+    (k, _), (v, _) = (arrays.kernel_view(a, "sim", n) for n, a in (("k_cache", k_cache),
+                                                                   ("v_cache", v_cache)))
+    return bool(np.shares_memory(k, v))
+
+
+def _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, stream):
+    """Launch the append kernel on ``stream`` over validated arguments; ``idx``: the kernel's
+    views of batch_indices, positions, kv_indptr and kv_indices."""
+    first_cache = next(iter(caches.values()))
+    heads, dim = (int(first_cache.shape[a]) for a in ((-2, -1) if kv_layout == "NHD" else
+                                                      (-3, -1)))
+    nnz = int(append_key.shape[0])
+    if nnz == 0 or heads * dim == 0:
+        return
+
+    itemsize = 4 if named_dtype("paged_kv_cache", first_cache) == "float32" else 2
     # Every array is read or written in place through its strides (last dimension contiguous):
     # the cache as the views it is, the new keys/values as the views they are.
     srcs = [arrays.kernel_view(a, be, name) for name, a in (("append_key", append_key),
@@ -133,11 +299,6 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
         if isinstance(view, np.ndarray) and not np.shares_memory(
                 view, arrays.to_host_exact(caches[name])):
             raise ValueError(f"{name} must be writable memory the kernel can update in place")
-    if be == "sim" and not combined and np.shares_memory(*(v for v, _ in dsts.values())):
-        # K and V are views of one pool: the simulator copies each kernel argument back after
-        # the launch, so overlapping spans would undo one side's writes. Work on copies.
-        return _append_on_copies(append_key, append_value, batch_indices, positions, caches,
-                                 kv_indices, kv_indptr, kv_last_page_len, kv_layout)
     # Device views come as (pointer, elements): make them (pointer, bytes) for _words.
     srcs = [((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st) for v, st in srcs]
     dsts = {n: ((v[0], v[1] * itemsize) if isinstance(v, tuple) else v, st)
@@ -164,18 +325,16 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
             raise ValueError(f"v_cache must have the same strides as k_cache: got {vst} and "
                              f"{kst} (elements)")
         k_words, v_words, v_offset = words[0], words[1], 0
-    users = (batch_indices, positions, kv_indptr, kv_indices)
-    idx = [_index_arg(u, h, be) for u, h in zip(users, table[:4], strict=True)]
+    page_size = int(first_cache.shape[ps_axis])
     kernel = build_append_kernel(AppendSpec(word, rw, page_size, combined, be == "sim"))
     grid, block = append_launch_config(nnz, heads * rw)
-    kernel[grid, block](k_src, v_src, *idx, k_words, v_words, np.int32(heads),
-                        *(np.int64(x) for x in (v_offset, kst[0] // per, kst[ps_axis] // per,
-                                                kst[h_axis] // per, ksn // per, ksh // per,
-                                                vsn // per, vsh // per)))
+    scalars = (v_offset, kst[0] // per, kst[ps_axis] // per, kst[h_axis] // per, ksn // per,
+               ksh // per, vsn // per, vsh // per)
+    kernel[grid, block, stream](k_src, v_src, *idx, k_words, v_words, np.int32(heads),
+                                *(np.int64(x) for x in scalars))
     if be == "cuda" and kind == "numpy":
         for user, (view, _) in zip(caches.values(), dsts.values(), strict=True):
             _copy_back(view, user)
-    return None
 
 
 def _append_on_copies(append_key, append_value, batch_indices, positions, caches, kv_indices,
@@ -195,12 +354,8 @@ def _words(view, word: int, backend: str):
     if not isinstance(view, tuple):
         n = view.size * view.dtype.itemsize // word
         return view.view(np.uint8)[: n * word].view(WORD_DTYPES[word])
-    from numba import cuda
-
     ptr, nbytes = view
-    desc = {"shape": (nbytes // word,), "typestr": np.dtype(WORD_DTYPES[word]).str,
-            "data": (ptr, False), "version": 3, "strides": None}
-    return cuda.from_cuda_array_interface(desc, owner=None, sync=False)
+    return _DeviceSpan(ptr, nbytes // word, np.dtype(WORD_DTYPES[word]).str)
 
 
 def _copy_back(view, user: np.ndarray) -> None:

@@ -53,6 +53,7 @@ class CompiledKernel:
         attrs = function.attrs
         self.regs, self.local_bytes, self.shared_bytes = attrs.regs, attrs.local, attrs.shared
         self.from_cache, self.key, self.timings = from_cache, key, timings
+        self._prepared = {}  # (grid, block) -> the PreparedLaunch one-off launches reuse
 
     def __getitem__(self, config):
         """``kernel[grid, block]`` or ``kernel[grid, block, stream]``: a one-off launch of
@@ -69,7 +70,15 @@ class CompiledKernel:
             if len(args) != len(self.signature.args):
                 raise TypeError(f"{self.name}: expected {len(self.signature.args)} arguments, "
                                 f"got {len(args)}")
-            p = PreparedLaunch(self, self.signature, grid, block, sim=False)
+            # Every argument is bound below, so one argument block per launch shape serves
+            # every call (building one costs more than the launch itself).
+            key = (str(grid), str(block))
+            p = self._prepared.get(key)
+            if p is None:
+                if len(self._prepared) >= 64:
+                    self._prepared.clear()
+                p = self._prepared[key] = PreparedLaunch(self, self.signature, grid, block,
+                                                         sim=False)
             for i, a in enumerate(args):
                 if hasattr(a, "__cuda_array_interface__"):
                     p.set_array(i, a)
