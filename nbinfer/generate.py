@@ -1,14 +1,13 @@
 """Generate with the engine: ``python -m nbinfer.generate [options]``.
 
 With no arguments: the ``tiny`` model with random weights, six requests of 24-token prompts and
-16 new tokens each, arriving at once, on the CPU (the NumPy model in float64 over a paged pool,
-attention from :mod:`nbinfer.reference`); prints each request's token ids, a summary (output
-tokens/s, step latency p50/p99, pool occupancy, prefix hit rate, preemptions, cascade steps, the
-share of step time spent in attention) and the check against running every request alone through the NumPy
+16 new tokens each, arriving at once, on whatever is present: on a GPU the torch model in
+float32 over nbinfer's kernels (paged pool, one plan per step for every layer, CUDA graphs
+optional), else on the CPU the NumPy model in float64 (attention from :mod:`nbinfer.reference`).
+Prints each request's token ids, a summary (output tokens/s, step latency p50/p99, pool
+occupancy, prefix hit rate, preemptions, cascade steps, the share of step time spent in
+attention) and the check against running every request alone through the NumPy reference
 model without paging. ``--help`` lists the options; a bad option gets a one-line error.
-
-The GPU path (the torch model with nbinfer's kernels, CUDA graphs) is not part of this version:
-on any machine this command runs the CPU engine, and says so.
 """
 
 from __future__ import annotations
@@ -60,8 +59,12 @@ def parser() -> argparse.ArgumentParser:
                      help="named model shape, random weights (default tiny)")
     src.add_argument("--checkpoint", default=None, metavar="DIR",
                      help="local Hugging Face folder (config.json + *.safetensors)")
-    p.add_argument("--dtype", default="float64", choices=["float64", "float32"],
-                   help="compute dtype of the CPU model")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"],
+                   help="auto: the GPU when torch sees one, else the CPU")
+    p.add_argument("--dtype", default=None,
+                   choices=["float64", "float32", "float16", "bfloat16"],
+                   help="compute dtype (default float64 on the CPU, float32 on the GPU; the "
+                        "CPU takes float64/float32, the GPU float32/float16/bfloat16)")
     p.add_argument("--requests", type=_positive(int), default=6)
     p.add_argument("--prompt-len", type=_positive(int), default=24)
     p.add_argument("--output-len", type=_positive(int), default=16)
@@ -77,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cascade", default="auto", choices=["auto", "off"],
                    help="decode steps whose requests share pages run as a cascade (auto)")
     p.add_argument("--cuda-graphs", default="off", choices=["on", "off"],
-                   help="GPU engine only (not in this version)")
+                   help="GPU only: capture decode steps once per batch bucket and replay them")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the comparison with each request run alone")
@@ -98,6 +101,19 @@ def make_requests(rng, n, prompt_len, output_len, vocab, shared_prefix=0.0, arri
                     output_len, arrival=int(s)) for s in steps]
 
 
+def _gpu_present() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def _error(option: str, message: str) -> int:
+    print(f"nbinfer.generate: error: argument {option}: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     a = parser().parse_args(argv)
     from . import reference  # noqa: F401  (loaded before the clock: the first step's latency)
@@ -105,11 +121,16 @@ def main(argv=None) -> int:
     from .engine import Engine, NumpyLlama, NumpyRunner, generate_alone, init_weights, named_config
     from .engine.checkpoint import load_checkpoint
 
-    err = sys.stderr
-    if a.cuda_graphs == "on":
-        print("nbinfer.generate: error: argument --cuda-graphs: the GPU engine is not part of "
-              "this version (CPU only)", file=err)
-        return 2
+    gpu = a.device == "gpu" or (a.device == "auto" and _gpu_present())
+    if a.device == "gpu" and not _gpu_present():
+        return _error("--device", "no CUDA GPU visible to torch (or torch is not installed)")
+    dtype_name = a.dtype or ("float32" if gpu else "float64")
+    if gpu and dtype_name == "float64":
+        return _error("--dtype", "the GPU model runs float32, float16 or bfloat16")
+    if not gpu and dtype_name in ("float16", "bfloat16"):
+        return _error("--dtype", "the CPU model runs float64 or float32")
+    if a.cuda_graphs == "on" and not gpu:
+        return _error("--cuda-graphs", "CUDA graphs need the GPU engine (--device gpu)")
     try:
         if a.checkpoint:
             cfg, weights = load_checkpoint(a.checkpoint)
@@ -117,22 +138,37 @@ def main(argv=None) -> int:
             cfg = named_config(a.config)
             weights = init_weights(cfg, seed=a.seed)
     except (OSError, ValueError) as exc:
-        print(f"nbinfer.generate: error: argument --checkpoint: {exc}", file=err)
-        return 2
-    dtype = np.dtype(a.dtype)
-    model = NumpyLlama(cfg, weights, dtype=dtype)
+        return _error("--checkpoint", str(exc))
+    reference_model = NumpyLlama(cfg, weights, dtype=np.float64 if gpu else dtype_name)
     rng = np.random.default_rng(a.seed)
     requests = make_requests(rng, a.requests, a.prompt_len, a.output_len, cfg.vocab_size,
                              a.shared_prefix, a.arrival, a.rate)
-    runner = NumpyRunner(model, a.pool_pages, a.page_size)
+    if gpu:
+        import torch
+
+        from .engine.torch_model import TorchLlama
+        from .engine.torch_runner import TorchRunner
+        from .kernels.common import HEAD_DIMS
+
+        if cfg.head_dim not in HEAD_DIMS:
+            return _error("--config", f"the GPU kernels take head_dim {HEAD_DIMS}, the model "
+                                      f"has {cfg.head_dim}")
+        model = TorchLlama(cfg, weights, device="cuda", dtype=getattr(torch, dtype_name))
+        runner = TorchRunner(model, a.pool_pages, a.page_size, timing=True,
+                             cuda_graphs=a.cuda_graphs == "on")
+        where = f"GPU torch {dtype_name} over nbinfer's kernels" + (
+            ", CUDA graphs" if a.cuda_graphs == "on" else "")
+    else:
+        runner = NumpyRunner(reference_model, a.pool_pages, a.page_size)
+        where = f"CPU NumPy {dtype_name}"
     engine = Engine(runner, a.pool_pages, a.page_size, max_step_tokens=a.max_step_tokens,
                     prefix_cache=a.prefix_cache == "on", cascade=a.cascade)
-    print(f"engine: {cfg.name} ({cfg.num_parameters() / 1e6:.2f} M weights), CPU NumPy "
-          f"{dtype.name}, {a.pool_pages} pages of {a.page_size} tokens, {a.requests} requests, "
+    print(f"engine: {cfg.name} ({cfg.num_parameters() / 1e6:.2f} M weights), {where}, "
+          f"{a.pool_pages} pages of {a.page_size} tokens, {a.requests} requests, "
           f"prompt {a.prompt_len} (shared {a.shared_prefix:.0%}), output {a.output_len}")
     if a.cascade == "auto":
         print(f"attention rule: {Engine.CASCADE_RULE}")
-    bar = ProgressBar(a.requests * a.output_len, None if a.quiet else err)
+    bar = ProgressBar(a.requests * a.output_len, None if a.quiet else sys.stderr)
     latency, occupancy, t_prev = [], [], [time.perf_counter()]
 
     def on_step(report):
@@ -147,8 +183,7 @@ def main(argv=None) -> int:
         outputs = engine.run(requests, on_step=on_step)
     except ValueError as exc:
         bar.close()
-        print(f"nbinfer.generate: error: argument --pool-pages: {exc}", file=err)
-        return 2
+        return _error("--pool-pages", str(exc))
     wall = time.perf_counter() - t0
     bar.close()
     for i, out in enumerate(outputs):
@@ -164,10 +199,14 @@ def main(argv=None) -> int:
           f"attention {runner.attention_seconds / wall:.0%} of the time")
     if a.no_check:
         return 0
-    alone = [generate_alone(model, r.prompt, r.max_new_tokens) for r in requests]
+    alone = [generate_alone(reference_model, r.prompt, r.max_new_tokens) for r in requests]
     same = sum(o == w for o, w in zip(outputs, alone, strict=True))
     print(f"check: {same}/{len(outputs)} requests give the same greedy tokens as each run alone "
-          f"without paging ({dtype.name})")
+          f"through the NumPy model without paging ({reference_model.dtype.name})")
+    if dtype_name in ("float16", "bfloat16"):
+        print("(16-bit weights and activations round differently from the float64 reference: "
+              "tokens may part ways after a near tie; only float32 and float64 must agree)")
+        return 0
     return 0 if same == len(outputs) else 1
 
 

@@ -117,6 +117,26 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
         Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
 
 
+def test_the_public_api_runner_plans_once_per_step_for_every_layer(rng):
+    # The NumPy model over nbinfer's wrappers (reference backend), as the GPU runner drives
+    # them: per step one plan (decode, causal prefill or cascade) and one append plan, per
+    # layer one append run and one attention run.
+    from nbinfer.engine.runners import ApiRunner
+
+    model32 = NumpyLlama(CFG, init_weights(CFG, seed=3), dtype=np.float32)
+    requests = _shared_prefix_requests(rng, 5, prefix_len=32)
+    runner = ApiRunner(model32, 128, 4)
+    engine = Engine(runner, 128, 4, max_step_tokens=16, prefix_cache=True)
+    reports = []
+    assert engine.run(requests, on_step=reports.append) == _alone(model32, requests)
+    worked = sum(1 for r in reports if r.scheduled)
+    assert runner.attention.plans == worked and engine.cascade_steps > 0
+    assert runner.attention.runs == worked * CFG.num_layers
+    assert runner.attention.append.__class__.__name__ == "PagedKVAppendWrapper"
+    with pytest.raises(TypeError, match="float32"):
+        ApiRunner(NumpyLlama(CFG, init_weights(CFG, seed=3)), 8, 4)
+
+
 def test_prefix_cache_evicts_before_it_preempts(model, rng):
     requests = _shared_prefix_requests(rng, 8, prefix_len=16)
     requests += [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6, arrival=3 + i)
@@ -129,11 +149,12 @@ def test_prefix_cache_evicts_before_it_preempts(model, rng):
 
 def test_the_comparison_fails_when_paged_attention_is_wrong(model, rng):
     class AliasedPage(NumpyRunner):  # the first logical page of the batch aliases the last one
-        def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last, levels=None):
+        def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last, levels=None,
+                    rows=None):
             wrong = kv_indices.copy()
             if wrong.size > 1:
                 wrong[0] = wrong[-1]
-            return super().forward(tokens, positions, qo, kv_indptr, wrong, last)
+            return super().forward(tokens, positions, qo, kv_indptr, wrong, last, rows=rows)
 
     requests = [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6) for _ in range(3)]
     engine = Engine(AliasedPage(model, 64, 4), 64, 4)
@@ -177,7 +198,7 @@ def test_page_pool_counts_owners():
     assert pool.num_free == 4 and pool.occupancy == 0
     with pytest.raises(ValueError, match="free page"):
         pool.release([0])
-    assert pages_for_budget(10 * 1024, CFG.kv_bytes_per_token(4), 16) == 10 * 1024 // (
+    assert pages_for_budget(100 * 1024, CFG.kv_bytes_per_token(4), 16) == 100 * 1024 // (
         CFG.kv_bytes_per_token(4) * 16)
     with pytest.raises(ValueError, match="holds no page"):
         pages_for_budget(10, 1000, 16)
@@ -245,12 +266,14 @@ def test_generate_command(capsys, tmp_path):
     from nbinfer.generate import main
 
     assert main(["--requests", "3", "--prompt-len", "10", "--output-len", "4", "--quiet",
-                 "--shared-prefix", "0.5", "--arrival", "poisson", "--page-size", "2"]) == 0
+                 "--shared-prefix", "0.5", "--arrival", "poisson", "--page-size", "2",
+                 "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "check: 3/3 requests give the same greedy tokens" in out and "tokens/s" in out
     for bad, name in ((["--requests", "0"], "--requests"), (["--shared-prefix", "1"],
                       "--shared-prefix"), (["--config", "gpt9"], "--config"),
-                      (["--cuda-graphs", "on"], "--cuda-graphs"),
+                      (["--device", "cpu", "--cuda-graphs", "on"], "--cuda-graphs"),
+                      (["--device", "cpu", "--dtype", "bfloat16"], "--dtype"),
                       (["--checkpoint", str(tmp_path)], "--checkpoint")):
         try:
             code = main(bad)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..formats.radix import RadixTree
+from ..formats.radix import CascadeLevels, RadixTree
 from .pool import PagePool
 
 __all__ = ["Engine", "Request", "StepReport"]
@@ -61,23 +61,26 @@ class Request:
             raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the step loops test membership often
 class _Sequence:
     rid: int
     request: Request
     order: int  # admission order: the youngest (largest) is preempted first
-    output: list = field(default_factory=list)
+    tokens: list = field(default_factory=list)  # the prompt, then each generated token
     pages: list = field(default_factory=list)
     computed: int = 0  # tokens whose K and V are in the pool
     cached: int = 0  # full pages handed to the prefix cache so far
 
+    def __post_init__(self):
+        self.tokens = list(self.request.prompt)
+
     @property
-    def tokens(self) -> list:
-        return self.request.prompt + self.output
+    def output(self) -> list:
+        return self.tokens[len(self.request.prompt):]
 
     @property
     def done(self) -> bool:
-        return len(self.output) >= self.request.max_new_tokens
+        return len(self.tokens) - len(self.request.prompt) >= self.request.max_new_tokens
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,7 @@ class Engine:
         if cascade not in ("auto", "off"):
             raise ValueError(f"cascade must be 'auto' or 'off', got {cascade!r}")
         self.cascade, self.cascade_steps = cascade, 0
+        self._levels_key, self._levels_groups = None, None
         self.tree = RadixTree(page_size) if prefix_cache else None
         self.prompt_tokens = self.cached_tokens = 0  # over admissions (a recompute counts again)
 
@@ -180,14 +184,18 @@ class Engine:
         sampled, finished = [], []
         attention = ""
         if plan:
-            logits, attention = self._run(plan)
-            row = 0
-            for seq, n in plan:
-                row += n
+            # a sequence whose scheduled tokens reach the end of what it has samples its next
+            # token from its last row; only those rows go through the LM head
+            levels = self._cascade_levels(plan)  # may reorder plan: first
+            due = [seq.computed + n == len(seq.tokens) for seq, n in plan]
+            rows = np.cumsum([n for _, n in plan])[np.array(due, dtype=bool)] - 1
+            logits, attention = self._run(plan, rows, levels)
+            tokens = iter(self.runner.argmax(logits))
+            for (seq, n), sample in zip(plan, due, strict=True):
                 seq.computed += n
-                if seq.computed == len(seq.tokens):  # reached the end: the next token is due
-                    token = int(np.argmax(logits[row - 1]))
-                    seq.output.append(token)
+                if sample:
+                    token = int(next(tokens))
+                    seq.tokens.append(token)
                     sampled.append((seq.rid, token))
                     if seq.done:
                         finished.append(seq.rid)
@@ -305,10 +313,10 @@ class Engine:
         self.waiting.insert(0, seq)
         self.preemptions += 1
 
-    def _run(self, plan: list):
-        """The batch of ``plan`` as the runner takes it; its logits and the attention used."""
+    def _run(self, plan: list, rows: np.ndarray, levels):
+        """The batch of ``plan`` as the runner takes it; the logits of ``rows`` (the step's
+        token rows that sample) and the attention used (``levels``: the cascade's, or None)."""
         ps = self.pool.page_size
-        levels = self._cascade_levels(plan)
         tokens, positions, qo, kv_indptr, indices, last = [], [], [0], [0], [], []
         for seq, n in plan:
             tokens += seq.tokens[seq.computed:seq.computed + n]
@@ -321,28 +329,83 @@ class Engine:
             last.append(length - (used - 1) * ps)
         as32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
         logits = self.runner.forward(np.asarray(tokens), np.asarray(positions), as32(qo),
-                                     as32(kv_indptr), as32(indices), as32(last), levels=levels)
+                                     as32(kv_indptr), as32(indices), as32(last), levels=levels,
+                                     rows=rows)
         return logits, "paged" if levels is None else "cascade"
 
     def _cascade_levels(self, plan: list):
-        """The cascade levels of a decode-only step when :attr:`CASCADE_RULE` picks the
-        cascade, else None."""
+        """Two cascade levels of a decode-only step when :attr:`CASCADE_RULE` picks the
+        cascade, else None; ``plan`` is reordered in place so that the sequences of each
+        shared run of pages are adjacent (the levels' rows are then the batch's own order).
+
+        Sequences share a page only through the prefix cache, so equal page ids mean equal
+        tokens: level 0 holds, per group of sequences starting on the same page, the full
+        pages they all hold (read once for the group), level 1 each sequence's other pages.
+        The grouping depends only on the sequences and their page counts: it is reused until
+        one of them gets a page (every ``page_size`` steps per sequence).
+        """
         if self.cascade == "off" or len(plan) < 2 or any(n != 1 for _, n in plan):
             return None
         ps = self.pool.page_size
-        chains = [(seq.tokens[:seq.computed + 1], seq.pages[:-(-(seq.computed + 1) // ps)])
-                  for seq, _ in plan]
-        total = sum(len(t) for t, _ in chains)
-        uses = {}
-        for _, pages in chains:
-            for p in pages[:-1]:  # full pages (a sequence's last page is its own)
-                uses[p] = uses.get(p, 0) + 1
-        saved = ps * sum(c - 1 for c in uses.values())
+        used = [-(-(seq.computed + 1) // ps) for seq, _ in plan]
+        key = tuple((seq.rid, u) for (seq, _), u in zip(plan, used, strict=True))
+        if self._levels_key != key:
+            self._levels_key, self._levels_groups = key, self._share_groups(plan, used)
+        groups = self._levels_groups
+        total = sum(seq.computed + 1 for seq, _ in plan)
+        saved = ps * sum((len(members) - 1) * shared for members, shared in groups)
         if saved < self.CASCADE_MIN_SAVING * total:
             return None
         self.cascade_steps += 1
-        tree = self.tree if self.tree is not None else RadixTree(ps)
-        return tree.cascade_levels(chains)
+        order = [i for members, _ in groups for i in members]
+        plan[:] = [plan[i] for i in order]
+        used = [used[i] for i in order]
+        qo0, ptr0, idx0, last0, ptr1, idx1, last1 = [0], [0], [], [], [0], [], []
+        b = 0
+        for members, shared in groups:
+            qo0.append(qo0[-1] + len(members))
+            seq = plan[b][0]
+            idx0 += seq.pages[:shared]
+            ptr0.append(len(idx0))
+            last0.append(ps if shared else 0)
+            for _ in members:
+                seq = plan[b][0]
+                idx1 += seq.pages[shared:used[b]]
+                ptr1.append(len(idx1))
+                last1.append(seq.computed + 1 - (used[b] - 1) * ps)
+                b += 1
+        a32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
+        batch = len(plan)
+        return CascadeLevels([a32(qo0), np.arange(batch + 1, dtype=np.int32)],
+                             [a32(ptr0), a32(ptr1)], [a32(idx0), a32(idx1)],
+                             [a32(last0), a32(last1)], np.arange(batch),
+                             np.arange(batch + 1, dtype=np.int32), np.arange(batch))
+
+    @staticmethod
+    def _share_groups(plan: list, used: list) -> list:
+        """``[(batch positions, shared full pages)]``: sequences grouped by their first page,
+        each group with the number of leading pages all its members hold (never a member's
+        last page, which it is still filling); sequences alone in their group share 0."""
+        by_first: dict = {}
+        for i, ((seq, _), u) in enumerate(zip(plan, used, strict=True)):
+            by_first.setdefault(seq.pages[0] if u > 1 else -1 - i, []).append(i)
+        groups = []
+        for members in by_first.values():
+            shared = 0
+            if len(members) > 1:
+                ref = plan[members[0]][0].pages
+                shared = used[members[0]] - 1
+                for i in members[1:]:
+                    pages, k = plan[i][0].pages, 0
+                    limit = min(shared, used[i] - 1)
+                    while k < limit and pages[k] == ref[k]:
+                        k += 1
+                    shared = k
+            if shared:
+                groups.append((members, shared))
+            else:
+                groups += [([i], 0) for i in members]
+        return groups
 
     # -- a whole run ---------------------------------------------------------------------------
     def run(self, requests, *, max_steps: int = 100000, on_step=None) -> list[list]:

@@ -13,45 +13,45 @@ import numpy as np
 
 from .config import ModelConfig
 
-__all__ = ["NumpyLlama", "generate_alone", "init_weights", "rope_frequencies"]
+__all__ = ["NumpyLlama", "generate_alone", "init_weights", "rope_frequencies", "weight_shapes"]
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The shape of every weight of ``cfg`` under Hugging Face's names: ``embed_tokens
+    [vocab, hidden]``, per layer the two norms ``[hidden]``, ``{q,k,v,o}_proj`` (``[out, in]``;
+    q/k/v biases when ``cfg.attention_bias``), ``mlp.{gate,up,down}_proj``, the final norm and,
+    untied, ``lm_head [vocab, hidden]``."""
+    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+            shapes[p + f"self_attn.{name}_proj.weight"] = (rows * d, h)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}_proj.bias"] = (rows * d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, cfg.num_heads * d)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    if not cfg.tie_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    return shapes
 
 
 def init_weights(cfg: ModelConfig, *, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Random weights for ``cfg`` under Hugging Face's names (normal, std 1 / sqrt(fan in);
-    norms 1).
+    """Random weights for ``cfg`` (:func:`weight_shapes`; NumPy arrays of ``dtype``): norms 1,
+    everything else normal with std 1 / sqrt(fan in).
 
-    Returns a dict of NumPy arrays: ``model.embed_tokens.weight [vocab, hidden]``, per layer
-    ``model.layers.{i}.{input_layernorm,post_attention_layernorm}.weight [hidden]``,
-    ``self_attn.{q,k,v,o}_proj.weight`` (``[out, in]``, biases for q/k/v when
-    ``cfg.attention_bias``), ``mlp.{gate,up,down}_proj.weight``, ``model.norm.weight`` and,
-    untied, ``lm_head.weight``.
+    That std makes every layer change the residual stream as much as the input does, so greedy
+    tokens depend on attention over the whole context (with a tiny std the model would echo
+    its last input token, and a test of it would prove little).
     """
     rng = np.random.default_rng(seed)
-    h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def normal(*shape):
-        # std 1 / sqrt(fan_in): every layer changes the residual stream as much as the input
-        # does, so greedy tokens depend on attention over the whole context (with a tiny
-        # std the model would echo its last input token, and a test of it would prove little)
-        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype)
-
-    w = {"model.embed_tokens.weight": normal(cfg.vocab_size, h),
-         "model.norm.weight": np.ones(h, dtype)}
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        w[p + "input_layernorm.weight"] = np.ones(h, dtype)
-        w[p + "post_attention_layernorm.weight"] = np.ones(h, dtype)
-        for name, rows in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-            w[p + f"self_attn.{name}_proj.weight"] = normal(rows * d, h)
-            if cfg.attention_bias:
-                w[p + f"self_attn.{name}_proj.bias"] = normal(rows * d)
-        w[p + "self_attn.o_proj.weight"] = normal(h, cfg.num_heads * d)
-        w[p + "mlp.gate_proj.weight"] = normal(inter, h)
-        w[p + "mlp.up_proj.weight"] = normal(inter, h)
-        w[p + "mlp.down_proj.weight"] = normal(h, inter)
-    if not cfg.tie_embeddings:
-        w["lm_head.weight"] = normal(cfg.vocab_size, h)
-    return w
+    return {name: (np.ones(shape, dtype) if name.endswith("norm.weight") else
+                   (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(dtype))
+            for name, shape in weight_shapes(cfg).items()}
 
 
 def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
@@ -107,8 +107,10 @@ class NumpyLlama:
         var = np.mean(x * x, axis=-1, keepdims=True)
         return x / np.sqrt(var + self.cfg.rms_norm_eps) * weight
 
-    def forward(self, tokens, positions, attend) -> np.ndarray:
-        """Logits ``[N, vocab]`` for ``tokens [N]`` at ``positions [N]``.
+    def forward(self, tokens, positions, attend, rows=None) -> np.ndarray:
+        """Logits ``[N, vocab]`` for ``tokens [N]`` at ``positions [N]`` (only of the token
+        rows ``rows`` when given: the LM head is the largest matrix, and a step samples from
+        the last row of each sequence only).
 
         ``attend(layer, q [N, Hq, D], k [N, Hkv, D], v [N, Hkv, D]) -> o [N, Hq, D]`` runs the
         attention of each layer for these tokens (storing k and v wherever it keeps its cache).
@@ -136,24 +138,15 @@ class NumpyLlama:
             gate = h @ w[p + "mlp.gate_proj.weight"].T
             up = h @ w[p + "mlp.up_proj.weight"].T
             x = x + (gate / (1 + np.exp(-gate)) * up) @ w[p + "mlp.down_proj.weight"].T
+        if rows is not None:
+            x = x[rows]
         x = self._norm(x, w["model.norm.weight"])
         head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
         return x @ head.T
 
 
 def _expected_names(cfg: ModelConfig) -> list[str]:
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight",
-                  p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight",
-                  p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"]
-        names += [p + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        if cfg.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-    if not cfg.tie_embeddings:
-        names.append("lm_head.weight")
-    return names
+    return list(weight_shapes(cfg))
 
 
 def generate_alone(model: NumpyLlama, prompt, max_new_tokens: int) -> list[int]:

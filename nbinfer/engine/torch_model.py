@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .model import _expected_names, rope_frequencies
+from .model import _expected_names, rope_frequencies, weight_shapes
 
-__all__ = ["TorchLlama"]
+__all__ = ["TorchLlama", "generate_alone_sdpa", "sdpa_attend"]
 
 
 class TorchLlama:
@@ -43,6 +43,21 @@ class TorchLlama:
         self.inv_freq = torch.as_tensor(rope_frequencies(cfg), dtype=torch.float32,
                                         device=self.device)
 
+    @classmethod
+    def random(cls, cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, *, seed: int = 0):
+        """A model with random weights drawn on ``device`` by torch (the distribution of
+        :func:`~nbinfer.engine.init_weights`, not its values): a billion weights in a fraction
+        of a second instead of NumPy's tens of seconds, for benchmarks."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        weights = {}
+        for name, shape in weight_shapes(cfg).items():
+            if name.endswith("norm.weight"):
+                weights[name] = torch.ones(shape, dtype=dtype, device=device)
+            else:
+                w = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
+                weights[name] = (w / shape[-1] ** 0.5).to(dtype)
+        return cls(cfg, weights, device=device, dtype=dtype)
+
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [N, H, D]`` by the angles of ``positions [N]`` (two-halves layout)."""
         ang = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
@@ -58,9 +73,10 @@ class TorchLlama:
         return (xf * weight.to(torch.float32)).to(self.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens, positions, attend) -> torch.Tensor:
-        """float32 logits ``[N, vocab]`` for ``tokens [N]`` at ``positions [N]``; ``attend``
-        as in :meth:`NumpyLlama.forward`, with torch tensors."""
+    def forward(self, tokens, positions, attend, rows=None) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` for ``tokens [N]`` at ``positions [N]`` (of the rows
+        ``rows`` only, when given); ``attend`` as in :meth:`NumpyLlama.forward`, with torch
+        tensors."""
         cfg, w = self.cfg, self.w
         tokens = torch.as_tensor(tokens, device=self.device)
         positions = torch.as_tensor(positions, device=self.device)
@@ -84,6 +100,46 @@ class TorchLlama:
             up = torch.nn.functional.linear(h, w[p + "mlp.up_proj.weight"])
             x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
                                                w[p + "mlp.down_proj.weight"])
+        if rows is not None:
+            x = x[rows]
         x = self._norm(x, w["model.norm.weight"])
         head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
         return torch.nn.functional.linear(x, head).to(torch.float32)
+
+
+def sdpa_attend(cfg: ModelConfig, ks: list, vs: list):
+    """An ``attend`` callback over plain contiguous per-layer caches ``ks[layer]``,
+    ``vs[layer]`` (``[T, Hkv, D]`` tensors, grown in place of the list entries): torch's
+    ``scaled_dot_product_attention``, causal, the new rows being the cache's last ones."""
+    g = cfg.group_size
+
+    def attend(layer, q, k, v):
+        ks[layer] = k if ks[layer] is None else torch.cat([ks[layer], k])
+        vs[layer] = v if vs[layer] is None else torch.cat([vs[layer], v])
+        kk, vv = ks[layer], vs[layer]
+        n, t = q.shape[0], kk.shape[0]
+        # query row i sits at position t - n + i and sees keys 0 .. t - n + i
+        mask = torch.arange(t, device=q.device)[None, :] <= \
+            torch.arange(t - n, t, device=q.device)[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1).repeat_interleave(g, 0),
+            vv.transpose(0, 1).repeat_interleave(g, 0), attn_mask=mask)
+        return o.transpose(0, 1)
+    return attend
+
+
+@torch.inference_mode()
+def generate_alone_sdpa(model: TorchLlama, prompt, max_new_tokens: int) -> list[int]:
+    """Greedy tokens of one request through ``model`` with plain contiguous KV and SDPA
+    attention (no paging, no nbinfer): what the GPU engine is checked against."""
+    n_layers = model.cfg.num_layers
+    ks, vs = [None] * n_layers, [None] * n_layers
+    attend = sdpa_attend(model.cfg, ks, vs)
+    out, new, start = [], list(prompt), 0
+    for _ in range(max_new_tokens):
+        pos = np.arange(start, start + len(new))
+        logits = model.forward(np.asarray(new), pos, attend, rows=[len(new) - 1])
+        start += len(new)
+        new = [int(logits[0].argmax())]
+        out.append(new[0])
+    return out

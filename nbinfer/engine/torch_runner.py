@@ -1,0 +1,198 @@
+"""The torch model over nbinfer's kernels on a GPU: the engine's runner for real runs.
+
+Same contract as :class:`~nbinfer.engine.runners.NumpyRunner` (one paged cache per layer,
+``[num_pages, 2, page_size, Hkv, D]`` NHD, in the model's dtype); attention goes through
+nbinfer's public API as :class:`~nbinfer.engine.runners.StepAttention` drives it: per step one
+``plan()`` (decode, causal prefill or cascade) and one append plan, per layer the append's and
+the attention's ``run()``.
+
+With ``cuda_graphs=True`` a plain decode step (one token per sequence, no cascade) of up to
+the largest bucket's batch is captured once per bucket size (1, 2, 4, ... rows) and replayed:
+each step plans the bucket's decode and append wrappers (their CUDA-graph mode: fixed buffers
+at fixed addresses), copies the tokens in and replays the whole forward pass, every layer's
+GEMMs, append and attention in one graph launch. A batch smaller than its bucket is padded
+with one-token sequences on a scratch page nobody else uses.
+
+torch is an optional dependency: importing this module needs it, the rest of nbinfer does not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..api.append import PagedKVAppendWrapper
+from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
+from .runners import StepAttention
+from .torch_model import TorchLlama
+
+__all__ = ["TorchRunner"]
+
+_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class TorchRunner:
+    """A :class:`TorchLlama` on a CUDA device over paged caches, attention from nbinfer.
+
+    Parameters
+    ----------
+    model : TorchLlama
+        On a CUDA device.
+    num_pages, page_size : int
+    workspace_bytes : int
+        The float workspace the wrappers share (partial states of split KV).
+    timing : bool
+        Time each layer's append + attention with CUDA events (``attention_seconds``: the
+        GPU clock from before the append to after the attention, summed; two event records
+        per layer and a synchronisation per step).
+    cuda_graphs : bool
+        Capture plain decode steps once per batch bucket and replay them (module docstring).
+    graph_batch_sizes : sequence of int
+        The buckets: a decode step of ``B`` sequences replays the smallest bucket ``>= B``;
+        larger batches run eagerly.
+    """
+
+    name = "torch"
+
+    def __init__(self, model: TorchLlama, num_pages: int, page_size: int, *,
+                 workspace_bytes: int = 128 << 20, timing: bool = False,
+                 cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64)):
+        if not isinstance(model, TorchLlama):
+            raise TypeError(f"model must be a TorchLlama, got {type(model).__name__}")
+        if model.device.type != "cuda":
+            raise ValueError(f"model must be on a CUDA device (nbinfer's kernels run there), "
+                             f"got {model.device}")
+        cfg = model.cfg
+        self.model, self.page_size, self.timing = model, page_size, timing
+        self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
+        self.num_pages, self.device = num_pages, model.device
+        # one page past the pool: the scratch page of the padding rows of a graph bucket
+        shape = (num_pages + 1, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.caches = [torch.zeros(shape, dtype=model.dtype, device=self.device)
+                       for _ in range(cfg.num_layers)]
+        self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self.attention = StepAttention(self.workspace, self.caches[0], self.heads,
+                                       _NAMES[model.dtype])
+        self.cuda_graphs = bool(cuda_graphs)
+        self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self.graph_replays = 0
+        self.attention_seconds = 0.0  # with timing=True (see above)
+        self._events: list = []
+
+    def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                levels=None, rows=None) -> torch.Tensor:
+        """float32 logits ``[len(rows), vocab]`` (CUDA) of one step, as
+        :meth:`NumpyRunner.forward`; the index arrays are host int32 arrays."""
+        n, batch = len(tokens), len(qo_indptr) - 1
+        if self.cuda_graphs and levels is None and n == batch and \
+                batch <= self.graph_batch_sizes[-1]:
+            size = next(b for b in self.graph_batch_sizes if b >= batch)
+            graph = self._graphs.get(size)
+            if graph is None:
+                graph = self._graphs[size] = _DecodeGraph(self, size)
+            self.graph_replays += 1
+            logits = graph.step(tokens, positions, kv_indptr, kv_indices, kv_last_page_len)
+            return logits[:batch] if rows is None else logits[torch.as_tensor(rows,
+                                                                              device=self.device)]
+        attend_step = self.attention.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                          levels)
+        timing = self.timing
+
+        def attend(layer, q, k, v):
+            if timing:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+            o = attend_step(q, k, v, self.caches[layer])
+            if timing:
+                end.record()
+                self._events.append((start, end))
+            return o
+
+        dev = self.device
+        logits = self.model.forward(torch.as_tensor(np.asarray(tokens), device=dev),
+                                    torch.as_tensor(np.asarray(positions), device=dev), attend,
+                                    rows=None if rows is None else torch.as_tensor(rows,
+                                                                                  device=dev))
+        if self._events:
+            torch.cuda.synchronize(dev)
+            self.attention_seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+            self._events.clear()
+        return logits
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> list:
+        """Greedy token of each row of ``logits`` (one device-to-host copy)."""
+        return logits.argmax(-1).tolist()
+
+
+class _DecodeGraph:
+    """The decode step of up to ``size`` sequences, captured once and replayed every step.
+
+    Everything a replay reads lives at fixed addresses: the token and position inputs, the
+    decode wrapper's page-table buffers and plan memory (its CUDA-graph mode), the append
+    wrapper's reserved index memory. A step plans both wrappers on the host, copies its
+    tokens in and replays; rows past the batch are padding: one token each, on the scratch
+    page ``num_pages``.
+    """
+
+    def __init__(self, runner: TorchRunner, size: int):
+        self.runner, self.size = runner, size
+        dev, i32 = runner.device, torch.int32
+        # every sequence may hold the whole pool (shared prefix pages repeat per sequence)
+        self.max_pages = size * (runner.num_pages + 1)
+        self.buffers = (torch.empty(size + 1, dtype=i32, device=dev),
+                        torch.empty(self.max_pages, dtype=i32, device=dev),
+                        torch.empty(size, dtype=i32, device=dev))
+        self.decode = BatchDecodeWithPagedKVCacheWrapper(
+            runner.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.buffers[0],
+            paged_kv_indices_buffer=self.buffers[1], paged_kv_last_page_len_buffer=self.buffers[2])
+        self.append = PagedKVAppendWrapper(runner.caches[0], "NHD")
+        self.append.reserve(size, size, self.max_pages)
+        self.tokens = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.rows = np.arange(size, dtype=np.int32)
+        self.graph, self.logits = None, None
+
+    def _forward(self):
+        runner = self.runner
+        append, decode = self.append.run, self.decode.run
+
+        def attend(layer, q, k, v):
+            cache = runner.caches[layer]
+            append(k, v, cache)
+            return decode(q, cache)
+
+        return runner.model.forward(self.tokens, self.positions, attend)
+
+    def step(self, tokens, positions, kv_indptr, kv_indices, kv_last_page_len) -> torch.Tensor:
+        """float32 logits ``[size, vocab]`` of one decode step (the first ``len(tokens)`` rows
+        are the batch's)."""
+        runner = self.runner
+        batch, pad = len(tokens), self.size - len(tokens)
+        used = int(kv_indptr[-1])
+        indptr = np.concatenate([kv_indptr, used + np.arange(1, pad + 1)]).astype(np.int32)
+        indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages)])
+        last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(np.int32)
+        pos = np.concatenate([np.asarray(positions), np.zeros(pad)]).astype(np.int32)
+        self.decode.plan(indptr, indices.astype(np.int32), last, *runner.heads,
+                         q_data_type=_NAMES[runner.model.dtype])
+        self.append.plan(self.rows, pos, indices.astype(np.int32), indptr, last)
+        self.tokens[:batch].copy_(torch.as_tensor(np.asarray(tokens)))
+        self.tokens[batch:].zero_()
+        self.positions.copy_(torch.as_tensor(pos))
+        if self.graph is None:
+            # warm up on a side stream (what torch asks before a capture), then capture; the
+            # warm-up computed this step already and the replay below recomputes it (the
+            # append writes the same values to the same slots)
+            side = torch.cuda.Stream(device=runner.device)
+            side.wait_stream(torch.cuda.current_stream(runner.device))
+            with torch.cuda.stream(side):
+                self._forward()
+            torch.cuda.current_stream(runner.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+        self.graph.replay()
+        return self.logits

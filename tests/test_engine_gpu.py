@@ -1,0 +1,126 @@
+"""The engine on a GPU: the torch model over nbinfer's kernels against the same torch model
+with plain SDPA attention over contiguous KV (``generate_alone_sdpa``, no paging, no nbinfer).
+
+- fp32: greedy tokens equal, token for token, for 8 requests x 64 new tokens with staggered
+  arrivals and a 48-token shared prompt prefix, with prefix caching (and so cascade decode
+  steps) on and off, and with a pool small enough to preempt;
+- bf16: every sampled token's logits against the fp32 model teacher-forced on the same tokens,
+  no further off than the bf16 SDPA model is;
+- CUDA graphs: the graph-replayed decode steps give the eager engine's tokens.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+from nbinfer.engine import Engine, Request, init_weights, named_config  # noqa: E402
+
+CFG = named_config("tiny")
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init_weights(CFG, seed=5)
+
+
+def _model(weights, dtype):
+    from nbinfer.engine.torch_model import TorchLlama
+
+    return TorchLlama(CFG, weights, device="cuda", dtype=dtype)
+
+
+def _requests(seed, n=8, prompt=64, new=64, shared=48):
+    rng = np.random.default_rng(seed)
+    common = list(rng.integers(0, CFG.vocab_size, size=shared))
+    return [Request(common + list(rng.integers(0, CFG.vocab_size, size=prompt - shared)), new,
+                    arrival=int(2 * i)) for i in range(n)]
+
+
+def _engine(model, num_pages=256, page_size=16, **kw):
+    from nbinfer.engine.torch_runner import TorchRunner
+
+    graphs = kw.pop("cuda_graphs", False)
+    runner = TorchRunner(model, num_pages, page_size, cuda_graphs=graphs)
+    return Engine(runner, num_pages, page_size, max_step_tokens=kw.pop("max_step_tokens", 96),
+                  **kw)
+
+
+@pytest.mark.parametrize("prefix_cache, num_pages", [(True, 256), (False, 256), (True, 14)])
+def test_fp32_tokens_equal_sdpa_over_contiguous_kv(weights, prefix_cache, num_pages):
+    from nbinfer.engine.torch_model import generate_alone_sdpa
+
+    model = _model(weights, torch.float32)
+    requests = _requests(1)
+    engine = _engine(model, num_pages, prefix_cache=prefix_cache)
+    got = engine.run(requests)
+    want = [generate_alone_sdpa(model, r.prompt, r.max_new_tokens) for r in requests]
+    assert got == want
+    assert sum(len(o) for o in got) == 8 * 64
+    if prefix_cache and num_pages == 256:
+        assert engine.prefix_hit_rate > 0 and engine.cascade_steps > 0
+    if num_pages == 14:
+        assert engine.preemptions > 0
+
+
+def test_bf16_logits_within_the_sdpa_models_own_error(weights):
+    from nbinfer.engine.torch_model import sdpa_attend
+    from nbinfer.engine.torch_runner import TorchRunner
+
+    class Recording(TorchRunner):
+        def forward(self, *args, **kw):
+            logits = super().forward(*args, **kw)
+            self.seen.append(logits.float().cpu())
+            return logits
+
+    bf16, fp32 = _model(weights, torch.bfloat16), _model(weights, torch.float32)
+    requests = _requests(2, n=4, new=24)
+    runner = Recording(bf16, 128, 16)
+    runner.seen = []
+    engine = Engine(runner, 128, 16, max_step_tokens=64, prefix_cache=True)
+    reports = []
+    outputs = engine.run(requests, on_step=reports.append)
+    # each sampled token's logits, in step order, per request
+    logits = {i: [] for i in range(len(requests))}
+    for rep, step_logits in zip([r for r in reports if r.scheduled], runner.seen, strict=True):
+        for (rid, _), row in zip(rep.sampled, step_logits, strict=True):
+            logits[rid].append(row)
+    worst_engine = worst_sdpa = 0.0
+    for i, (r, out) in enumerate(zip(requests, outputs, strict=True)):
+        seq = np.array(r.prompt + out[:-1])
+        rows = np.arange(len(r.prompt) - 1, seq.size)
+
+        truth, sdpa = (_forced(m, seq, rows, sdpa_attend) for m in (fp32, bf16))
+        got = torch.stack(logits[i])
+        assert got.shape == truth.shape
+        worst_engine = max(worst_engine, float((got - truth).abs().max()))
+        worst_sdpa = max(worst_sdpa, float((sdpa - truth).abs().max()))
+    print(f"bf16 max |logit error|: engine {worst_engine:.4f}, SDPA {worst_sdpa:.4f}")
+    assert worst_engine <= 2 * worst_sdpa + 1e-2
+
+
+def _forced(model, seq, rows, sdpa_attend):
+    """Teacher-forced logits of ``rows``: one causal SDPA pass over the tokens ``seq``."""
+    ks, vs = [None] * CFG.num_layers, [None] * CFG.num_layers
+    return model.forward(seq, np.arange(seq.size), sdpa_attend(CFG, ks, vs), rows=rows).cpu()
+
+
+def test_cuda_graph_decode_gives_the_eager_tokens(weights):
+    model = _model(weights, torch.float32)
+    requests = _requests(3, n=6, new=32)
+    eager = _engine(model, prefix_cache=True).run(requests)
+    engine = _engine(model, prefix_cache=True, cuda_graphs=True)
+    assert engine.run(requests) == eager
+    assert engine.runner.graph_replays > 0
+
+
+def test_generate_command_on_the_gpu(capsys):
+    from nbinfer.generate import main
+
+    assert main(["--quiet", "--cuda-graphs", "on", "--shared-prefix", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU torch float32" in out and "check: 6/6 requests" in out
+    assert main(["--device", "gpu", "--dtype", "float64"]) == 2
