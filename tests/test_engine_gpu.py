@@ -124,3 +124,29 @@ def test_generate_command_on_the_gpu(capsys):
     out = capsys.readouterr().out
     assert "GPU torch float32" in out and "check: 6/6 requests" in out
     assert main(["--device", "gpu", "--dtype", "float64"]) == 2
+
+
+def test_torch_model_equals_hugging_face_llama(weights):
+    # The engine's torch model is the Llama of transformers (the benchmark's anchor): the same
+    # weights give the same fp32 logits, Llama-3 RoPE scaling included.
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import replace
+
+    from nbinfer.engine.torch_model import TorchLlama, sdpa_attend
+
+    cfg = replace(CFG, rope_scaling=named_config("llama-3.2-1b").rope_scaling,
+                  tie_embeddings=False)
+    ours = TorchLlama(cfg, init_weights(cfg, seed=6), device="cuda", dtype=torch.float32)
+    hf_cfg = {k: v for k, v in cfg.to_hf().items() if k not in ("model_type", "_name_or_path")}
+    config = transformers.LlamaConfig(**hf_cfg, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(config).float().eval()
+    missing, unexpected = hf.load_state_dict(ours.w, strict=False)
+    assert not missing and not unexpected
+    tokens = np.random.default_rng(6).integers(0, cfg.vocab_size, size=300)
+    with torch.inference_mode():
+        want = hf(torch.as_tensor(tokens[None], device="cuda")).logits[0].float().cpu()
+    ks, vs = [None] * cfg.num_layers, [None] * cfg.num_layers
+    got = ours.forward(tokens, np.arange(tokens.size), sdpa_attend(cfg, ks, vs)).cpu()
+    assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -42,6 +42,10 @@ class TorchLlama:
                   .to(self.device, dtype) for k, v in weights.items()}
         self.inv_freq = torch.as_tensor(rope_frequencies(cfg), dtype=torch.float32,
                                         device=self.device)
+        # the norms run in float32: their weights converted once, not per call
+        self._norm32 = {k: v.to(torch.float32) for k, v in self.w.items()
+                        if k.endswith("norm.weight")}
+        self._rms_norm = getattr(torch.nn.functional, "rms_norm", None)  # torch >= 2.4
 
     @classmethod
     def random(cls, cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, *, seed: int = 0):
@@ -60,17 +64,27 @@ class TorchLlama:
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [N, H, D]`` by the angles of ``positions [N]`` (two-halves layout)."""
+        return self._rotate(x, *self._angles(positions))
+
+    def _angles(self, positions):
+        """``cos, sin [N, 1, D/2]`` (float32) of ``positions``: the same for every layer, so
+        a forward pass computes them once."""
         ang = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
-        cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+        return ang.cos()[:, None, :], ang.sin()[:, None, :]
+
+    @staticmethod
+    def _rotate(x, cos, sin):
         xf = x.to(torch.float32)
         half = x.shape[-1] // 2
         x1, x2 = xf[..., :half], xf[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def _norm(self, x, weight):
-        xf = x.to(torch.float32)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)
-        return (xf * weight.to(torch.float32)).to(self.dtype)
+    def _norm(self, x, name):
+        xf, weight, eps = x.to(torch.float32), self._norm32[name], self.cfg.rms_norm_eps
+        if self._rms_norm is not None:
+            return self._rms_norm(xf, (xf.shape[-1],), weight, eps).to(self.dtype)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (xf * weight).to(self.dtype)
 
     @torch.inference_mode()
     def forward(self, tokens, positions, attend, rows=None) -> torch.Tensor:
@@ -82,9 +96,10 @@ class TorchLlama:
         positions = torch.as_tensor(positions, device=self.device)
         n, d = tokens.numel(), cfg.head_dim
         x = w["model.embed_tokens.weight"][tokens]
+        cos, sin = self._angles(positions)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            h = self._norm(x, w[p + "input_layernorm.weight"])
+            h = self._norm(x, p + "input_layernorm.weight")
             qkv = []
             for name, heads in (("q", cfg.num_heads), ("k", cfg.num_kv_heads),
                                 ("v", cfg.num_kv_heads)):
@@ -92,17 +107,17 @@ class TorchLlama:
                 y = torch.nn.functional.linear(h, w[p + f"self_attn.{name}_proj.weight"], bias)
                 qkv.append(y.view(n, heads, d))
             q, k, v = qkv
-            o = attend(i, self.rope(q, positions), self.rope(k, positions), v)
+            o = attend(i, self._rotate(q, cos, sin), self._rotate(k, cos, sin), v)
             x = x + torch.nn.functional.linear(o.reshape(n, cfg.num_heads * d).to(self.dtype),
                                                w[p + "self_attn.o_proj.weight"])
-            h = self._norm(x, w[p + "post_attention_layernorm.weight"])
+            h = self._norm(x, p + "post_attention_layernorm.weight")
             gate = torch.nn.functional.linear(h, w[p + "mlp.gate_proj.weight"])
             up = torch.nn.functional.linear(h, w[p + "mlp.up_proj.weight"])
             x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
                                                w[p + "mlp.down_proj.weight"])
         if rows is not None:
             x = x[rows]
-        x = self._norm(x, w["model.norm.weight"])
+        x = self._norm(x, "model.norm.weight")
         head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
         return torch.nn.functional.linear(x, head).to(torch.float32)
 

@@ -1,0 +1,277 @@
+"""The engine on the H200: output tokens/s against Hugging Face transformers ``generate``.
+
+    python bench/engine.py --out bench/results/issue12/engine_h200.json [--plot PNG] [--small]
+
+A Llama-3.2-1B-shaped model with random bf16 weights (drawn on the GPU; the same weights in
+both), 64 requests of 1024-token prompts and 256 new tokens each, all arriving at once, greedy:
+
+- ``hf``: ``LlamaForCausalLM.generate`` (SDPA attention), its dynamic and its static cache,
+  all 64 prompts as one batch (equal lengths: no padding);
+- ``engine``: nbinfer's engine (paged pool, continuous batching, prefill chunks of up to
+  ``--step-tokens``), eager and with CUDA-graph decode steps;
+- ``shared``: the same with a 90 % common prompt prefix: prefix caching + cascade decode
+  against the engine with both off (each eager and with graphs);
+- one eager run with CUDA-event timing: the share of GPU time in append + attention.
+
+Every run is timed from the first token in to the last token out (``torch.cuda.synchronize``
+before and after), after a warm-up run of the same configuration on as many short requests (kernels
+compiled or loaded, the graph bucket of the batch captured). Output tokens/s = 64 * 256 / wall.
+The per-step latencies (``on_step`` wall clock, the step ends with the sampled tokens on the
+host) separate prefill steps from decode steps. The last lines are a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+import torch
+
+os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
+
+from nbinfer.engine import Engine, Request, named_config  # noqa: E402
+from nbinfer.engine.torch_model import TorchLlama  # noqa: E402
+from nbinfer.engine.torch_runner import TorchRunner  # noqa: E402
+
+PAGE = 16
+
+
+def make_requests(rng, n, prompt, new, shared, vocab):
+    common = list(rng.integers(0, vocab, size=int(round(prompt * shared))))
+    return [Request(common + list(rng.integers(0, vocab, size=prompt - len(common))), new)
+            for _ in range(n)]
+
+
+def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timing=False):
+    """One engine run to completion, after a warm-up run of ``warm`` on the same runner (the
+    kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics."""
+    need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
+    pages = need + 64
+    runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs, timing=timing,
+                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+
+    def engine():
+        return Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
+                      prefix_cache=prefix, cascade="auto" if cascade else "off")
+
+    engine().run(warm)
+    runner.attention_seconds = 0.0
+    engine = engine()
+    steps, last = [], [0.0]
+
+    def on_step(rep):
+        now = time.perf_counter()
+        decode = all(n == 1 for _, n in rep.scheduled)
+        steps.append((now - last[0], decode, rep.attention))
+        last[0] = now
+
+    torch.cuda.synchronize()
+    t0 = last[0] = time.perf_counter()
+    outputs = engine.run(reqs, on_step=on_step)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n_out = sum(len(o) for o in outputs)
+    dec = [s * 1e3 for s, d, _ in steps if d]
+    pre = [s * 1e3 for s, d, _ in steps if not d]
+    res = dict(wall_s=wall, tokens_per_s=n_out / wall, steps=len(steps),
+               decode_steps=len(dec), decode_step_ms_p50=float(np.median(dec)) if dec else None,
+               decode_step_ms_p99=float(np.percentile(dec, 99)) if dec else None,
+               prefill_steps=len(pre), prefill_s=sum(pre) / 1e3,
+               prefix_hit_rate=engine.prefix_hit_rate, cascade_steps=engine.cascade_steps,
+               graph_replays=runner.graph_replays, preemptions=engine.preemptions)
+    if timing:
+        res["attention_s"] = runner.attention_seconds
+        res["attention_share"] = runner.attention_seconds / wall
+    if graphs and runner._graphs:
+        res["graph_replay_gpu_ms"] = replay_ms(runner)
+    return res, outputs
+
+
+def replay_ms(runner, reps=20):
+    """GPU time of one replay of the largest captured decode step (its last plan: the final
+    KV lengths), CUDA events around back-to-back replays: the step without the host."""
+    graph = runner._graphs[max(runner._graphs)].graph
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gpu_breakdown(model, reqs, step_tokens):
+    """GPU kernel time by kind over the decode steps of a short eager run (torch.profiler):
+    GEMMs, nbinfer's attention, nbinfer's append, everything else (norms, RoPE, SiLU, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = [Request(r.prompt, 8) for r in reqs]
+    pages = sum(-(-(len(r.prompt) + 8) // PAGE) for r in short) + 64
+    runner = TorchRunner(model, pages, PAGE)
+    engine = Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs))
+    for r in short:
+        engine.add_request(r)
+    while True:  # prefill, up to the first decode-only step
+        rep = engine.step()
+        if not engine.waiting and all(n == 1 for _, n in rep.scheduled):
+            break
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    kinds = {"gemm": 0.0, "attention": 0.0, "append": 0.0, "other": 0.0}
+    for ev in prof.key_averages():
+        name, us = ev.key.lower(), ev.self_device_time_total
+        if "append" in name:
+            kinds["append"] += us
+        elif any(k in name for k in ("decode", "prefill", "value_scan", "attention")):
+            kinds["attention"] += us
+        elif any(k in name for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul")):
+            kinds["gemm"] += us
+        else:
+            kinds["other"] += us
+    return {k: v / 1e3 / steps for k, v in kinds.items()} | {"steps": steps}
+
+
+def hf_model(model, cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf_cfg = {k: v for k, v in cfg.to_hf().items() if k not in ("model_type", "_name_or_path")}
+    config = LlamaConfig(**hf_cfg, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    missing, unexpected = hf.load_state_dict(model.w, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    hf.tie_weights()
+    return hf
+
+
+@torch.inference_mode()
+def hf_run(hf, reqs, cache):
+    ids = torch.tensor([r.prompt for r in reqs], device="cuda")
+    new = reqs[0].max_new_tokens
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                      min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0,
+                      cache_implementation=cache)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    gen = out[:, ids.shape[1]:].tolist()
+    return dict(wall_s=wall, tokens_per_s=sum(len(g) for g in gen) / wall), gen
+
+
+def agreement(a, b, k=16):
+    """Share of requests whose first ``k`` greedy tokens agree (bf16: informational only)."""
+    return float(np.mean([x[:k] == y[:k] for x, y in zip(a, b, strict=True)]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--small", action="store_true", help="8 x 256 + 32 (a quick check)")
+    ap.add_argument("--step-tokens", type=int, default=8192)
+    a = ap.parse_args()
+    cfg = named_config("llama-3.2-1b")
+    n, prompt, new = (8, 256, 32) if a.small else (64, 1024, 256)
+    model = TorchLlama.random(cfg, "cuda", torch.bfloat16, seed=0)
+    rng = np.random.default_rng(0)
+    plain = make_requests(rng, n, prompt, new, 0.0, cfg.vocab_size)
+    shared = make_requests(rng, n, prompt, new, 0.9, cfg.vocab_size)
+    # as many requests as the runs (their decode steps fill the same graph bucket), short
+    warm = make_requests(rng, n, 16, 4, 0.5, cfg.vocab_size)
+    results = dict(device=torch.cuda.get_device_name(), model=cfg.name, dtype="bfloat16",
+                   requests=n, prompt=prompt, new_tokens=new, page_size=PAGE,
+                   step_tokens=a.step_tokens)
+    runs = {
+        "engine eager": dict(reqs=plain, graphs=False, prefix=False, cascade=False),
+        "engine graphs": dict(reqs=plain, graphs=True, prefix=False, cascade=False),
+        "shared, both off, eager": dict(reqs=shared, graphs=False, prefix=False, cascade=False),
+        "shared, prefix+cascade, eager": dict(reqs=shared, graphs=False, prefix=True,
+                                              cascade=True),
+        "shared, both off, graphs": dict(reqs=shared, graphs=True, prefix=False, cascade=False),
+        "shared, prefix+cascade, graphs": dict(reqs=shared, graphs=True, prefix=True,
+                                               cascade=True),
+        "shared, prefix only, graphs": dict(reqs=shared, graphs=True, prefix=True,
+                                            cascade=False),
+    }
+    outputs = {}
+    for name, kw in runs.items():
+        reqs = kw.pop("reqs")
+        results[name], outputs[name] = engine_run(model, reqs, warm, step_tokens=a.step_tokens,
+                                                  **kw)
+        print(name, json.dumps(results[name]), flush=True)
+    results["engine eager, timed"], _ = engine_run(model, plain, warm, graphs=False,
+                                                   prefix=False, cascade=False,
+                                                   step_tokens=a.step_tokens, timing=True)
+    results["decode step GPU ms by kernel kind (eager, profiler)"] = gpu_breakdown(
+        model, plain, a.step_tokens)
+    print("breakdown", results["decode step GPU ms by kernel kind (eager, profiler)"], flush=True)
+    hf = hf_model(model, cfg)
+    for cache in ("dynamic", "static"):
+        hf_run(hf, warm, cache)
+        results[f"hf {cache}"], outputs[f"hf {cache}"] = hf_run(hf, plain, cache)
+        print(f"hf {cache}", json.dumps(results[f"hf {cache}"]), flush=True)
+    best_hf = max(results["hf dynamic"]["tokens_per_s"], results["hf static"]["tokens_per_s"])
+    results["speedup vs hf"] = {k: results[k]["tokens_per_s"] / best_hf
+                                for k in ("engine eager", "engine graphs")}
+    off = results["shared, both off, graphs"]["tokens_per_s"]
+    results["shared-prefix speedup"] = {
+        "prefix+cascade vs both off, eager": results["shared, prefix+cascade, eager"][
+            "tokens_per_s"] / results["shared, both off, eager"]["tokens_per_s"],
+        "prefix+cascade vs both off, graphs": results["shared, prefix+cascade, graphs"][
+            "tokens_per_s"] / off,
+        "prefix only vs both off, graphs": results["shared, prefix only, graphs"][
+            "tokens_per_s"] / off}
+    results["agreement first 16 tokens, engine graphs vs hf dynamic"] = agreement(
+        outputs["engine graphs"], outputs["hf dynamic"])
+    results["agreement, engine eager vs graphs"] = agreement(
+        outputs["engine eager"], outputs["engine graphs"], new)
+    with open(a.out, "w") as f:
+        json.dump(results, f, indent=1)
+    if a.plot:
+        plot(results, a.plot)
+    print(f"\n{'run':34s} {'tokens/s':>9s} {'wall s':>7s} {'decode ms p50':>13s} "
+          f"{'replay GPU ms':>13s}")
+    for k, v in results.items():
+        if isinstance(v, dict) and "tokens_per_s" in v:
+            d, g = v.get("decode_step_ms_p50"), v.get("graph_replay_gpu_ms")
+            print(f"{k:34s} {v['tokens_per_s']:9.0f} {v['wall_s']:7.2f} "
+                  f"{'' if d is None else f'{d:13.2f}'} {'' if g is None else f'{g:13.2f}'}")
+    for k in ("speedup vs hf", "shared-prefix speedup"):
+        print(k, {n: round(x, 2) for n, x in results[k].items()})
+
+
+def plot(results, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k, v in results.items() if isinstance(v, dict) and "tokens_per_s" in v
+             and "timed" not in k]
+    vals = [results[k]["tokens_per_s"] for k in names]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1.2))
+    colors = ["#888888" if k.startswith("hf") else "#1f77b4" for k in names]
+    ax.barh(names, vals, color=colors)
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("output tokens / s")
+    ax.set_title(f"{results['model']} bf16 on {results['device']}: {results['requests']} "
+                 f"requests x {results['prompt']} prompt + {results['new_tokens']} new",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
