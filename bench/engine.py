@@ -231,8 +231,11 @@ def main():
             "tokens_per_s"] / off,
         "prefix only vs both off, graphs": results["shared, prefix only, graphs"][
             "tokens_per_s"] / off}
-    results["agreement first 16 tokens, engine graphs vs hf dynamic"] = agreement(
-        outputs["engine graphs"], outputs["hf dynamic"])
+    # bf16 greedy decoding of random weights: near-ties part the two ways early (the fp32
+    # equality of the two models is tests/test_engine_gpu.py's); informational only
+    for k in (1, 16):
+        results[f"agreement first {k} tokens, engine graphs vs hf dynamic (bf16)"] = agreement(
+            outputs["engine graphs"], outputs["hf dynamic"], k)
     results["agreement, engine eager vs graphs"] = agreement(
         outputs["engine eager"], outputs["engine graphs"], new)
     with open(a.out, "w") as f:
@@ -265,6 +268,7 @@ def plot(results, path):
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:,.0f}", va="center", fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, max(vals) * 1.12)
     ax.set_xlabel("output tokens / s")
     ax.set_title(f"{results['model']} bf16 on {results['device']}: {results['requests']} "
                  f"requests x {results['prompt']} prompt + {results['new_tokens']} new",

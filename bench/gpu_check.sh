@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU check of a change in one device call: every gpu test (six pytest processes in
-# parallel, so the kernel specs compile on six cores at once), then the decode benchmark alone
+# The whole GPU check of a change in one device call: every gpu test (seven pytest processes in
+# parallel, so the kernel specs compile on seven cores at once), then the decode benchmark alone
 # on the GPU (nothing else running while it times), then the optional benchmarks named, each
 # alone too. Logs and JSON go to $OUT.
 #   [SKIP_DECODE=1] bash bench/gpu_check.sh [prefill] [sched] [host]
@@ -15,7 +15,7 @@ before=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
 t0=$(date +%s)
 run() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 pids=()
-# Six processes (the H200 host has 16 cores): each compiles the specs its tests need; two that
+# Seven processes (the H200 host has 16 cores): each compiles the specs its tests need; two that
 # need one spec at once compile it once (the cache's lock), the other waits and loads it.
 run tests/test_gpu_decode.py tests/test_api_state.py tests/test_api_append.py >"$OUT/gpu_a.log" 2>&1 &
 pids+=($!)
@@ -28,6 +28,8 @@ pids+=($!)
 run tests/test_gpu_trust.py >"$OUT/gpu_c.log" 2>&1 &
 pids+=($!)
 run tests/test_gpu_cache.py >"$OUT/gpu_d.log" 2>&1 &  # cold by design: fresh cache folders
+pids+=($!)
+run tests/test_engine_gpu.py >"$OUT/gpu_e.log" 2>&1 &
 pids+=($!)
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=1; done
@@ -46,7 +48,7 @@ for extra in "$@"; do
     *) echo "unknown benchmark: $extra (prefill, sched, host)"; status=1 ;;
   esac
 done
-for f in gpu_a gpu_b gpu_b2 gpu_b3 gpu_c gpu_d; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
+for f in gpu_a gpu_b gpu_b2 gpu_b3 gpu_c gpu_d gpu_e; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
 cat "$OUT/gpu_time.log"
 for f in "$@"; do
   case $f in sched) tail -4 "$OUT/scheduler.log" ;; host) tail -32 "$OUT/host.log" ;;
