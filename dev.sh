@@ -41,7 +41,10 @@ task=${1:-help}
 shift || true
 case "$task" in
   demo)      ensure_venv; use_sim_without_gpu; exec "$VENV/bin/python" -m nbinfer.demo "$@" ;;
-  test)      ensure_venv; use_sim_without_gpu; exec "$VENV/bin/python" -m pytest -q "$@" ;;
+  # In the simulator the tests are CPU-bound and independent: two processes (CI has two cores),
+  # idle ones taking work from busy ones. On a GPU one process (kernels compile on first use).
+  test)      ensure_venv; use_sim_without_gpu
+             exec "$VENV/bin/python" -m pytest -q ${NUMBA_ENABLE_CUDASIM:+-n 2 --dist worksteal} "$@" ;;
   figures)   ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool figures "$@" ;;
   notebooks) ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool notebooks "$@" ;;
   lint)      ensure_venv; exec "$VENV/bin/ruff" check nbinfer tests lessons bench "$@" ;;
