@@ -161,7 +161,20 @@ def causal_prefill(B=4, L=4096, H=32, d=128):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", default=None, metavar="L,L,...",
+                    help="only the causal prefill, B 1, at these lengths (lesson 07's sweep)")
     args = ap.parse_args()
+    if args.sweep:
+        rows = [causal_prefill(B=1, L=int(x)) for x in args.sweep.split(",")]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), causal_sweep=rows), f,
+                          indent=2)
+        for r in rows:
+            print(f"causal prefill B1 L{r['L']}: nbinfer {r['nbinfer_tflops']:.1f} TFLOP/s, "
+                  f"SDPA flash {r.get('sdpa_flash_tflops', float('nan')):.1f}, cuDNN "
+                  f"{r.get('sdpa_cudnn_tflops', float('nan')):.1f}")
+        return
     a = shared_prefix()
     b = causal_prefill()
     if args.out:

@@ -25,9 +25,9 @@
 #    simulator, and that gathering a page once per GQA group divides the KV bytes by the group
 #    size `G`;
 # 4. what the production kernel adds on top (asynchronous copies, warp-private pipelines,
-#    reduce-scatter, owner-lane softmax) and why decode is about instructions per byte;
-# 5. where decode, a shared-prefix cascade and causal prefill sit on one roofline drawn from
-#    the benchmark JSON, and why they land so far apart.
+#    reduce-scatter, owner-lane softmax) and why decode is about instructions per byte.
+#
+# Lesson 07 places decode, a shared-prefix cascade and causal prefill on one roofline.
 #
 # The simulator runs every CUDA thread as an OS thread, so shapes stay tiny: a few pages,
 # head_dim 16 and blocks of at most 16 threads for the ladder, two CTAs of 128 threads for the
@@ -51,7 +51,7 @@ from nbinfer.kernels.decode import NUM_THREADS, NUM_WARPS, DecodeSpec
 from nbinfer.lessons_tool import repo_root
 from nbinfer.scheduler import WORK_COLUMNS
 from nbinfer.variants import standard
-from nbinfer.viz import plot_roofline, save_figure, show, subplots
+from nbinfer.viz import save_figure, show, subplots
 
 np.set_printoptions(precision=4, suppress=True, linewidth=100)
 # A fixed seed: every run draws the same data (set NBINFER_SEED to draw other data).
@@ -638,174 +638,6 @@ for case in bench["decode"]:
               f"by registers")
 
 # %% [markdown]
-# ## 7. The roofline, from the benchmark JSON
-#
-# A roofline plots achieved FLOP/s against arithmetic intensity (FLOP per byte of memory
-# traffic). A kernel cannot beat `bandwidth x intensity` (the slanted roof) nor the compute peak
-# (the flat roof); where the roofs meet is the *ridge point*. The intensity is a property of the
-# workload and of how the kernel moves its bytes, not of the GPU, so three workloads of the
-# same model (Hq = 32, Hkv = 8, D = 128, fp16) land in three different places:
-#
-# * **decode**: `4 * Hq * D` FLOP per token (a multiply and an add for `q.k` and for `p v`, per
-#   query head) over `2 * Hkv * D * 2` bytes (K and V, fp16): intensity `Hq / Hkv = G`,
-#   whatever the batch or length;
-# * **shared-prefix decode as a cascade** (lesson 03): the same FLOPs, but the 8192-token prefix
-#   is read once per query tile instead of once per request, so the bytes shrink and the
-#   intensity grows by the same factor;
-# * **causal prefill** (B 4, L 4096, H 32): every query row scores every earlier key,
-#   `4 * H * D * L (L + 1) / 2` FLOP per request, over reading Q, K, V and writing O once.
-#
-# Ceilings: the measured HBM copy bandwidth (from the JSON), and two documented H200 peaks, fp16
-# tensor cores (989 TFLOP/s dense) and fp32 CUDA cores (67 TFLOP/s). Times are GPU times:
-# kernel-only for decode, CUDA-graph replay for the shared prefix, events around the call for
-# prefill. The prefill and shared-prefix figures come from the newest `prefill_h200*.json`
-# (`python3 bench/prefill.py`), decode from the newest `decode_h200*.json`.
-
-# %%
-HQ_B, D_B, KV_ITEM = 32, 128, 2  # the benchmark model: Hq = 32, D = 128, fp16
-PEAK_TC, PEAK_FP32 = 989e12, 67e12  # documented H200 dense peaks, FLOP/s
-pre_results = sorted((repo_root() / "bench" / "results").glob("prefill_h200*.json"),
-                     key=lambda p: [int(x) if x.isdigit() else x
-                                    for x in re.split(r"(\d+)", p.stem)])
-assert pre_results, "no bench/results/prefill_h200*.json"
-pre_path = pre_results[-1]
-pre = json.loads(pre_path.read_text())
-
-
-def roof(ai):
-    """The attainable FLOP/s at intensity `ai`: the lower of the two roofs."""
-    return min(COPY_BW * ai, PEAK_TC)
-
-
-points = []  # every measured point: workload, what ran, intensity, FLOP/s
-
-
-def add(workload, label, flops, nbytes, seconds_, color, marker, note=""):
-    points.append(dict(workload=workload, label=label, ai=flops / nbytes, flops=flops / seconds_,
-                       color=color, marker=marker, note=note))
-
-
-# Decode: kernel alone and cuDNN, every case of the decode JSON.
-for case in bench["decode"]:
-    flops = 4 * HQ_B * D_B * case["batch"] * case["kv_len"]
-    hkv_b = case["kv_bytes"] // (case["batch"] * case["kv_len"] * 2 * D_B * KV_ITEM)
-    assert case["kv_bytes"] == case["batch"] * case["kv_len"] * hkv_b * 2 * D_B * KV_ITEM
-    assert flops / case["kv_bytes"] == HQ_B / hkv_b  # intensity = GQA group size
-    for label, key, color, marker in (("decode, nbinfer kernel", "kernel_only", "C0", "o"),
-                                      ("decode, torch SDPA cuDNN", "sdpa_cudnn", "C2", "D")):
-        t = case[f"{key}_ms"] * 1e-3 if f"{key}_ms" in case else \
-            case["kv_bytes"] / (case[f"{key}_tbps"] * 1e12)
-        add("decode", label, flops, case["kv_bytes"], t, color, marker,
-            note=f" ({case['batch']} x {case['kv_len']})")
-G_B = HQ_B // hkv_b
-
-# Shared prefix, 64 x (8192 + 256): lesson 03's byte model. The prefix level's work items say
-# how often the prefix is read: items = reads x (prefix / kv_chunk) chunks x Hkv heads.
-sp = pre["shared_prefix"]
-B_S, P_S, U_S = sp["batch"], sp["prefix"], sp["unique"]
-lvl = sp["breakdown"]["prefix_level"]
-reads, rem = divmod(lvl["items"] * lvl["kv_chunk"], hkv_b * P_S)
-assert rem == 0 and reads == -(-B_S * G_B // 64)  # one read per 64-row query tile
-token_bytes = hkv_b * 2 * D_B * KV_ITEM
-flops_s = 4 * HQ_B * D_B * B_S * (P_S + U_S)
-cascade_bytes = (reads * P_S + B_S * U_S) * token_bytes
-plain_bytes = B_S * (P_S + U_S) * token_bytes
-add("shared prefix", "shared prefix, nbinfer cascade", flops_s, cascade_bytes,
-    sp["breakdown"]["cascade_graph_ms"] * 1e-3, "C1", "^")
-add("shared prefix", "shared prefix, nbinfer plain decode", flops_s, plain_bytes,
-    sp["breakdown"]["plain_graph_ms"] * 1e-3, "C1", "v")
-
-# Causal prefill: FLOPs from the formula (the JSON's own count must agree), bytes Q K V O once.
-cp = pre["causal_prefill"]
-B_P, L_P, H_P, D_P = cp["B"], cp["L"], cp["H"], cp["D"]
-flops_p = 4 * B_P * H_P * D_P * L_P * (L_P + 1) // 2
-assert flops_p == cp["flops"]
-bytes_p = 4 * B_P * L_P * H_P * D_P * KV_ITEM
-for label, key, marker in (("causal prefill, nbinfer tensor cores", "nbinfer", "s"),
-                           ("causal prefill, SDPA flash", "sdpa_flash", "P"),
-                           ("causal prefill, SDPA cuDNN", "sdpa_cudnn", "X")):
-    add("causal prefill", label, flops_p, bytes_p, cp[f"{key}_ms"] * 1e-3, "C3", marker)
-
-ridge_tc, ridge_fp32 = PEAK_TC / COPY_BW, PEAK_FP32 / COPY_BW
-print(f"{bench_path.name} + {pre_path.name}; ridge points: fp16 tensor cores {ridge_tc:.0f}, "
-      f"fp32 CUDA cores {ridge_fp32:.1f} FLOP/B")
-print(f"{'':52s} {'FLOP/B':>7} {'TFLOP/s':>8} {'roof':>7} {'of roof':>8}")
-for p in points:
-    p["of_roof"] = p["flops"] / roof(p["ai"])
-    print(f"{p['label'] + p['note']:52s} {p['ai']:7.1f} {p['flops'] / 1e12:8.1f} "
-          f"{roof(p['ai']) / 1e12:7.1f} {p['of_roof']:8.0%}")
-
-ai_of = {w: {p["ai"] for p in points if p["workload"] == w} for w in
-         ("decode", "shared prefix", "causal prefill")}
-# Decode sits at G, left of both ridges: bandwidth-bound on any unit, and within ~3 % of
-# the roof (a read-only kernel may pass a read + write copy's ceiling a little).
-assert ai_of["decode"] == {G_B} and G_B < ridge_fp32
-assert all(0.85 < p["of_roof"] < 1.03 for p in points if p["workload"] == "decode")
-# The cascade reads the prefix `reads` times instead of 64: its intensity passes the CUDA-core
-# ridge (on CUDA cores it would be compute-bound) but not the tensor-core one.
-ai_cascade = flops_s / cascade_bytes
-assert ridge_fp32 < ai_cascade < ridge_tc and math.isclose(
-    ai_cascade / G_B, plain_bytes / cascade_bytes)
-# Plain decode of the shared-prefix batch counts 64 reads of the prefix; it beats that roof
-# because the 34 MB prefix stays in the 60 MB L2 between requests: the copy roof is for HBM.
-plain_sp = next(p for p in points if p["label"].endswith("plain decode"))
-assert plain_sp["of_roof"] > 1
-# Prefill is far right of both ridges: compute-bound, and the roof is the tensor cores'.
-assert min(ai_of["causal prefill"]) > ridge_tc
-prefill = {p["label"].split(", ")[1]: p["of_roof"] for p in points
-           if p["workload"] == "causal prefill"}
-assert prefill["nbinfer tensor cores"] < prefill["SDPA flash"] < prefill["SDPA cuDNN"] < 1
-
-# %%
-fig, (ax_r, ax_b) = subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
-plot_roofline(points, memory_ceilings=[("HBM copy, measured", COPY_BW)],
-              compute_ceilings=[("fp16 tensor cores", PEAK_TC), ("fp32 CUDA cores", PEAK_FP32)],
-              ax=ax_r, ai_range=(1, 4096),
-              title=f"H200 roofline: three workloads of one model (Hq {HQ_B}, Hkv {hkv_b}, "
-                    f"D {D_B}, fp16)")
-for text, ai_w, dx, dy in (("decode (= GQA group)", G_B, 12, -34),
-                          ("shared prefix as a cascade", ai_cascade, -40, -50),
-                          ("causal prefill", min(ai_of["causal prefill"]), -170, 10)):
-    lowest = min(p["flops"] for p in points if p["ai"] == ai_w)  # arrow to the lowest point
-    ax_r.annotate(f"{text}: {ai_w:.0f} FLOP/B", (ai_w, lowest / 1e12 * 0.93),
-                  xytext=(dx, dy), textcoords="offset points", fontsize=8,
-                  arrowprops={"arrowstyle": "->", "lw": 0.7})
-ax_r.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
-# Right: each point as a fraction of the roof at its own intensity, the distance the roofline
-# says is left to gain.
-order = sorted(range(len(points)), key=lambda i: (points[i]["ai"], points[i]["label"]))
-labels_b = [points[i]["label"] + points[i]["note"] for i in order]
-ax_b.barh(range(len(order)), [points[i]["of_roof"] * 100 for i in order],
-          color=[points[i]["color"] for i in order])
-ax_b.axvline(100, color="k", lw=1)
-ax_b.set_yticks(range(len(order)), labels=labels_b, fontsize=7)
-ax_b.invert_yaxis()
-ax_b.set_xlabel("% of the roof at the point's own intensity")
-ax_b.set_title("how far each kernel is from its roof", fontsize=10)
-save_figure(fig, "04_roofline.png")
-show(fig)
-
-# The plotted points are exactly the ones computed above, series by series.
-for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
-    drawn = ax_r.collections[i].get_offsets()
-    want = np.array([(p["ai"], p["flops"] / 1e12) for p in points if p["label"] == label])
-    assert ax_r.collections[i].get_label() == label
-    np.testing.assert_allclose(np.asarray(drawn), want, rtol=1e-12)
-
-# %% [markdown]
-# Read the chart from left to right. Decode sits at the GQA group size, far left of both
-# ridges: memory-bound, so tensor cores would not help it (the production kernel uses CUDA
-# cores) and the whole story is the distance to the slanted roof, which nbinfer's kernel and
-# cuDNN have all but closed. The cascade does the *same arithmetic* as plain decode on the
-# shared-prefix batch but reads the prefix a few times instead of 64, so the point moves right
-# by the byte ratio: past the CUDA-core ridge, which is why it runs on the tensor-core kernel.
-# At its intensity the roof is several times higher than what it reaches: a 0.15 ms step is too
-# short to fill the machine, the headroom a faster prefix level would use. (Plain decode of that
-# batch appears *above* its roof because the prefix it re-reads 64 times stays in L2: the roof
-# is for HBM.) Causal prefill is far right of every ridge: compute-bound, judged against the
-# tensor cores' 989 TFLOP/s, where nbinfer's kernel reaches a fraction of what FlashAttention-2
-# and cuDNN do on the same problem: the work of the speed issue, not of the bytes.
-#
 # ## Summary
 #
 # * A decode kernel walks the page table's BSR row: `kv_indices[first + t // page_size]` turns a
@@ -816,8 +648,8 @@ for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
 # * The real kernel (v3) keeps v2's shape and adds what the hardware needs: asynchronous copies
 #   in warp-private pipelines, reduce-scatter and owner-lane softmax, few instructions per byte;
 #   long requests are split into chunks whose partial states merge with ⊕.
-# * Decode's arithmetic intensity is the GQA group size, so the roofline says: bandwidth, not
-#   FLOPs. A cascade raises the intensity by the bytes it saves; prefill is compute-bound.
+# * Decode's arithmetic intensity is the GQA group size: bandwidth, not FLOPs, is its limit
+#   (lesson 07's roofline puts it beside the cascade and prefill).
 #
 # Lesson 05 shows how the same kernel source becomes a different attention variant.
 

@@ -28,7 +28,7 @@
 # %%
 from nbinfer.lessons_tool import start_lesson
 
-ROOT = start_lesson()  # Numba's CUDA simulator when there is no GPU (imports stay cheap)
+ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
 
 import numpy as np
 from matplotlib.colors import ListedColormap

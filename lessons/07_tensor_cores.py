@@ -1,0 +1,537 @@
+# %% [markdown]
+# # Lesson 07: tensor cores
+#
+# Lesson 04's decode kernel multiplies and adds on CUDA cores: one fused multiply-add per
+# thread per instruction. A tensor core does a whole small matrix product per instruction: on
+# the H200, `mma.sync.m16n8k16` has a warp multiply a 16 x 16 tile by a 16 x 8 tile and add the
+# 16 x 8 result, 4096 FMAs in one instruction. nbinfer's prefill kernel (`kernels/prefill_mma.py`)
+# is built from it. This lesson takes the instruction apart.
+#
+# **You will learn**
+#
+# 1. the fragment layout: which of the warp's 32 lanes holds which element of the A, B and C
+#    tiles, and why the accumulator of `S = Q K^T` can be fed straight back as the A operand of
+#    `O = P V` without leaving registers (FlashAttention-2's trick);
+# 2. `ldmatrix`: one instruction loads four 8 x 8 tiles from shared memory into exactly that
+#    layout, and why the kernel pads every shared-memory row by 8 halves (bank conflicts);
+# 3. the simulator twins: how nbinfer's kernels run the same tile code in Numba's CUDA simulator,
+#    which has no tensor cores, and that the twins give each lane exactly the fragments the
+#    instruction would;
+# 4. why the query tile must be at least 16 rows, and what that means for decode (a GQA group
+#    of 4 fills a quarter of the tile) against prefill;
+# 5. where decode, a shared-prefix cascade and causal prefill land on one roofline, from the
+#    H200 benchmark JSON (with a GPU present, a live sweep of causal prefill against torch SDPA).
+#
+# The first cell picks Numba's CUDA simulator: the lesson runs anywhere.
+
+# %%
+from nbinfer.lessons_tool import start_lesson
+
+ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+from matplotlib.colors import ListedColormap
+from numba import cuda, float32
+
+from nbinfer.kernels.mma import tile_ops
+from nbinfer.viz import plot_roofline, save_figure, show, subplots
+
+np.set_printoptions(linewidth=100, precision=4, suppress=True)
+rng = np.random.default_rng(7)
+
+# %% [markdown]
+# ## 1. Who holds what: the fragments of `mma.m16n8k16`
+#
+# The PTX ISA fixes, for every lane `l` of the warp, which elements of each operand live in its
+# registers. With `g = l // 4` (the lane's *group*, 0-7) and `t = l % 4` (its place in the
+# group, 0-3):
+#
+# * **A** (16 x 16, fp16/bf16, 8 elements per lane in four 32-bit registers of two halves):
+#   rows `g` and `g + 8`, columns `2t, 2t+1` and `2t+8, 2t+9`;
+# * **B** (16 x 8, 4 elements per lane): column `g`, rows `2t, 2t+1` and `2t+8, 2t+9`;
+# * **C/D** (16 x 8, float32, 4 per lane): rows `g` and `g + 8`, columns `2t, 2t+1`.
+#
+# Each function below returns, for every lane and every register slot, the (row, column) it
+# holds. The assertions check that the 32 lanes cover every element exactly once.
+
+# %%
+def a_fragment(lane):
+    """(row, col) of A held in lane's slots 0-7 (registers a0..a3, two halves each)."""
+    g, t = lane // 4, lane % 4
+    return [(g + 8 * (r % 2), 2 * t + 8 * (r // 2) + h) for r in range(4) for h in range(2)]
+
+
+def b_fragment(lane):
+    """(k, n) of B held in lane's slots 0-3 (registers b0, b1, two halves each)."""
+    g, t = lane // 4, lane % 4
+    return [(2 * t + 8 * r + h, g) for r in range(2) for h in range(2)]
+
+
+def c_fragment(lane, n_tile=0):
+    """(row, col) of the accumulator held in lane's slots 0-3, for the n-tile `n_tile`."""
+    g, t = lane // 4, lane % 4
+    return [(g + 8 * (i // 2), 8 * n_tile + 2 * t + i % 2) for i in range(4)]
+
+
+def owners(fragment, shape):
+    """``[rows, cols]`` lane id holding each element (-1: nobody), checking uniqueness."""
+    own = np.full(shape, -1)
+    for lane in range(32):
+        for r, c in fragment(lane):
+            assert own[r, c] == -1, f"element {(r, c)} held twice"
+            own[r, c] = lane
+    return own
+
+
+own_a, own_b, own_c = owners(a_fragment, (16, 16)), owners(b_fragment, (16, 8)), \
+    owners(c_fragment, (16, 8))
+assert (own_a >= 0).all() and (own_b >= 0).all() and (own_c >= 0).all()  # each exactly once
+print("lane holding each element of C (16 x 8):")
+print(own_c)
+
+# %% [markdown]
+# **The accumulator is the next A operand.** Attention computes `S = Q K^T` (an accumulator,
+# 16 query rows x 8 keys per n-tile) and then `O = P V` with `P = softmax(S)` as the *A*
+# operand (16 rows x 16 keys). Put two adjacent accumulator n-tiles side by side (keys 0-7 and
+# 8-15) and compare with the A layout: every lane holds the same 8 elements. So the kernel
+# rescales its own accumulator registers, rounds them to fp16 pairs, and multiplies, with no
+# trip through shared memory. That is the check below, lane by lane.
+
+# %%
+for lane in range(32):
+    two_tiles = c_fragment(lane, 0) + c_fragment(lane, 1)  # slots of n-tiles 0 and 1
+    a = a_fragment(lane)
+    assert sorted(two_tiles) == sorted(a)
+    # and in register order: a0 = (c0, c1) of tile 0, a1 = (c2, c3), a2/a3 the same of tile 1
+    assert two_tiles == [a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]
+print("every lane: accumulator n-tiles 0 and 1 == its A fragment, register for register")
+
+# %% [markdown]
+# ## 2. `ldmatrix`: four 8 x 8 tiles in one instruction
+#
+# The kernel keeps Q, K and V tiles in shared memory, one row per token, and loads operands with
+# `ldmatrix.x4`: lanes `8m ... 8m+7` each supply the address of one 16-byte row (8 halves) of
+# tile `m`, and after the instruction lane `l` holds, of each tile `m`, row `l // 4`, elements
+# `2 (l % 4)` and `2 (l % 4) + 1`: exactly one A-fragment register. The emulation below runs
+# the kernel's own address arithmetic (`load_q` in `kernels/mma.py`: row
+# `(l % 8) + 8 ((l // 8) % 2)`, column `8 (l // 16)`) over a Q tile and checks that every lane
+# ends up with its A fragment.
+
+# %%
+D = 64
+RS_HALVES = D + 8  # the kernel's padded row: D + 8 halves
+
+
+def ldmatrix_x4(tile, row_col_of_lane):
+    """Emulate ldmatrix.x4 on a [rows, cols] tile: returns regs[lane][m] = 2 elements."""
+    starts = [row_col_of_lane(lane) for lane in range(32)]  # each lane's row address
+    regs = [[None] * 4 for _ in range(32)]
+    for m in range(4):
+        rows = starts[8 * m: 8 * m + 8]  # tile m's 8 row addresses, from lanes 8m..8m+7
+        for lane in range(32):
+            r, c = rows[lane // 4]
+            regs[lane][m] = (tile[r, c + 2 * (lane % 4)], tile[r, c + 2 * (lane % 4) + 1])
+    return regs
+
+
+q_tile = np.arange(16 * 16).reshape(16, 16)  # element (r, c) holds its own index
+regs = ldmatrix_x4(q_tile, lambda lane: ((lane % 8) + 8 * ((lane // 8) % 2), 8 * (lane // 16)))
+for lane in range(32):
+    got = [x for m in range(4) for x in regs[lane][m]]
+    want = [q_tile[r, c] for r, c in a_fragment(lane)]
+    assert got == want
+print("ldmatrix.x4 with load_q's addresses fills every lane's A fragment")
+
+# %% [markdown]
+# **Why `D + 8`.** Shared memory serves a request in 32 banks of 4 bytes; one phase of
+# `ldmatrix` reads 8 rows of 16 bytes (4 banks each). The 8 rows hit 8 different groups of
+# banks only if their addresses differ modulo 128 bytes. With rows of exactly `D = 64` halves
+# (128 bytes) every row starts at the same bank: an 8-way conflict, the load takes 8 times as
+# long. Padding each row by 8 halves (16 bytes) shifts consecutive rows by one bank group.
+
+# %%
+def bank_groups(row_bytes, rows=8):
+    """The 16-byte bank group (0-7) each of 8 consecutive rows starts in."""
+    return [(r * row_bytes // 16) % 8 for r in range(rows)]
+
+
+for name, halves in (("D", D), ("D + 8", RS_HALVES)):
+    groups = bank_groups(2 * halves)
+    ways = max(groups.count(x) for x in set(groups))
+    print(f"row of {name:5s} = {halves} halves: bank groups {groups} -> {ways}-way conflict")
+assert len(set(bank_groups(2 * D))) == 1 and len(set(bank_groups(2 * RS_HALVES))) == 8
+
+# %% [markdown]
+# ## 3. The simulator twins
+#
+# Numba's CUDA simulator runs each thread as a Python thread: it has no tensor cores, no
+# `ldmatrix`, and a lane cannot read another lane's registers. So `kernels/mma.py` gives every
+# tile operation a *twin* (`tile_ops(..., sim=True)`) that computes, for the calling lane, the
+# fragment elements the warp-wide instruction would give it, from shared memory. The kernel
+# source is the same; only these few functions differ. Below, one warp (32 simulated threads)
+# computes `S = Q K^T` for 16 query rows and 16 keys with the twins `load_q` and `qk`, then
+# `O = P V` with `pv` (here `P` is just `S`, no softmax); each lane writes its accumulator
+# registers, and the host places them with `c_fragment`: the matrices must be the float32
+# products of the fp16 inputs.
+
+# %%
+BC = 16  # keys per tile
+ops = tile_ops(D, BC, "float16", 1, sim=True)
+RSE = D + 8  # row stride in (simulator) slots
+KBASE, VBASE = 16 * RSE * ops.ELEM, 32 * RSE * ops.ELEM  # byte addresses of the K and V rows
+QF, NS, NO = ops.QF, ops.NS, ops.NO
+
+
+@cuda.jit
+def one_warp_tile(smem, scratch, s_out, o_out):
+    lane = cuda.threadIdx.x
+    qf = cuda.local.array(QF, float32)
+    s = cuda.local.array(NS, float32)
+    o = cuda.local.array(NO, float32)
+    ops.load_q(smem, 0, 0, lane, qf)
+    ops.qk(smem, KBASE, lane, qf, s)
+    for i in range(NS):
+        s_out[lane, i] = s[i]
+    for i in range(NO):
+        o[i] = 0.0
+    ops.pv(smem, VBASE, lane, lane, s, o, scratch)
+    for i in range(NO):
+        o_out[lane, i] = o[i]
+
+
+q16, k16, v16 = (rng.standard_normal((n, D)).astype(np.float16) for n in (16, BC, BC))
+smem = np.zeros(48 * RSE, np.float32)  # Q rows, then K rows, then V rows, padded
+for base, x in ((0, q16), (16, k16), (32, v16)):
+    smem.reshape(48, RSE)[base:base + x.shape[0], :D] = x
+s_lanes, o_lanes = np.zeros((32, NS), np.float32), np.zeros((32, NO), np.float32)
+one_warp_tile[1, 32](smem, np.zeros(ops.SCRATCH, np.float32), s_lanes, o_lanes)
+
+
+def gather(lanes, width):
+    """Place each lane's accumulator slots (4 per n-tile) into a [16, width] matrix."""
+    out = np.full((16, width), np.nan, np.float32)
+    for lane in range(32):
+        for nt in range(width // 8):
+            for i, (r, c) in enumerate(c_fragment(lane, nt)):
+                out[r, c] = lanes[lane, 4 * nt + i]
+    return out
+
+
+S, O = gather(s_lanes, BC), gather(o_lanes, D)
+S_want = q16.astype(np.float32) @ k16.astype(np.float32).T
+O_want = S_want.astype(np.float16).astype(np.float32) @ v16.astype(np.float32)  # P rounded
+print(f"S: max |twin - numpy| = {np.abs(S - S_want).max():.2e}; "
+      f"O: {np.abs(O - O_want).max() / np.abs(O_want).max():.2e} (relative)")
+assert not np.isnan(S).any() and not np.isnan(O).any()  # every element came from some lane
+np.testing.assert_allclose(S, S_want, rtol=1e-5, atol=1e-4)
+np.testing.assert_allclose(O, O_want, rtol=1e-4, atol=1e-3)
+
+# %% [markdown]
+# ## 4. Why the query tile is at least 16 rows
+#
+# The instruction's M is 16: whatever the kernel does, a warp multiplies 16 rows of Q. In
+# prefill those are 16 query tokens (times the GQA group, packed as rows). In decode each request
+# has *one* query token, so the rows of one KV head are its `G` query heads: with Llama's
+# `G = 4`, three quarters of every tensor-core instruction multiplies padding. The roofline says
+# it does not matter for decode, and why: one key (2 D bytes of K plus 2 D of V, fp16) serves
+# `rows` query rows at `4 D` FLOP each, so the intensity is `rows` FLOP per byte. The H200
+# feeds about 4.2 TB/s; its fp32 CUDA cores do 67 TFLOP/s (a ridge at ~16 FLOP/B), its fp16
+# tensor cores 989 (~235 FLOP/B). Below ~16 rows the kernel waits for memory on *either* unit:
+# decode's group of 1-8 rows stays on CUDA cores (lesson 04), and the tensor cores pay only when
+# a tile has 16 rows or more of real work, prefill's case (or decode of a speculative tree, or
+# a cascade's shared prefix read for many requests at once).
+
+# %%
+BW, PEAK_TC, PEAK_FP32 = 4.2e12, 989e12, 67e12  # measured copy, documented dense peaks
+rows = np.arange(1, 65)
+intensity = rows.astype(float)  # FLOP per byte of KV, fp16
+filled = np.minimum(rows, 16) / 16 * 1.0
+filled[rows > 16] = rows[rows > 16] / (16 * np.ceil(rows[rows > 16] / 16))
+ridge_fp32, ridge_tc = PEAK_FP32 / BW, PEAK_TC / BW
+print(f"ridges: fp32 CUDA cores {ridge_fp32:.0f} FLOP/B, fp16 tensor cores {ridge_tc:.0f} FLOP/B")
+for g in (1, 4, 8):
+    print(f"decode, G = {g}: {g / 16:.0%} of the m16 tile used; intensity {g} FLOP/B -> "
+          f"memory-bound on CUDA cores already ({g} < {ridge_fp32:.0f})")
+assert all(g < ridge_fp32 for g in (1, 2, 4, 8)) and 14 < ridge_fp32 < 18 < ridge_tc
+# below 16 rows the two units reach the same (memory) roof: tensor cores gain nothing
+useful_tc = np.minimum(BW * intensity, PEAK_TC * filled) / 1e12
+assert np.allclose(useful_tc[rows <= 8], np.minimum(BW * intensity, PEAK_FP32)[rows <= 8] / 1e12)
+
+fig, (ax_t, ax_r) = subplots(1, 2, figsize=(12.5, 4.4))
+cmap = ListedColormap([tuple(np.array(c) * 0.55 + 0.45) for c in
+                       [(0.12, 0.47, 0.71), (1.0, 0.5, 0.05), (0.17, 0.63, 0.17),
+                        (0.84, 0.15, 0.16), (0.58, 0.4, 0.74), (0.55, 0.34, 0.29),
+                        (0.89, 0.47, 0.76), (0.5, 0.5, 0.5)]])
+ax_t.imshow(own_a // 4, cmap=cmap, aspect="equal")  # colour: the lane's group g
+for r in range(16):
+    for c in range(16):
+        ax_t.text(c, r, own_a[r, c], ha="center", va="center", fontsize=6)
+ax_t.set_title("A fragment (16 x 16): lane holding each element\n(colour: group g = lane // 4; "
+               "two C n-tiles have the same map)", fontsize=9)
+ax_t.set_xlabel("column (k)")
+ax_t.set_ylabel("row (query)")
+attainable_fp32 = np.minimum(BW * intensity, PEAK_FP32) / 1e12
+# useful FLOP/s on tensor cores: the memory roof, or the peak times the share of the tile used
+useful_tc = np.minimum(BW * intensity, PEAK_TC * filled) / 1e12
+ax_r.plot(rows, attainable_fp32, color="C0", label="CUDA cores (fp32 FMA)")
+ax_r.plot(rows, useful_tc, color="C3", ls="--",
+          label="tensor cores, useful work (padding rows wasted)")
+ax_r.axvspan(1, 8, color="C0", alpha=0.08, lw=0)
+ax_r.text(1.3, useful_tc[-1] * 0.5, "decode,\nG = 1-8", fontsize=8)
+ax_r.set_xscale("log", base=2)
+ax_r.set_yscale("log")
+ax_r.set_xlabel("query rows per key read (GQA group x query tokens)")
+ax_r.set_ylabel("attainable TFLOP/s")
+ax_r.set_title("below ~16 rows both units wait for memory", fontsize=10)
+ax_r.legend(fontsize=8)
+save_figure(fig, "07_fragments.png")
+show(fig)
+
+# ## 5. The roofline, from the benchmark JSON
+#
+# A roofline plots achieved FLOP/s against arithmetic intensity (FLOP per byte of memory
+# traffic). A kernel cannot beat `bandwidth x intensity` (the slanted roof) nor the compute peak
+# (the flat roof); where the roofs meet is the *ridge point*. The intensity is a property of the
+# workload and of how the kernel moves its bytes, not of the GPU, so three workloads of the
+# same model (Hq = 32, Hkv = 8, D = 128, fp16) land in three different places:
+#
+# * **decode**: `4 * Hq * D` FLOP per token (a multiply and an add for `q.k` and for `p v`, per
+#   query head) over `2 * Hkv * D * 2` bytes (K and V, fp16): intensity `Hq / Hkv = G`,
+#   whatever the batch or length;
+# * **shared-prefix decode as a cascade** (lesson 03): the same FLOPs, but the 8192-token prefix
+#   is read once per query tile instead of once per request, so the bytes shrink and the
+#   intensity grows by the same factor;
+# * **causal prefill** (B 4, L 4096, H 32): every query row scores every earlier key,
+#   `4 * H * D * L (L + 1) / 2` FLOP per request, over reading Q, K, V and writing O once.
+#
+# Ceilings: the measured HBM copy bandwidth (from the JSON), and two documented H200 peaks, fp16
+# tensor cores (989 TFLOP/s dense) and fp32 CUDA cores (67 TFLOP/s). Times are GPU times:
+# kernel-only for decode, CUDA-graph replay for the shared prefix, events around the call for
+# prefill. The prefill and shared-prefix figures come from the newest `prefill_h200*.json`
+# (`python3 bench/prefill.py`), decode from the newest `decode_h200*.json`.
+
+# %%
+results = sorted((ROOT / "bench" / "results").glob("decode_h200*.json"),
+                 key=lambda p: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", p.stem)])
+assert results, "no bench/results/decode_h200*.json"
+bench_path = results[-1]
+bench = json.loads(bench_path.read_text())
+COPY_BW = float(bench["copy_ceiling"])  # bytes/s, the measured device copy on the H200
+
+HQ_B, D_B, KV_ITEM = 32, 128, 2  # the benchmark model: Hq = 32, D = 128, fp16
+PEAK_TC, PEAK_FP32 = 989e12, 67e12  # documented H200 dense peaks, FLOP/s
+pre_results = sorted((ROOT / "bench" / "results").glob("prefill_h200*.json"),
+                     key=lambda p: [int(x) if x.isdigit() else x
+                                    for x in re.split(r"(\d+)", p.stem)])
+assert pre_results, "no bench/results/prefill_h200*.json"
+pre_path = pre_results[-1]
+pre = json.loads(pre_path.read_text())
+
+
+def roof(ai):
+    """The attainable FLOP/s at intensity `ai`: the lower of the two roofs."""
+    return min(COPY_BW * ai, PEAK_TC)
+
+
+points = []  # every measured point: workload, what ran, intensity, FLOP/s
+
+
+def add(workload, label, flops, nbytes, seconds_, color, marker, note=""):
+    points.append(dict(workload=workload, label=label, ai=flops / nbytes, flops=flops / seconds_,
+                       color=color, marker=marker, note=note))
+
+
+# Decode: kernel alone and cuDNN, every case of the decode JSON.
+for case in bench["decode"]:
+    flops = 4 * HQ_B * D_B * case["batch"] * case["kv_len"]
+    hkv_b = case["kv_bytes"] // (case["batch"] * case["kv_len"] * 2 * D_B * KV_ITEM)
+    assert case["kv_bytes"] == case["batch"] * case["kv_len"] * hkv_b * 2 * D_B * KV_ITEM
+    assert flops / case["kv_bytes"] == HQ_B / hkv_b  # intensity = GQA group size
+    for label, key, color, marker in (("decode, nbinfer kernel", "kernel_only", "C0", "o"),
+                                      ("decode, torch SDPA cuDNN", "sdpa_cudnn", "C2", "D")):
+        t = case[f"{key}_ms"] * 1e-3 if f"{key}_ms" in case else \
+            case["kv_bytes"] / (case[f"{key}_tbps"] * 1e12)
+        add("decode", label, flops, case["kv_bytes"], t, color, marker,
+            note=f" ({case['batch']} x {case['kv_len']})")
+G_B = HQ_B // hkv_b
+
+# Shared prefix, 64 x (8192 + 256): lesson 03's byte model. The prefix level's work items say
+# how often the prefix is read: items = reads x (prefix / kv_chunk) chunks x Hkv heads.
+sp = pre["shared_prefix"]
+B_S, P_S, U_S = sp["batch"], sp["prefix"], sp["unique"]
+lvl = sp["breakdown"]["prefix_level"]
+reads, rem = divmod(lvl["items"] * lvl["kv_chunk"], hkv_b * P_S)
+assert rem == 0 and reads == -(-B_S * G_B // 64)  # one read per 64-row query tile
+token_bytes = hkv_b * 2 * D_B * KV_ITEM
+flops_s = 4 * HQ_B * D_B * B_S * (P_S + U_S)
+cascade_bytes = (reads * P_S + B_S * U_S) * token_bytes
+plain_bytes = B_S * (P_S + U_S) * token_bytes
+add("shared prefix", "shared prefix, nbinfer cascade", flops_s, cascade_bytes,
+    sp["breakdown"]["cascade_graph_ms"] * 1e-3, "C1", "^")
+add("shared prefix", "shared prefix, nbinfer plain decode", flops_s, plain_bytes,
+    sp["breakdown"]["plain_graph_ms"] * 1e-3, "C1", "v")
+
+# Causal prefill: FLOPs from the formula (the JSON's own count must agree), bytes Q K V O once.
+cp = pre["causal_prefill"]
+B_P, L_P, H_P, D_P = cp["B"], cp["L"], cp["H"], cp["D"]
+flops_p = 4 * B_P * H_P * D_P * L_P * (L_P + 1) // 2
+assert flops_p == cp["flops"]
+bytes_p = 4 * B_P * L_P * H_P * D_P * KV_ITEM
+for label, key, marker in (("causal prefill, nbinfer tensor cores", "nbinfer", "s"),
+                           ("causal prefill, SDPA flash", "sdpa_flash", "P"),
+                           ("causal prefill, SDPA cuDNN", "sdpa_cudnn", "X")):
+    add("causal prefill", label, flops_p, bytes_p, cp[f"{key}_ms"] * 1e-3, "C3", marker)
+
+ridge_tc, ridge_fp32 = PEAK_TC / COPY_BW, PEAK_FP32 / COPY_BW
+print(f"{bench_path.name} + {pre_path.name}; ridge points: fp16 tensor cores {ridge_tc:.0f}, "
+      f"fp32 CUDA cores {ridge_fp32:.1f} FLOP/B")
+print(f"{'':52s} {'FLOP/B':>7} {'TFLOP/s':>8} {'roof':>7} {'of roof':>8}")
+for p in points:
+    p["of_roof"] = p["flops"] / roof(p["ai"])
+    print(f"{p['label'] + p['note']:52s} {p['ai']:7.1f} {p['flops'] / 1e12:8.1f} "
+          f"{roof(p['ai']) / 1e12:7.1f} {p['of_roof']:8.0%}")
+
+ai_of = {w: {p["ai"] for p in points if p["workload"] == w} for w in
+         ("decode", "shared prefix", "causal prefill")}
+# Decode sits at G, left of both ridges: bandwidth-bound on any unit, and within ~3 % of
+# the roof (a read-only kernel may pass a read + write copy's ceiling a little).
+assert ai_of["decode"] == {G_B} and G_B < ridge_fp32
+assert all(0.85 < p["of_roof"] < 1.03 for p in points if p["workload"] == "decode")
+# The cascade reads the prefix `reads` times instead of 64: its intensity passes the CUDA-core
+# ridge (on CUDA cores it would be compute-bound) but not the tensor-core one.
+ai_cascade = flops_s / cascade_bytes
+assert ridge_fp32 < ai_cascade < ridge_tc and math.isclose(
+    ai_cascade / G_B, plain_bytes / cascade_bytes)
+# Plain decode of the shared-prefix batch counts 64 reads of the prefix; it beats that roof
+# because the 34 MB prefix stays in the 60 MB L2 between requests: the copy roof is for HBM.
+plain_sp = next(p for p in points if p["label"].endswith("plain decode"))
+assert plain_sp["of_roof"] > 1
+# Prefill is far right of both ridges: compute-bound, and the roof is the tensor cores'.
+assert min(ai_of["causal prefill"]) > ridge_tc
+prefill = {p["label"].split(", ")[1]: p["of_roof"] for p in points
+           if p["workload"] == "causal prefill"}
+assert prefill["nbinfer tensor cores"] < prefill["SDPA flash"] < prefill["SDPA cuDNN"] < 1
+
+# %%
+fig, (ax_r, ax_b) = subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})
+plot_roofline(points, memory_ceilings=[("HBM copy, measured", COPY_BW)],
+              compute_ceilings=[("fp16 tensor cores", PEAK_TC), ("fp32 CUDA cores", PEAK_FP32)],
+              ax=ax_r, ai_range=(1, 4096),
+              title=f"H200 roofline: three workloads of one model (Hq {HQ_B}, Hkv {hkv_b}, "
+                    f"D {D_B}, fp16)")
+for text, ai_w, dx, dy in (("decode (= GQA group)", G_B, 12, -34),
+                          ("shared prefix as a cascade", ai_cascade, -40, -50),
+                          ("causal prefill", min(ai_of["causal prefill"]), -170, 10)):
+    lowest = min(p["flops"] for p in points if p["ai"] == ai_w)  # arrow to the lowest point
+    ax_r.annotate(f"{text}: {ai_w:.0f} FLOP/B", (ai_w, lowest / 1e12 * 0.93),
+                  xytext=(dx, dy), textcoords="offset points", fontsize=8,
+                  arrowprops={"arrowstyle": "->", "lw": 0.7})
+ax_r.legend(fontsize=7, frameon=False, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
+# Right: each point as a fraction of the roof at its own intensity, the distance the roofline
+# says is left to gain.
+order = sorted(range(len(points)), key=lambda i: (points[i]["ai"], points[i]["label"]))
+labels_b = [points[i]["label"] + points[i]["note"] for i in order]
+ax_b.barh(range(len(order)), [points[i]["of_roof"] * 100 for i in order],
+          color=[points[i]["color"] for i in order])
+ax_b.axvline(100, color="k", lw=1)
+ax_b.set_yticks(range(len(order)), labels=labels_b, fontsize=7)
+ax_b.invert_yaxis()
+ax_b.set_xlabel("% of the roof at the point's own intensity")
+ax_b.set_title("how far each kernel is from its roof", fontsize=10)
+save_figure(fig, "07_roofline.png")
+show(fig)
+
+# The plotted points are exactly the ones computed above, series by series.
+for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
+    drawn = ax_r.collections[i].get_offsets()
+    want = np.array([(p["ai"], p["flops"] / 1e12) for p in points if p["label"] == label])
+    assert ax_r.collections[i].get_label() == label
+    np.testing.assert_allclose(np.asarray(drawn), want, rtol=1e-12)
+
+# %% [markdown]
+# Read the chart from left to right. Decode sits at the GQA group size, far left of both
+# ridges: memory-bound, so tensor cores would not help it (the production kernel uses CUDA
+# cores) and the whole story is the distance to the slanted roof, which nbinfer's kernel and
+# cuDNN have all but closed. The cascade does the *same arithmetic* as plain decode on the
+# shared-prefix batch but reads the prefix a few times instead of 64, so the point moves right
+# by the byte ratio: past the CUDA-core ridge, which is why it runs on the tensor-core kernel.
+# At its intensity the roof is several times higher than what it reaches: a 0.15 ms step is too
+# short to fill the machine, the headroom a faster prefix level would use. (Plain decode of that
+# batch appears *above* its roof because the prefix it re-reads 64 times stays in L2: the roof
+# is for HBM.) Causal prefill is far right of every ridge: compute-bound, judged against the
+# tensor cores' 989 TFLOP/s, where nbinfer's kernel reaches a fraction of what FlashAttention-2
+# and cuDNN do on the same problem: the work of the speed issue, not of the bytes.
+#
+# %% [markdown]
+# ## 6. Live: causal prefill against torch SDPA
+#
+# With a GPU (and torch) present, the cell runs `bench/prefill.py --sweep` in a separate process
+# (this one runs the simulator): causal prefill of one sequence, 32 heads of 128, fp16, at three
+# lengths, nbinfer's tensor-core kernel against torch SDPA's flash and cuDNN back ends, CUDA
+# events around each call. Without one it shows the recorded H200 point (B 4, L 4096) from the
+# benchmark JSON, and says so. Nothing below asserts on a measured speed.
+
+# %%
+def gpu_present() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+if gpu_present():
+    tmp = tempfile.mkdtemp()
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    subprocess.run([sys.executable, str(ROOT / "bench" / "prefill.py"), "--sweep",
+                    "1024,4096,16384", "--out", os.path.join(tmp, "sweep.json")], check=True,
+                   env=env, capture_output=True)
+    sweep = json.loads(open(os.path.join(tmp, "sweep.json")).read())
+    rows_live, source = sweep["causal_sweep"], f"measured now on {sweep['device']}"
+else:
+    rows_live, source = [pre["causal_prefill"]], f"recorded on the H200 ({pre_path.name}), no GPU here"
+print(source)
+fig, ax = subplots(1, 1, figsize=(7.5, 3.8))
+names = [("nbinfer", "nbinfer tensor cores", "C3"), ("sdpa_flash", "SDPA flash", "0.45"),
+         ("sdpa_cudnn", "SDPA cuDNN", "0.7")]
+width = 0.8 / len(names)
+for j, (key, label, color) in enumerate(names):
+    vals = [r.get(f"{key}_tflops", np.nan) for r in rows_live]
+    ax.bar(np.arange(len(rows_live)) + (j - 1) * width, vals, width, label=label, color=color)
+ax.set_xticks(range(len(rows_live)), [f"B {r['B']}, L {r['L']}" for r in rows_live])
+ax.axhline(PEAK_TC / 1e12, color="k", lw=0.8, ls=":")
+ax.text(-0.45, PEAK_TC / 1e12 * 0.94, "fp16 tensor-core peak (dense)", ha="left", va="top",
+        fontsize=8)
+ax.set_ylim(0, PEAK_TC / 1e12 * 1.08)
+ax.set_ylabel("TFLOP/s (causal, fp16, H 32, D 128)")
+ax.set_title(f"causal prefill: {source}", fontsize=9)
+ax.legend(fontsize=8, loc="center left")
+save_figure(fig, "07_prefill_live.png")
+show(fig)
+for r in rows_live:
+    assert r["flops"] == 4 * r["B"] * r["H"] * r["D"] * r["L"] * (r["L"] + 1) / 2
+
+# %% [markdown]
+# ## Summary
+#
+# * `mma.sync.m16n8k16` is a warp-wide instruction: each lane holds a fixed slice of A, B and C
+#   (rows `g`, `g + 8`; columns from `t`), and two accumulator n-tiles have exactly the A
+#   layout, so `P = softmax(S)` feeds `P V` from registers.
+# * `ldmatrix.x4` loads four 8 x 8 tiles straight into that layout from per-lane row addresses;
+#   rows padded to `D + 8` halves keep its 8 rows in 8 different bank groups.
+# * In the simulator, twins of the few tile functions compute each lane's fragments from shared
+#   memory, so the kernel source runs unchanged; they match NumPy to float32 rounding.
+# * The tile has 16 rows: decode's 1-8 rows per KV head would waste most of it, and at that
+#   intensity memory is the limit on any unit. Tensor cores are for prefill, cascades and other
+#   many-rows-per-key work, which the roofline places right of every ridge.
+#
+# Lesson 08 puts these kernels under a model.
