@@ -395,6 +395,26 @@ assert np.all(both_empty[0] == 0) and np.all(both_empty[1] == -np.inf)
 print("x ⊕ empty == empty ⊕ x == x, and empty ⊕ empty == empty (no NaN)")
 
 # %% [markdown]
+# ## Exercise: write ⊕
+#
+# Fill in `my_merge` below: two attention states of float64 `o [N, H, D]` and natural-log
+# `lse [N, H]` (`-inf` for a state over no keys) in, their merge out. The check compares it
+# with the reference on random states, states of very different weight, LSEs near 1000, and an
+# empty state on either side or both, and says which case breaks. (A solution is in
+# `tests/test_exercises.py`; try first.)
+
+# %%
+from nbinfer import exercises
+
+
+def my_merge(o_a, lse_a, o_b, lse_b):
+    """Your ⊕: returns ``(o, lse)`` of the keys of both states."""
+    raise NotImplementedError  # replace with your code
+
+
+print(exercises.attempt(exercises.check_merge, my_merge))
+
+# %% [markdown]
 # ## Summary
 #
 # * An attention state is `(O, LSE)`: the normalised output and the log of the softmax

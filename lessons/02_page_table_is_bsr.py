@@ -322,6 +322,25 @@ np.testing.assert_array_equal(back_tok.indices, token_pt.indices)
 print("page table -> BSR -> page table: identical (page level and token level)")
 
 # %% [markdown]
+# ## Exercise: the slots a request reads
+#
+# Fill in `my_token_slots`: from the page table's arrays, the physical slot ids
+# `page * page_size + offset` of request `b`'s tokens, in logical order (what a kernel reads,
+# token by token). The check runs it on page tables with pages scattered over the pool,
+# partly filled last pages, page size 1 and an empty request. (Solution: `tests/test_exercises.py`.)
+
+# %%
+from nbinfer import exercises
+
+
+def my_token_slots(indptr, indices, last_page_len, page_size, b):
+    """Physical slots of request ``b``'s tokens: int array of its KV length."""
+    raise NotImplementedError  # replace with your code
+
+
+print(exercises.attempt(exercises.check_token_slots, my_token_slots))
+
+# %% [markdown]
 # ## Summary
 #
 # * A page table `(kv_indptr, kv_indices, kv_last_page_len)` is a BSR matrix with rows = query

@@ -436,6 +436,28 @@ save_figure(fig, "05_variants.png")
 show(fig)
 
 # %% [markdown]
+# ## Exercise: a variant of your own
+#
+# Write `my_distance_penalty(slope, window)`: a `Variant` whose logits are lowered by
+# `slope * (q_pos - kv_pos)` (one slope for every head: ALiBi's idea in its simplest form) and
+# whose mask drops keys more than `window` positions left of the query: two hooks, closed over
+# their constants as `soft_cap` closes over its cap. The check runs your variant through the
+# reference engine's causal prefill against the formula, and checks that equal arguments give
+# equal variants (one compiled kernel) and different arguments different ones.
+# (Solution: `tests/test_exercises.py`.)
+
+# %%
+from nbinfer import exercises
+
+
+def my_distance_penalty(slope, window):
+    """A Variant: logits - slope * (q_pos - kv_pos), keys with kv_pos < q_pos - window masked."""
+    raise NotImplementedError  # replace with your code
+
+
+print(exercises.attempt(exercises.check_distance_penalty, my_distance_penalty))
+
+# %% [markdown]
 # ## Summary
 #
 # * A variant is a few scalar Python functions plus `use_softmax`; a factory closes them over
