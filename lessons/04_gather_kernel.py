@@ -638,6 +638,31 @@ for case in bench["decode"]:
               f"by registers")
 
 # %% [markdown]
+# ## Exercise: the gather kernel, within a read budget
+#
+# Write v2's kernel yourself in `my_gather_kernel`: one block of `num_threads` per (request, KV
+# head), block `b * Hkv + hk`, computing every query head of the group (same arguments as v2,
+# `reads` now `[threads, 2]`). Load K and V from `kv` only through `exercises.gload(kv, page,
+# which, slot, hk, d, reads, thread)` and read shared tiles only through
+# `exercises.sload(tile, row, d, reads, thread)`, with `thread = blockIdx.x * blockDim.x +
+# threadIdx.x`: they count global and shared reads. The check runs your kernel in the simulator
+# for G = 2 and 4 and requires the reference's output, global reads equal to the footprint (each
+# element once per KV head), shared reads at most G times it. Bonus: gather two pages per
+# barrier. (Solution: `tests/test_exercises.py`.)
+
+# %%
+from nbinfer import exercises
+
+
+def my_gather_kernel(head_dim, group, page_size, num_threads):
+    """Returns a simulator kernel (q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale,
+    reads) with v2's launch shape."""
+    raise NotImplementedError  # replace with your code
+
+
+print(exercises.attempt(exercises.check_gather_kernel, my_gather_kernel))
+
+# %% [markdown]
 # ## Summary
 #
 # * A decode kernel walks the page table's BSR row: `kv_indices[first + t // page_size]` turns a

@@ -11,6 +11,9 @@ CI proves each exercise solvable and each check able to fail.
 
 - lesson 01, :func:`check_merge`: merge two attention states;
 - lesson 02, :func:`check_token_slots`: the physical slots a request reads, from a page table;
+- lesson 04, :func:`check_gather_kernel`: the shared-memory gather kernel (v2) in the
+  simulator, within a budget of global and shared reads counted by :func:`gload` and
+  :func:`sload`;
 - lesson 05, :func:`check_distance_penalty`: a variant from two hooks (a logits transform and a
   mask) closed over its constants.
 """
@@ -21,8 +24,8 @@ import math
 
 import numpy as np
 
-__all__ = ["ExerciseFailed", "attempt", "check_distance_penalty", "check_merge",
-           "check_token_slots"]
+__all__ = ["ExerciseFailed", "attempt", "check_distance_penalty", "check_gather_kernel",
+           "check_merge", "check_token_slots", "gload", "sload"]
 
 
 class ExerciseFailed(AssertionError):
@@ -195,3 +198,84 @@ def check_distance_penalty(make_variant, *, seed: int = 0) -> str:
         _fail("different arguments", "a different slope or window must give a different "
                                      "variant (capture them in the hooks, and in params)")
     return "distance penalty: both settings match the formula; variants compare by value"
+
+
+# -- lesson 04 ---------------------------------------------------------------------------------
+def gload(kv, page, which, slot, head, d, reads, thread):
+    """``kv[page, which, slot, head, d]`` (a global-memory load of K (``which`` 0) or V (1)),
+    counted in ``reads[thread, 0]``. For the simulator: call it from the exercise's kernel."""
+    reads[thread, 0] += 1
+    return kv[page, which, slot, head, d]
+
+
+def sload(tile, row, d, reads, thread):
+    """``tile[row, d]`` (a shared-memory load), counted in ``reads[thread, 1]``."""
+    reads[thread, 1] += 1
+    return tile[row, d]
+
+
+def check_gather_kernel(make_kernel, *, seed: int = 0) -> str:
+    """Check lesson 04's exercise: ``make_kernel(head_dim, group, page_size, num_threads)``
+    returns a simulator kernel ``(q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale,
+    reads)`` launched with one block of ``num_threads`` per (request, KV head), block
+    ``b * Hkv + hk``, that decodes every query head of the group.
+
+    Every load of K or V from ``kv`` goes through :func:`gload` and every load from a shared
+    tile through :func:`sload` (with ``thread = blockIdx.x * blockDim.x + threadIdx.x``); the
+    check runs the kernel in Numba's CUDA simulator on two GQA groups and requires the float64
+    reference's output and LSE (float32 tolerance), global reads equal to the KV footprint
+    (each K and V element of each KV head once) and shared reads at most ``G`` times it.
+    """
+    from numba.core import config
+
+    from . import reference
+    from .formats import PageTable
+
+    if not config.ENABLE_CUDASIM:
+        raise RuntimeError("check_gather_kernel runs the kernel in Numba's CUDA simulator: set "
+                           "NUMBA_ENABLE_CUDASIM=1 before numba loads (the lesson does)")
+    rng = np.random.default_rng(seed)
+    d, hkv, page, threads = 16, 2, 4, 8
+    for group in (2, 4):
+        hq = hkv * group
+        pt = PageTable.from_kv_lens([5, 9], page, rng=rng)
+        kv = rng.standard_normal((pt.num_pages, 2, page, hkv, d)).astype(np.float32)
+        q = rng.standard_normal((pt.batch_size, hq, d)).astype(np.float32)
+        want_o, want_lse = reference.batch_decode_with_paged_kv_cache(
+            q, kv, pt.indptr, pt.indices, pt.last_page_len, return_lse=True)
+        o = np.zeros_like(q)
+        lse = np.zeros((pt.batch_size, hq), np.float32)
+        blocks = pt.batch_size * hkv
+        reads = np.zeros((blocks * threads, 2), np.int64)
+        case = f"G = {group}"
+        try:
+            kernel = make_kernel(d, group, page, threads)
+            kernel[blocks, threads](q, kv, *(np.array(a, np.int32) for a in (
+                pt.indptr, pt.indices, pt.last_page_len)), o, lse, np.float32(1 / math.sqrt(d)),
+                reads)
+        except NotImplementedError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            _fail(case, f"raised {type(exc).__name__}: {str(exc).splitlines()[0]}")
+        err = np.abs(o - want_o).max() / np.abs(want_o).max()
+        if not err <= 1e-5:
+            _fail(case, f"output off by {err:.2g} (relative): check the online-softmax update "
+                        "(rescale the old state by exp(m_old - m_new)) and which rows each "
+                        "thread owns")
+        if not np.abs(lse - want_lse).max() <= 1e-4:
+            _fail(case, "LSE wrong: lse = m + log(l)")
+        footprint = int(pt.kv_lens().sum()) * hkv * 2 * d
+        g, sh = int(reads[:, 0].sum()), int(reads[:, 1].sum())
+        if g != footprint:
+            _fail(case, f"{g} global reads, the footprint is {footprint} ({g / footprint:.2g} x):"
+                        " copy each K and V element into shared memory once per block, and read"
+                        " it from there" if g > footprint else
+                        f"{g} global reads < footprint {footprint}: are all loads counted "
+                        "(gload)?")
+        if sh > group * footprint:
+            _fail(case, f"{sh} shared reads, budget {group * footprint}: each query head needs "
+                        "each K and V element of its group once")
+        if sh == 0:
+            _fail(case, "no shared reads counted: read the tiles through sload")
+    return ("gather kernel: both groups match the reference; global reads = footprint, "
+            "shared reads <= G x footprint")

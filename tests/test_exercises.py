@@ -3,11 +3,14 @@ fails on wrong solutions with a message that points at the mistake."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
+from numba import cuda, float32  # module globals: the simulator swaps them inside kernels
 
 from nbinfer import exercises
-from nbinfer.exercises import ExerciseFailed
+from nbinfer.exercises import ExerciseFailed, gload, sload
 
 
 # -- lesson 01: merge two attention states ----------------------------------------------------
@@ -136,3 +139,72 @@ def test_a_stub_is_pending_and_a_started_solution_is_checked():
     assert "match" in exercises.attempt(exercises.check_merge, merge)
     with pytest.raises(ExerciseFailed, match="raised ZeroDivisionError"):
         exercises.attempt(exercises.check_token_slots, lambda *a: 1 / 0)
+
+
+# -- lesson 04: the gather kernel within a read budget (simulator) ---------------------------------
+def _gather_factory(share: bool, rescale: bool = True):
+    """v2 of lesson 04 through the counted loads; ``share=False`` has every query-head thread
+    read K and V from global memory itself (v1's traffic); ``rescale=False`` drops alpha."""
+    def make(head_dim, group, page_size, num_threads):
+        @cuda.jit
+        def kernel(q, kv, kv_indptr, kv_indices, kv_last, o, lse, sm_scale, reads):
+            k_tile = cuda.shared.array((page_size, head_dim), float32)
+            v_tile = cuda.shared.array((page_size, head_dim), float32)
+            hkv = kv.shape[3]
+            b, hk = cuda.blockIdx.x // hkv, cuda.blockIdx.x % hkv
+            tid = cuda.threadIdx.x
+            me = cuda.blockIdx.x * cuda.blockDim.x + tid
+            h = hk * group + tid
+            first = kv_indptr[b]
+            num_pages = kv_indptr[b + 1] - first
+            acc = cuda.local.array(head_dim, float32)
+            for d in range(head_dim):
+                acc[d] = 0.0
+            m, den = -math.inf, 0.0
+            for j in range(num_pages):
+                page = kv_indices[first + j]
+                rows = page_size if j < num_pages - 1 else kv_last[b]
+                if share:
+                    for i in range(tid, rows * head_dim, num_threads):
+                        r, d = i // head_dim, i % head_dim
+                        k_tile[r, d] = gload(kv, page, 0, r, hk, d, reads, me)
+                        v_tile[r, d] = gload(kv, page, 1, r, hk, d, reads, me)
+                cuda.syncthreads()
+                if tid < group:
+                    for r in range(rows):
+                        s = 0.0
+                        for d in range(head_dim):
+                            kd = sload(k_tile, r, d, reads, me) if share else \
+                                gload(kv, page, 0, r, hk, d, reads, me)
+                            s += q[b, h, d] * kd
+                        s *= sm_scale
+                        m_new = max(m, s)
+                        alpha = math.exp(m - m_new) if rescale else 1.0
+                        p = math.exp(s - m_new)
+                        den = den * alpha + p
+                        for d in range(head_dim):
+                            vd = sload(v_tile, r, d, reads, me) if share else \
+                                gload(kv, page, 1, r, hk, d, reads, me)
+                            acc[d] = acc[d] * alpha + p * vd
+                        m = m_new
+                cuda.syncthreads()
+            if tid < group:
+                for d in range(head_dim):
+                    o[b, h, d] = acc[d] / den
+                lse[b, h] = m + math.log(den)
+
+        return kernel
+
+    return make
+
+
+def test_gather_kernel_exercise():
+    from numba.core import config
+
+    if not config.ENABLE_CUDASIM:
+        pytest.skip("the kernel exercise runs in Numba's CUDA simulator")
+    assert "match" in exercises.check_gather_kernel(_gather_factory(share=True))
+    with pytest.raises(ExerciseFailed, match="global reads, the footprint"):
+        exercises.check_gather_kernel(_gather_factory(share=False))
+    with pytest.raises(ExerciseFailed, match="rescale"):
+        exercises.check_gather_kernel(_gather_factory(share=True, rescale=False))
