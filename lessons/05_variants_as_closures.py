@@ -20,7 +20,10 @@
 #    constants in the compiled GPU code, and that the kernels of two caps differ in exactly
 #    those constants;
 # 4. how variants are identified (by code *and* captured values) and how the kernel factory
-#    caches compiled kernels by that identity.
+#    caches compiled kernels by that identity;
+# 5. masks, rotary embeddings and `compose`: each mask drawn as the (query, key) pattern it
+#    keeps, RoPE as a query/key transform whose logits depend only on the distance, and
+#    `compose` chaining transforms and AND-ing masks.
 #
 # The first cell picks Numba's CUDA simulator, so the lesson runs anywhere, GPU or not.
 
@@ -436,6 +439,119 @@ save_figure(fig, "05_variants.png")
 show(fig)
 
 # %% [markdown]
+# ## 5. Masks, RoPE and `compose`
+#
+# A mask hook says, for a query position, a key position and a query head, whether the key is
+# kept; the kernel skips the others (their weight is exactly 0). Each built-in mask is a line:
+# `causal()` keeps `kv_pos <= q_pos`, `sliding_window(w)` keeps `kv_pos >= q_pos - w`.
+# `compose(...)` chains the transforms of its variants left to right and ANDs their masks, so a
+# sliding window over a causal model is `compose(causal(), sliding_window(w))`. A mask that is
+# an *or* (keep the first tokens, the attention sinks of StreamingLLM, *or* the recent window)
+# is one hook of its own. Below, each mask evaluated on a 12-query x 16-key grid (the queries
+# are the last 12 positions, as in a prefill chunk after 4 cached tokens): the pictures are the
+# hooks' own output, through the same host path the reference engine uses.
+
+# %%
+from nbinfer.variants import causal, compose, rope_llama, sliding_window  # noqa: E402
+from nbinfer.variants.host import logits_keep  # noqa: E402
+
+
+def sink_window(num_sinks: int, window: int) -> Variant:
+    """Keep the first ``num_sinks`` keys and the last ``window + 1`` positions (an OR)."""
+    n, w = int(num_sinks), int(window)
+
+    def logits_mask(q_pos, kv_pos, qo_head):
+        return kv_pos < n or kv_pos + w >= q_pos
+
+    return Variant(f"sink_{n}_window_{w}", params=(("num_sinks", n), ("window", w)),
+                   logits_mask=logits_mask)
+
+
+QL, KL = 12, 16
+q_pos = np.arange(KL - QL, KL)[:, None]
+kv_pos = np.arange(KL)[None, :]
+masks = {"causal()": causal(),
+         "sliding_window(3)": sliding_window(3),
+         "compose(causal(),\nsliding_window(3))": compose(causal(), sliding_window(3)),
+         "compose(causal(),\nsink_window(2, 3))": compose(causal(), sink_window(2, 3))}
+keep = {name: logits_keep(v, q_pos, kv_pos, 0) for name, v in masks.items()}
+for name, k in keep.items():
+    print(f"{name.replace(chr(10), ' '):38s} keeps {int(k.sum()):3d} of {k.size} (query, key) pairs")
+assert np.array_equal(keep["causal()"], kv_pos <= q_pos)
+assert np.array_equal(keep["sliding_window(3)"], kv_pos >= q_pos - 3)
+assert np.array_equal(keep["compose(causal(),\nsliding_window(3))"],
+                      keep["causal()"] & keep["sliding_window(3)"])  # compose ANDs masks
+sinks = keep["compose(causal(),\nsink_window(2, 3))"]
+assert sinks[:, :2].all() and np.array_equal(sinks[:, 2:], (keep["causal()"] & keep[
+    "sliding_window(3)"])[:, 2:])
+
+# %% [markdown]
+# A composed variant gives the attention its parts give. The reference engine applies the
+# variant's hooks; for the causal sliding window and soft cap it also takes FlashInfer's flags
+# (`causal`, `window_left`, `logits_soft_cap`), implemented separately: the two must agree.
+
+# %%
+qv = rng.standard_normal((QL, 2, 16))
+kvk, kvv = rng.standard_normal((KL, 2, 16)), rng.standard_normal((KL, 2, 16))
+by_variant = reference.single_prefill_with_kv_cache(
+    qv, kvk, kvv, variant=compose(causal(), sliding_window(3), soft_cap(5.0)))
+by_flags = reference.single_prefill_with_kv_cache(qv, kvk, kvv, causal=True, window_left=3,
+                                                  logits_soft_cap=5.0)
+print(f"compose(causal, window 3, cap 5) against the flags: max |diff| "
+      f"{np.abs(by_variant - by_flags).max():.1e}")
+np.testing.assert_allclose(by_variant, by_flags, rtol=1e-12, atol=1e-12)
+
+# %% [markdown]
+# **RoPE is a transform of queries and keys.** `rope_llama()` rotates each pair of dimensions
+# `(d, d + D/2)` of a vector at position `p` by the angle `p * theta^(-2d / D)`. Rotations
+# compose: the logit of a query rotated by `p` and a key rotated by `k` depends on `p - k` only.
+# So the same query and key give the same logit at positions (20, 15) as at (5, 0): the model
+# sees distances, not places. The check rotates one query and one key with the variant's own
+# hooks (the host path of the reference engine) at several pairs of positions.
+
+# %%
+from nbinfer.variants.host import transform_vectors  # noqa: E402
+
+rope = rope_llama()
+qvec, kvec = rng.standard_normal((1, 1, 64)), rng.standard_normal((1, 1, 64))
+
+
+def rope_logit(pq, pk):
+    qr = transform_vectors(rope, "query_transform", qvec, np.array([pq]), np.array([0]))
+    kr = transform_vectors(rope, "key_transform", kvec, np.array([pk]), np.array([0]))
+    return float((qr * kr).sum())
+
+
+distances = np.arange(0, 40)
+shifted = {base: [rope_logit(base + dist, base) for dist in distances] for base in (0, 100, 1000)}
+for base, row in shifted.items():
+    print(f"key at {base:4d}: logits at distances 0, 5, 10: "
+          f"{row[0]:+.4f} {row[5]:+.4f} {row[10]:+.4f}")
+np.testing.assert_allclose(shifted[100], shifted[0], rtol=1e-9, atol=1e-9)
+np.testing.assert_allclose(shifted[1000], shifted[0], rtol=1e-9, atol=1e-9)
+assert not np.allclose(shifted[0][1:], shifted[0][0])  # and it does depend on the distance
+
+# %%
+fig, axes = subplots(1, 5, figsize=(15.5, 3.6), gridspec_kw={"width_ratios": [1, 1, 1, 1, 1.5]})
+for ax, (name, k) in zip(axes[:4], keep.items(), strict=True):
+    ax.imshow(k, cmap="Blues", vmin=0, vmax=1.25, aspect="equal", interpolation="nearest",
+              extent=(-0.5, KL - 0.5, KL - 0.5, KL - QL - 0.5))
+    ax.set_title(f"{name}\nkeeps {int(k.sum())} pairs", fontsize=9)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_xticks(range(0, KL, 3))
+    ax.set_yticks(range(KL - QL, KL, 2))
+for base, row in shifted.items():
+    axes[4].plot(distances, row, lw=1.2, ls=("-", "--", ":")[list(shifted).index(base)],
+                 label=f"key at position {base}")
+axes[4].set_xlabel("query position - key position")
+axes[4].set_ylabel("q . k after RoPE")
+axes[4].set_title("RoPE: the logit depends on the distance only", fontsize=9)
+axes[4].legend(fontsize=8)
+save_figure(fig, "05_masks_rope.png")
+show(fig)
+
+# %% [markdown]
 # ## Exercise: a variant of your own
 #
 # Write `my_distance_penalty(slope, window)`: a `Variant` whose logits are lowered by
@@ -469,4 +585,6 @@ print(exercises.attempt(exercises.check_distance_penalty, my_distance_penalty))
 #   constants: the variant's numbers need no kernel argument and no memory load.
 # * Identity is code plus captured values, so the factory's `functools.cache` compiles each
 #   distinct variant once and reuses it for equal ones.
+# * Masks are hooks too (`compose` ANDs them; an OR is one hook of its own), and RoPE is a
+#   query/key transform whose logits depend on distances only.
 
