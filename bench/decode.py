@@ -202,7 +202,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true",
+                    help="the three cases only, no spot checks (lesson 04's live sweep)")
     args = ap.parse_args()
+    if args.sweep:
+        payload = dict(device=torch.cuda.get_device_name(), copy_ceiling=COPY_CEILING,
+                       decode=[bench_case(b, l) for b, l in CASES])
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(payload, f, indent=2)
+        for r in payload["decode"]:
+            print(f"B{r['batch']} L{r['kv_len']}: nbinfer {r['kernel_only_tbps']:.2f} TB/s, "
+                  f"cuDNN {r.get('sdpa_cudnn_tbps', float('nan')):.2f} TB/s")
+        return
     from nbinfer import variants as V
 
     checks = []
