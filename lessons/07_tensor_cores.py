@@ -402,24 +402,17 @@ for p in points:
 
 ai_of = {w: {p["ai"] for p in points if p["workload"] == w} for w in
          ("decode", "shared prefix", "causal prefill")}
-# Decode sits at G, left of both ridges: bandwidth-bound on any unit, and within ~3 % of
-# the roof (a read-only kernel may pass a read + write copy's ceiling a little).
+# Where each workload sits follows from shapes and bytes (asserted); how close each measured
+# point comes to its roof is the recorded run's (printed above, not asserted).
+# Decode sits at G, left of both ridges: bandwidth-bound on any unit.
 assert ai_of["decode"] == {G_B} and G_B < ridge_fp32
-assert all(0.85 < p["of_roof"] < 1.03 for p in points if p["workload"] == "decode")
 # The cascade reads the prefix `reads` times instead of 64: its intensity passes the CUDA-core
 # ridge (on CUDA cores it would be compute-bound) but not the tensor-core one.
 ai_cascade = flops_s / cascade_bytes
 assert ridge_fp32 < ai_cascade < ridge_tc and math.isclose(
     ai_cascade / G_B, plain_bytes / cascade_bytes)
-# Plain decode of the shared-prefix batch counts 64 reads of the prefix; it beats that roof
-# because the 34 MB prefix stays in the 60 MB L2 between requests: the copy roof is for HBM.
-plain_sp = next(p for p in points if p["label"].endswith("plain decode"))
-assert plain_sp["of_roof"] > 1
 # Prefill is far right of both ridges: compute-bound, and the roof is the tensor cores'.
 assert min(ai_of["causal prefill"]) > ridge_tc
-prefill = {p["label"].split(", ")[1]: p["of_roof"] for p in points
-           if p["workload"] == "causal prefill"}
-assert prefill["nbinfer tensor cores"] < prefill["SDPA flash"] < prefill["SDPA cuDNN"] < 1
 
 # %%
 fig, (ax_r, ax_b) = subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1.3, 1]})

@@ -90,8 +90,10 @@ anatomy = {"cuLaunchKernel, 1-parameter kernel": launch["one_param_kernel"],
 for name, us in anatomy.items():
     print(f"{name:44s} {us:6.1f} us")
 # run() is the launch plus a few us of checks and pointer writes, plus the output allocation
-assert run["launch_only_us"] < run["run_out_us"] < run["run_us"]
-assert run["run_us"] - run["run_out_us"] < run["launch_only_us"]
+# (measured figures: printed, never asserted; another host or day moves them)
+print(f"run() = launch {run['launch_only_us']:.1f} us + checks and pointer writes "
+      f"{run['run_out_us'] - run['launch_only_us']:.1f} us + the output's allocation "
+      f"{run['run_us'] - run['run_out_us']:.1f} us")
 
 # %% [markdown]
 # The launch itself is most of `run()`: the driver needs several microseconds per launch on
@@ -116,7 +118,8 @@ for r in rows:
     print(f"batch {r['batch']:4d}: {r['pages']:6d} pages, plan() {r['plan_pinned_us']:7.1f} us "
           f"(page table in pinned host memory), {r['plan_device_us']:7.1f} us (on the GPU: one "
           f"device-to-host copy), first plan() of a wrapper {r['plan_first_us']:7.1f} us")
-assert all(r["plan_first_us"] > 2 * r["plan_pinned_us"] for r in rows)
+print(f"a wrapper's first plan() costs {min(r['plan_first_us'] / r['plan_pinned_us'] for r in rows):.1f}"
+      f"-{max(r['plan_first_us'] / r['plan_pinned_us'] for r in rows):.1f}x a later one")
 layers = 16  # Llama-3.2-1B
 step_host = rows[0]["plan_pinned_us"] + layers * run["run_out_us"]
 print(f"host time of one batch-1 decode step of a {layers}-layer model: plan() once + "
