@@ -648,26 +648,10 @@ for case in bench["decode"]:
 # JSON, and says so. Nothing asserts on a measured speed.
 
 # %%
-import shutil  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-
-
-def gpu_present() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    probe = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
-                           capture_output=True)
-    return probe.returncode == 0
-
+from nbinfer.lessons_tool import gpu_present, run_bench  # noqa: E402
 
 if gpu_present():
-    tmp = tempfile.mkdtemp()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    subprocess.run([sys.executable, str(repo_root() / "bench" / "decode.py"), "--sweep", "--out",
-                    os.path.join(tmp, "sweep.json")], check=True, env=env, capture_output=True)
-    live = json.loads(open(os.path.join(tmp, "sweep.json")).read())
+    live = run_bench("decode.py", "--sweep")
     source = f"measured now on {live['device']}"
 else:
     live, source = bench, f"recorded on the H200 ({bench_path.name}), no GPU here"

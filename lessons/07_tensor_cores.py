@@ -25,18 +25,13 @@
 # The first cell picks Numba's CUDA simulator: the lesson runs anywhere.
 
 # %%
-from nbinfer.lessons_tool import start_lesson
+from nbinfer.lessons_tool import gpu_present, run_bench, start_lesson
 
 ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
 
 import json
 import math
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -474,21 +469,8 @@ for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
 # benchmark JSON, and says so. Nothing below asserts on a measured speed.
 
 # %%
-def gpu_present() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    probe = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
 if gpu_present():
-    tmp = tempfile.mkdtemp()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    subprocess.run([sys.executable, str(ROOT / "bench" / "prefill.py"), "--sweep",
-                    "1024,4096,16384", "--out", os.path.join(tmp, "sweep.json")], check=True,
-                   env=env, capture_output=True)
-    sweep = json.loads(open(os.path.join(tmp, "sweep.json")).read())
+    sweep = run_bench("prefill.py", "--sweep", "1024,4096,16384")
     rows_live, source = sweep["causal_sweep"], f"measured now on {sweep['device']}"
 else:
     rows_live, source = [pre["causal_prefill"]], f"recorded on the H200 ({pre_path.name}), no GPU here"

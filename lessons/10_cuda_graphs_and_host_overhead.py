@@ -25,16 +25,11 @@
 # tiny shapes (the first cell picks it).
 
 # %%
-from nbinfer.lessons_tool import start_lesson
+from nbinfer.lessons_tool import gpu_present, run_bench, start_lesson
 
 ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 from matplotlib.patches import Patch
@@ -58,23 +53,9 @@ rng = np.random.default_rng(10)
 
 
 # %%
-def gpu_present() -> bool:
-    if shutil.which("nvidia-smi") is None:
-        return False
-    probe = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
 recorded = ROOT / "bench" / "results" / "issue14"
 if gpu_present():  # measure here, in a process without the simulator
-    tmp = tempfile.mkdtemp()
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    for script, name in (("host.py", "host.json"), ("launch_cost.py", "launch.json")):
-        subprocess.run([sys.executable, str(ROOT / "bench" / script), "--out",
-                        os.path.join(tmp, name)], check=True, env=env, capture_output=True)
-    host = json.loads(open(os.path.join(tmp, "host.json")).read())
-    launch = json.loads(open(os.path.join(tmp, "launch.json")).read())
+    host, launch = run_bench("host.py"), run_bench("launch_cost.py")
     source = f"measured now on {host['device']}"
 else:
     host = json.loads((recorded / "host_h200.json").read_text())

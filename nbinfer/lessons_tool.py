@@ -58,6 +58,32 @@ def start_lesson() -> Path:
     return repo_root()
 
 
+def gpu_present() -> bool:
+    """Whether torch sees a CUDA GPU, asked in a fresh process (a lesson's own process runs
+    Numba's simulator)."""
+    import shutil
+
+    if shutil.which("nvidia-smi") is None:
+        return False
+    probe = subprocess.run([sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
+                           capture_output=True)
+    return probe.returncode == 0
+
+
+def run_bench(script: str, *args: str) -> dict:
+    """Run ``bench/<script> *args --out FILE`` in a separate process without the simulator (the
+    lessons' live measurements) and return the JSON it wrote."""
+    import json
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        subprocess.run([sys.executable, str(repo_root() / "bench" / script), *args, "--out", out],
+                       check=True, env=env, capture_output=True)
+        return json.loads(Path(out).read_text())
+
+
 def lessons_dir() -> Path:
     """``<repo>/lessons``."""
     return repo_root() / "lessons"
