@@ -9,7 +9,7 @@ usage: bash dev.sh TASK [ARGS...]   (each task creates or reuses the virtual env
   test       the test suite (the simulator stands in for the GPU when there is none)
   figures    regenerate every figure under figures/ from the lessons
   notebooks  regenerate the executed lessons/*.ipynb from their lessons/*.py scripts
-  lab        JupyterLab on lessons/ (installs the lab extra on first use)
+  lab        JupyterLab on lessons/
   lint       ruff
   help       this list
 GPU benchmarks: bench/README.md
@@ -49,9 +49,6 @@ case "$task" in
   notebooks) ensure_venv; export NUMBA_ENABLE_CUDASIM=1 MPLBACKEND=Agg; exec "$VENV/bin/python" -m nbinfer.lessons_tool notebooks "$@" ;;
   lint)      ensure_venv; exec "$VENV/bin/ruff" check nbinfer tests lessons bench "$@" ;;
   lab)       ensure_venv
-             # JupyterLab is its own extra: the test suite (and CI) never needs it.
-             "$VENV/bin/python" -c "import jupyterlab" 2>/dev/null ||
-               "$VENV/bin/python" -m pip install -q -e ".[dev,lessons,lab]"
              exec "$VENV/bin/jupyter" lab --notebook-dir=lessons "$@" ;;
   help|-h|--help) usage ;;
   *) echo "dev.sh: unknown task '$task'" >&2; usage >&2; exit 2 ;;
