@@ -221,7 +221,7 @@ print(f"step {mixed}: query rows {np.diff(qo_indptr).tolist()}, KV lengths {kv_l
 print(f"its plan: {step_plan.num_work} work items over {step_plan.num_ctas} CTAs")
 assert step_plan.num_qo_rows == qo_indptr[-1]
 plot_gantt(step_plan, ax[1, 1], title=f"step {mixed}'s plan: the work list of every layer")
-ax[1, 1].set_yticks(range(step_plan.num_ctas))
+_ = ax[1, 1].set_yticks(range(step_plan.num_ctas))  # (the tick objects are not output)
 
 # %% [markdown]
 # ## 5. What the shared prefix saves

@@ -169,7 +169,25 @@ def execute_notebook(nb, *, timeout: float = 600.0):
             os.environ.pop("MPLBACKEND", None)
         else:
             os.environ["MPLBACKEND"] = saved
+    for cell in nb.cells:
+        if cell.get("cell_type") == "code":
+            cell["outputs"] = coalesce_streams(cell.get("outputs", []))
     return nb
+
+
+def coalesce_streams(outputs: list) -> list:
+    """Outputs with consecutive stream chunks of one stream joined into one: where the kernel
+    happens to flush between two prints is timing, not content (an executed notebook must not
+    change from run to run)."""
+    merged = []
+    for out in outputs:
+        prev = merged[-1] if merged else None
+        if (out.get("output_type") == "stream" and prev is not None
+                and prev.get("output_type") == "stream" and prev.get("name") == out.get("name")):
+            prev["text"] = "".join(prev["text"]) + "".join(out["text"])
+        else:
+            merged.append(out)
+    return merged
 
 
 def build_notebook(path: Path, *, out: Path | None = None, timeout: float = 600.0) -> Path:

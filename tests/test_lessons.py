@@ -69,3 +69,14 @@ def test_notebook_was_executed(script):
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     assert len(images) >= len(_figure_names(script)), (
         f"{ipynb.name} embeds {len(images)} images, expected one per saved figure")
+
+
+def test_stream_chunks_of_an_executed_cell_are_joined():
+    # where the kernel flushed between prints is timing: the committed notebook must not show it
+    outs = [{"output_type": "stream", "name": "stdout", "text": "a\n"},
+            {"output_type": "stream", "name": "stdout", "text": ["b\n", "c\n"]},
+            {"output_type": "stream", "name": "stderr", "text": "w\n"},
+            {"output_type": "display_data", "data": {}},
+            {"output_type": "stream", "name": "stdout", "text": "d\n"}]
+    got = lessons_tool.coalesce_streams(outs)
+    assert [o.get("text") for o in got] == ["a\nb\nc\n", "w\n", None, "d\n"]
