@@ -79,8 +79,11 @@ def run_bench(script: str, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.json")
-        subprocess.run([sys.executable, str(repo_root() / "bench" / script), *args, "--out", out],
-                       check=True, env=env, capture_output=True)
+        proc = subprocess.run([sys.executable, str(repo_root() / "bench" / script), *args,
+                               "--out", out], env=env, capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"bench/{script} failed ({proc.returncode}):\n"
+                               f"{proc.stderr[-2000:]}")
         return json.loads(Path(out).read_text())
 
 

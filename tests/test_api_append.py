@@ -194,6 +194,26 @@ def test_append_wrapper_errors(rng):
         small.reserve(0, 1, 1)
 
 
+def test_reserved_append_keeps_every_section_at_one_address(rng):
+    # A captured run replays the arguments it was captured with: once reserved, each index
+    # array sits at a fixed offset whatever the step's batch or page count.
+    key, value, bi, pos, cache, indices, indptr, last = _case(rng, np.float16, 8, "NHD", False)
+    wrapper = PagedKVAppendWrapper(cache)
+    wrapper.reserve(16, 8, 64)
+    addresses = []
+    for n_req in (3, 2):  # two steps of different batch sizes and page counts
+        sub_ptr = indptr[:n_req + 1]
+        keep = bi < n_req
+        want = _copy(cache)
+        reference.append_paged_kv_cache(key[keep], value[keep], bi[keep], pos[keep], want,
+                                        indices, sub_ptr, last[:n_req])
+        wrapper.plan(bi[keep], pos[keep], indices, sub_ptr, last[:n_req])
+        addresses.append([v.__array_interface__["data"][0] for v in wrapper._planned[1]])
+        wrapper.run(key[keep], value[keep], cache)
+        assert _equal(cache, want)
+    assert addresses[0] == addresses[1]
+
+
 # --- the H200 -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

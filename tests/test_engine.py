@@ -137,6 +137,14 @@ def test_the_public_api_runner_plans_once_per_step_for_every_layer(rng):
         ApiRunner(NumpyLlama(CFG, init_weights(CFG, seed=3)), 8, 4)
 
 
+def test_api_runner_takes_host_backends_only():
+    from nbinfer.engine import ApiRunner
+
+    model = NumpyLlama(CFG, init_weights(CFG, seed=0), dtype=np.float32)
+    with pytest.raises(ValueError, match="TorchRunner"):
+        ApiRunner(model, 8, 4, backend="cuda")
+
+
 def test_prefix_cache_evicts_before_it_preempts(model, rng):
     requests = _shared_prefix_requests(rng, 8, prefix_len=16)
     requests += [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6, arrival=3 + i)

@@ -125,7 +125,7 @@ def distance_penalty_numbered(slope, window):  # right numbers, but a new name e
 
 def test_distance_penalty_exercise():
     assert "match" in exercises.check_distance_penalty(distance_penalty)
-    with pytest.raises(ExerciseFailed, match="window"):
+    with pytest.raises(ExerciseFailed, match="is the window mask there"):
         exercises.check_distance_penalty(distance_penalty_no_window)
     with pytest.raises(ExerciseFailed, match="equal arguments"):
         exercises.check_distance_penalty(distance_penalty_numbered)

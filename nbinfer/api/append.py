@@ -155,18 +155,22 @@ class PagedKVAppendWrapper:
         self._shape = tuple(k_cache.shape)
         self._memory = PlanMemory(self._backend) if self._backend != "reference" else None
         self._stream = arrays.stream_getter(k_cache) if self._backend == "cuda" else None
-        self._limit = None  # words, once reserve() fixed the memory
+        self._fixed = None  # section capacities (tokens, tokens, batch + 1, pages) once reserved
         self._planned = None
 
     def reserve(self, max_tokens: int, max_batch: int, max_pages: int) -> None:
-        """Size the device memory once for steps of up to these counts, so its address never
-        changes (what a captured CUDA graph needs); a larger plan() then raises."""
-        words = (2 * check_positive_int("max_tokens", max_tokens)
-                 + check_positive_int("max_batch", max_batch) + 1
-                 + check_positive_int("max_pages", max_pages))
+        """Fix the device memory for steps of up to these counts: one address and one section
+        offset per index array whatever the step, so every run() launches with the same
+        arguments (what a captured CUDA graph replays); a larger plan() then raises. The
+        launch's grid follows the token count: a graph replays the ``nnz`` it was captured
+        with, so plan only steps of that many tokens before replaying it."""
+        caps = (check_positive_int("max_tokens", max_tokens),) * 2 + (
+            check_positive_int("max_batch", max_batch) + 1,
+            check_positive_int("max_pages", max_pages))
         if self._memory is not None:
-            self._memory.reserve(words)
-        self._limit = words
+            self._memory.reserve(sum(caps))
+        self._fixed = caps
+        self._planned = None  # the memory may have moved
 
     def plan(self, batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len) -> None:
         """Validate one step's indices (as :func:`append_paged_kv_cache` documents them) and
@@ -180,10 +184,13 @@ class PagedKVAppendWrapper:
             return
         bi, pos, indptr, indices = table[:4]
         sizes = [a.size for a in (bi, pos, indptr, indices)]
+        if self._fixed is not None:  # fixed sections, each as long as its capacity
+            if any(n > cap for n, cap in zip(sizes, self._fixed, strict=True)):
+                raise ValueError(f"this step's append ({nnz} tokens, {indptr.size - 1} "
+                                 f"requests, {indices.size} pages) does not fit the reserved "
+                                 f"memory")
+            sizes = list(self._fixed)
         words = sum(sizes)
-        if self._limit is not None and words > self._limit:
-            raise ValueError(f"this step's append ({nnz} tokens, {indptr.size - 1} requests, "
-                             f"{indices.size} pages) does not fit the reserved memory")
         mem = self._memory
         staged = mem.staging(words)
         offsets = np.cumsum([0] + sizes)

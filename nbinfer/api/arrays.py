@@ -326,7 +326,7 @@ def host_view(x, name: str) -> np.ndarray:
         arr = x
     elif isinstance(x, (list, tuple)):
         return host_index(x, name)
-    elif getattr(x, "is_cuda", True) is False and type(x).__module__.startswith("torch") \
+    elif type(x).__module__.startswith("torch") and x.device.type == "cpu" \
             and not (x.requires_grad or x.dtype.is_floating_point or x.dtype.is_complex):
         arr = x.numpy()  # a host tensor (pinned or not): a view, none of to_host's round trip
     else:

@@ -348,7 +348,8 @@ class Engine:
             return None
         ps = self.pool.page_size
         used = [-(-(seq.computed + 1) // ps) for seq, _ in plan]
-        key = tuple((seq.rid, u) for (seq, _), u in zip(plan, used, strict=True))
+        # page counts and first pages: a preempted and readmitted sequence has new pages
+        key = tuple((seq.rid, u, seq.pages[0]) for (seq, _), u in zip(plan, used, strict=True))
         if self._levels_key != key:
             self._levels_key, self._levels_groups = key, self._share_groups(plan, used)
         groups = self._levels_groups

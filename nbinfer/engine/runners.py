@@ -9,8 +9,7 @@ the new rows over each sequence's pages.
 - :class:`NumpyRunner`: the definition, attention straight from :mod:`nbinfer.reference`;
 - :class:`ApiRunner`: the same NumPy model over nbinfer's public wrappers, the way a serving
   system drives them (:class:`StepAttention`: one ``plan()`` per step for every layer,
-  ``run()`` per layer), on any backend that takes NumPy arrays (the reference engine on a CPU,
-  the simulator, a GPU);
+  ``run()`` per layer), on the reference engine or in the simulator;
 - :class:`~nbinfer.engine.torch_runner.TorchRunner` (needs torch): the torch model on a GPU
   over the same :class:`StepAttention`, with CUDA graphs.
 """
@@ -155,15 +154,16 @@ class StepAttention:
 
 class ApiRunner:
     """The NumPy model over paged caches through nbinfer's public wrappers
-    (:class:`StepAttention`), on any backend that takes NumPy arrays.
+    (:class:`StepAttention`), on the reference engine or in Numba's simulator (its caches are
+    host arrays; on a GPU the torch runner holds them on the device).
 
     Parameters
     ----------
     model : NumpyLlama
         In float32, the widest dtype the wrappers take.
     num_pages, page_size : int
-    backend : {"reference", "sim", "cuda", "auto"}
-        Where attention runs: the float64 reference engine (default), the simulator, a GPU.
+    backend : {"reference", "sim"}
+        Where attention runs: the float64 reference engine (default) or the simulator.
     workspace_bytes : int
     """
 
@@ -171,6 +171,9 @@ class ApiRunner:
 
     def __init__(self, model: NumpyLlama, num_pages: int, page_size: int, *,
                  backend: str = "reference", workspace_bytes: int = 16 << 20):
+        if backend not in ("reference", "sim"):
+            raise ValueError(f"backend must be 'reference' or 'sim' (host caches), got "
+                             f"{backend!r}; on a GPU use engine.torch_runner.TorchRunner")
         if model.dtype != np.float32:
             raise TypeError(f"ApiRunner needs a float32 model (the wrappers' widest dtype), "
                             f"got {model.dtype}")

@@ -175,13 +175,15 @@ class _DecodeGraph:
         indptr = np.concatenate([kv_indptr, used + np.arange(1, pad + 1)]).astype(np.int32)
         indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages)])
         last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(np.int32)
-        pos = np.concatenate([np.asarray(positions), np.zeros(pad)]).astype(np.int32)
+        # each row appends at the last slot of its KV (what the eager path derives the same way)
+        pos = ((np.diff(indptr) - 1) * runner.page_size + last - 1).astype(np.int32)
         self.decode.plan(indptr, indices.astype(np.int32), last, *runner.heads,
                          q_data_type=_NAMES[runner.model.dtype])
         self.append.plan(self.rows, pos, indices.astype(np.int32), indptr, last)
         self.tokens[:batch].copy_(torch.as_tensor(np.asarray(tokens)))
         self.tokens[batch:].zero_()
-        self.positions.copy_(torch.as_tensor(pos))
+        self.positions[:batch].copy_(torch.as_tensor(np.asarray(positions)))
+        self.positions[batch:].zero_()
         if self.graph is None:
             # warm up on a side stream (what torch asks before a capture), then capture; the
             # warm-up computed this step already and the replay below recomputes it (the

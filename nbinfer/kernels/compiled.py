@@ -54,6 +54,7 @@ class CompiledKernel:
         self.regs, self.local_bytes, self.shared_bytes = attrs.regs, attrs.local, attrs.shared
         self.from_cache, self.key, self.timings = from_cache, key, timings
         self._prepared = {}  # (grid, block) -> the PreparedLaunch one-off launches reuse
+        self._lock = threading.Lock()
 
     def __getitem__(self, config):
         """``kernel[grid, block]`` or ``kernel[grid, block, stream]``: a one-off launch of
@@ -71,23 +72,29 @@ class CompiledKernel:
                 raise TypeError(f"{self.name}: expected {len(self.signature.args)} arguments, "
                                 f"got {len(args)}")
             # Every argument is bound below, so one argument block per launch shape serves
-            # every call (building one costs more than the launch itself).
+            # every call (building one costs more than the launch itself); a lock keeps two
+            # threads off one block, and the arguments are let go once launched (the driver
+            # copied them), as a block built per call would.
             key = (str(grid), str(block))
-            p = self._prepared.get(key)
-            if p is None:
-                if len(self._prepared) >= 64:
-                    self._prepared.clear()
-                p = self._prepared[key] = PreparedLaunch(self, self.signature, grid, block,
-                                                         sim=False)
-            for i, a in enumerate(args):
-                if hasattr(a, "__cuda_array_interface__"):
-                    p.set_array(i, a)
-                elif hasattr(a, "shape") and getattr(a, "ndim", 0) > 0:
-                    raise TypeError(f"{self.name}: argument {i} must be a device array, got "
-                                    f"{type(a).__name__}")
-                else:
-                    p.set_scalar(i, a)
-            p(handle)
+            with self._lock:
+                p = self._prepared.get(key)
+                if p is None:
+                    if len(self._prepared) >= 64:
+                        self._prepared.clear()
+                    p = self._prepared[key] = PreparedLaunch(self, self.signature, grid, block,
+                                                             sim=False)
+                try:
+                    for i, a in enumerate(args):
+                        if hasattr(a, "__cuda_array_interface__"):
+                            p.set_array(i, a)
+                        elif hasattr(a, "shape") and getattr(a, "ndim", 0) > 0:
+                            raise TypeError(f"{self.name}: argument {i} must be a device "
+                                            f"array, got {type(a).__name__}")
+                        else:
+                            p.set_scalar(i, a)
+                    p(handle)
+                finally:
+                    p._keep.clear()
 
         return launch
 
