@@ -118,7 +118,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
                                  kv_indices, kv_indptr, kv_last_page_len, kv_layout)
     users = (batch_indices, positions, kv_indptr, kv_indices)
     idx = [_index_arg(u, h, be) for u, h in zip(users, table[:4], strict=True)]
-    _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, 0)
+    _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, 0,
+            (page_size, heads, dim))
     return None
 
 
@@ -148,10 +149,8 @@ class PagedKVAppendWrapper:
         check_choice("kv_layout", kv_layout, KV_LAYOUTS)
         self._layout = kv_layout
         k_cache, _, self._combined = _split_cache(paged_kv_cache)
-        ps_axis, h_axis = (1, 2) if kv_layout == "NHD" else (2, 1)
-        self._num_pages = int(k_cache.shape[0])
-        self._page_size, self._heads, self._dim = (int(k_cache.shape[a])
-                                                   for a in (ps_axis, h_axis, 3))
+        self._num_pages, self._page_size, self._heads, self._dim = _cache_dims(k_cache,
+                                                                              kv_layout)
         self._shape = tuple(k_cache.shape)
         self._memory = PlanMemory(self._backend) if self._backend != "reference" else None
         self._stream = arrays.stream_getter(k_cache) if self._backend == "cuda" else None
@@ -237,7 +236,7 @@ class PagedKVAppendWrapper:
         if be == "sim" and not combined and _pair_overlaps(*caches.values()):
             raise ValueError("k_cache and v_cache overlap: pass the combined [P, 2, ...] cache")
         _launch(append_key, append_value, caches, combined, self._layout, be, kind, views,
-                self._stream() if self._stream is not None else 0)
+                self._stream() if self._stream is not None else 0, dims[1:])
 
 
 class _DeviceSpan:
@@ -256,9 +255,7 @@ def _check_kv(append_key, append_value, paged_kv_cache, kv_layout, be):
     ``(caches, combined, k_cache, (num_pages, page_size, heads, dim), kind)``."""
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
     k_cache, v_cache, combined = _split_cache(paged_kv_cache)
-    num_pages = int(k_cache.shape[0])
-    ps_axis, h_axis = (1, 2) if kv_layout == "NHD" else (2, 1)
-    page_size, heads, dim = (int(k_cache.shape[a]) for a in (ps_axis, h_axis, 3))
+    num_pages, page_size, heads, dim = _cache_dims(k_cache, kv_layout)
     kv_dtype = named_dtype("paged_kv_cache", k_cache)
     for name, a in (("append_key", append_key), ("append_value", append_value)):
         check_ndim(name, a, 3)
@@ -278,6 +275,13 @@ def _check_kv(append_key, append_value, paged_kv_cache, kv_layout, be):
     return caches, combined, k_cache, (num_pages, page_size, heads, dim), kind
 
 
+def _cache_dims(k_cache, kv_layout: str) -> tuple[int, int, int, int]:
+    """``(num_pages, page_size, num_kv_heads, head_dim)`` of a K cache
+    (NHD ``[P, PS, H, D]``, HND ``[P, H, PS, D]``)."""
+    ps_axis, h_axis = (1, 2) if kv_layout == "NHD" else (2, 1)
+    return tuple(int(k_cache.shape[a]) for a in (0, ps_axis, h_axis, 3))
+
+
 def _pair_overlaps(k_cache, v_cache) -> bool:
     """Whether the spans the simulator's kernel views of K and V cover overlap (two views of
     one pool do, though no element is in both)."""
@@ -286,12 +290,13 @@ def _pair_overlaps(k_cache, v_cache) -> bool:
     return bool(np.shares_memory(k, v))
 
 
-def _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, stream):
+def _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx, stream,
+            dims):
     """Launch the append kernel on ``stream`` over validated arguments; ``idx``: the kernel's
-    views of batch_indices, positions, kv_indptr and kv_indices."""
+    views of batch_indices, positions, kv_indptr and kv_indices; ``dims``: the cache's
+    ``(page_size, num_kv_heads, head_dim)``."""
     first_cache = next(iter(caches.values()))
-    heads, dim = (int(first_cache.shape[a]) for a in ((-2, -1) if kv_layout == "NHD" else
-                                                      (-3, -1)))
+    page_size, heads, dim = dims
     nnz = int(append_key.shape[0])
     if nnz == 0 or heads * dim == 0:
         return
@@ -332,7 +337,6 @@ def _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx
             raise ValueError(f"v_cache must have the same strides as k_cache: got {vst} and "
                              f"{kst} (elements)")
         k_words, v_words, v_offset = words[0], words[1], 0
-    page_size = int(first_cache.shape[ps_axis])
     kernel = build_append_kernel(AppendSpec(word, rw, page_size, combined, be == "sim"))
     grid, block = append_launch_config(nnz, heads * rw)
     scalars = (v_offset, kst[0] // per, kst[ps_axis] // per, kst[h_axis] // per, ksn // per,

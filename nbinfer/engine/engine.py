@@ -32,6 +32,10 @@ from .pool import PagePool
 __all__ = ["Engine", "Request", "StepReport"]
 
 
+def _int32(values) -> np.ndarray:  # page ids, lengths, offsets: the runners take int32
+    return np.asarray(values, dtype=np.int32)
+
+
 @dataclass
 class Request:
     """One generation request.
@@ -327,9 +331,8 @@ class Engine:
             indices += seq.pages[:used]
             kv_indptr.append(kv_indptr[-1] + used)
             last.append(length - (used - 1) * ps)
-        as32 = lambda a: np.asarray(a, dtype=np.int32)  # noqa: E731
-        logits = self.runner.forward(np.asarray(tokens), np.asarray(positions), as32(qo),
-                                     as32(kv_indptr), as32(indices), as32(last), levels=levels,
+        logits = self.runner.forward(np.asarray(tokens), np.asarray(positions), _int32(qo),
+                                     _int32(kv_indptr), _int32(indices), _int32(last), levels=levels,
                                      rows=rows)
         return logits, "paged" if levels is None else "cascade"
 
@@ -375,11 +378,10 @@ class Engine:
                 ptr1.append(len(idx1))
                 last1.append(seq.computed + 1 - (used[b] - 1) * ps)
                 b += 1
-        a32 = lambda x: np.asarray(x, dtype=np.int32)  # noqa: E731
         batch = len(plan)
-        return CascadeLevels([a32(qo0), np.arange(batch + 1, dtype=np.int32)],
-                             [a32(ptr0), a32(ptr1)], [a32(idx0), a32(idx1)],
-                             [a32(last0), a32(last1)], np.arange(batch),
+        return CascadeLevels([_int32(qo0), np.arange(batch + 1, dtype=np.int32)],
+                             [_int32(ptr0), _int32(ptr1)], [_int32(idx0), _int32(idx1)],
+                             [_int32(last0), _int32(last1)], np.arange(batch),
                              np.arange(batch + 1, dtype=np.int32), np.arange(batch))
 
     @staticmethod

@@ -23,12 +23,11 @@ import torch
 
 from ..api.append import PagedKVAppendWrapper
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
+from ..api.dtypes import normalize_dtype
 from .runners import StepAttention
 from .torch_model import TorchLlama
 
 __all__ = ["TorchRunner"]
-
-_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 class TorchRunner:
@@ -72,7 +71,7 @@ class TorchRunner:
                        for _ in range(cfg.num_layers)]
         self.workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self.attention = StepAttention(self.workspace, self.caches[0], self.heads,
-                                       _NAMES[model.dtype])
+                                       normalize_dtype("model.dtype", model.dtype))
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
         self._graphs: dict[int, _DecodeGraph] = {}
@@ -173,13 +172,13 @@ class _DecodeGraph:
         batch, pad = len(tokens), self.size - len(tokens)
         used = int(kv_indptr[-1])
         indptr = np.concatenate([kv_indptr, used + np.arange(1, pad + 1)]).astype(np.int32)
-        indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages)])
+        indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages, np.int32)])
         last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(np.int32)
         # each row appends at the last slot of its KV (what the eager path derives the same way)
         pos = ((np.diff(indptr) - 1) * runner.page_size + last - 1).astype(np.int32)
-        self.decode.plan(indptr, indices.astype(np.int32), last, *runner.heads,
-                         q_data_type=_NAMES[runner.model.dtype])
-        self.append.plan(self.rows, pos, indices.astype(np.int32), indptr, last)
+        self.decode.plan(indptr, indices, last, *runner.heads,
+                         q_data_type=runner.attention.dtype)
+        self.append.plan(self.rows, pos, indices, indptr, last)
         self.tokens[:batch].copy_(torch.as_tensor(np.asarray(tokens)))
         self.tokens[batch:].zero_()
         self.positions[:batch].copy_(torch.as_tensor(np.asarray(positions)))
