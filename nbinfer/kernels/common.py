@@ -25,7 +25,7 @@ from numba import cuda, float32, int32, int64, types
 from numba.core.types import float16
 
 from ..variants import Variant
-from .primitives import LN2, primitives
+from .primitives import FASTMATH, LN2, device_jit, primitives
 
 HEAD_DIMS = (64, 128, 256)
 KV_DTYPES = ("float16", "bfloat16", "float32")
@@ -48,12 +48,6 @@ PREFILL_PLAN_SECTIONS = DECODE_PLAN_SECTIONS + ("qo_indptr", "mask_indptr", "mas
 # The value scan (:mod:`.value_scan`) splits each (request, kv head) pair's KV into this many
 # parts, one flag each: ``value_flags`` holds ``[B * Hkv * VALUE_SCAN_SPLITS]`` words.
 VALUE_SCAN_SPLITS = 8
-
-# Fast math without "no NaNs" / "no infinities": the kernels keep -inf as the empty state and
-# must let a NaN reach the output (nbinfer's non-finite rule), which nnan/ninf would let LLVM
-# fold away (e.g. ``den > 0`` assumed ordered).
-FASTMATH = frozenset({"nsz", "arcp", "contract", "afn", "reassoc"})
-
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -133,7 +127,7 @@ def state_finalize(sim: bool):
     ZERO = float32(0.0)
     ONE = float32(1.0)
     NEG_INF = float32(-np.inf)
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def finalize(m, den):
@@ -192,7 +186,7 @@ def kept_weights(softmax: bool, sim: bool):
     """
     ZERO = float32(0.0)
     NEG_INF = float32(-np.inf)
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def kept_logit(s):

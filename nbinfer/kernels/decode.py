@@ -55,7 +55,7 @@ from .common import (
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
-from .primitives import LOG2E, primitives
+from .primitives import LOG2E, device_jit, primitives
 from .warp import warp_collectives
 
 NUM_WARPS = 4
@@ -202,7 +202,7 @@ def decode_kernel_source(spec: DecodeSpec):
     OD = -(-D // NUM_THREADS)  # output dims per thread in the epilogue
     SPARSE = spec.sparse
     finalize = state_finalize(sim)
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def syncwarp():

@@ -21,7 +21,7 @@ from numba import cuda, float32, int32, types
 from ..variants import Variant
 from .common import F_LN2, state_finalize
 from .hooks import device_hooks
-from .primitives import LOG2E, primitives
+from .primitives import LOG2E, device_jit, primitives
 
 
 @functools.cache
@@ -55,7 +55,7 @@ def build_merge_list(G: int, D: int, NT: int, smem_floats: int, variant: Variant
     ZERO = float32(0.0)
     ONE = float32(1.0)
     F_LOG2E = float32(LOG2E)
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def store(o, i, x):

@@ -11,15 +11,8 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from numba import cuda
-
 from ..variants import Variant
-
-
-def _jit(sim: bool):
-    if sim:
-        return cuda.jit(device=True)
-    return cuda.jit(device=True, inline="always")
+from .primitives import device_jit
 
 
 def _chain(fns, jit, link):
@@ -75,7 +68,7 @@ def device_hooks(variant: Variant, sim: bool):
     The namespace also carries ``has_query``, ``has_key``, ``has_logits``, ``has_mask``,
     ``has_output`` and ``use_softmax`` so kernels can drop unused work at build time.
     """
-    jit = _jit(sim)
+    jit = device_jit(sim)
 
     def vec_identity(x, x_pair, d, head_dim, pos, head):
         return x

@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from numba import cuda, int64, types
+from numba import int64, types
+
+from .primitives import device_jit
 
 U32 = types.uint32
 
@@ -33,7 +35,7 @@ def loading_module(sparse: bool, page_size: int, sim: bool):
         are shifts and the index needs no negative-wraparound code) of that head.
     """
     PS = page_size
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def request_kv_len(kv_indptr, kv_last, b):

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 from numba import cuda, float32, types
 
-from .primitives import primitives
+from .primitives import device_jit, primitives
 
 U32 = types.uint32
 FULL_MASK = 0xFFFFFFFF
@@ -182,7 +182,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     F_INF = float32(np.inf)
     ELEM = 2
     RS = (D + 8) * ELEM
-    jit_dev = cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(False)
 
     @jit_dev
     def store_pair(smem, addr, lo, hi):

@@ -10,10 +10,11 @@ from __future__ import annotations
 import functools
 from types import SimpleNamespace
 
-from numba import cuda, int64
+from numba import int64
 
 from .common import WORK_FIELDS
 from .loading import loading_module
+from .primitives import device_jit
 
 
 @functools.cache
@@ -28,7 +29,7 @@ def position_module(page_size: int, block_positions: bool, sim: bool):
         ``mask_words_off``): 1 keeps the score.
     """
     PS = page_size
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def key_position(kv_indptr, kv_indices, b, pos):
@@ -56,7 +57,7 @@ def prefill_item_reader(sparse: bool, page_size: int, block_positions: bool, sim
     (bottom-right aligned; BSR: given by ``q_pos0``)."""
     loader = loading_module(sparse, page_size, sim)
     request_kv_len, request_base = loader.request_kv_len, loader.request_base
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off, kv_indptr,

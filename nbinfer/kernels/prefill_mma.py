@@ -49,7 +49,7 @@ from .loading import loading_module
 from .mma import tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, compile_prefill
-from .primitives import LOG2E, primitives
+from .primitives import LOG2E, device_jit, primitives
 
 TILE_KV = 32
 MMA_HEAD_DIMS = (64, 128)
@@ -160,7 +160,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                                                  prims.commit, prims.wait(1))
     cvt = {"float16": prims.f16, "bfloat16": prims.bf16}
     kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,

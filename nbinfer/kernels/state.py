@@ -30,7 +30,7 @@ import numpy as np
 from numba import cuda, float32, int32, types
 
 from .common import ITEMSIZE, KV_DTYPES, STORAGE, compile_kernel, state_finalize
-from .primitives import LN2, LOG2E, primitives
+from .primitives import LN2, LOG2E, device_jit, primitives
 
 STATE_THREADS = 128
 LSE_BASES = (2.0, math.e)
@@ -84,7 +84,7 @@ def _codecs(spec: StateSpec):
         return s * F_LN2 if NATURAL else s
 
     if not spec.sim:
-        device = cuda.jit(device=True, inline="always")
+        device = device_jit(False)
         store, to_log2, from_log2 = device(store), device(to_log2), device(from_log2)
     return load, store, to_log2, from_log2
 

@@ -40,7 +40,7 @@ from .common import (
 )
 from .hooks import device_hooks
 from .loading import loading_module
-from .primitives import primitives
+from .primitives import device_jit, primitives
 
 U32 = types.uint32
 BATCH_WORD = HEADER_FIELDS.index("batch_size")  # the packed plan's header starts at word 0
@@ -98,7 +98,7 @@ def value_scan_source(spec):
     EXP_HI = U32(int(EXP) << 16) if TWO else EXP
     if len(PREFILL_PLAN_SECTIONS) != 13 or PREFILL_PLAN_SECTIONS[-1] != "value_flags":
         raise RuntimeError("value_scan takes the prefill plan sections in their order")
-    jit_dev = cuda.jit(device=True) if sim else cuda.jit(device=True, inline="always")
+    jit_dev = device_jit(sim)
 
     @jit_dev
     def word_bad(w):

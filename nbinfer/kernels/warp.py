@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 from numba import cuda, float32
 
+from .primitives import device_jit
+
 FULL_MASK = 0xFFFFFFFF
 
 
@@ -58,7 +60,7 @@ def warp_collectives(n_slots: int, num_warps: int, sim: bool, width: int = 32):
         return _sim_collectives(N, R, REP, num_warps, width)
     FIRST = width // 2
 
-    @cuda.jit(device=True, inline="always")
+    @device_jit(False)
     def reduce_scatter(part, out, lane, warp, scratch):
         n = N
         off = FIRST
