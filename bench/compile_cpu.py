@@ -6,7 +6,7 @@ process, times it, and, when ``ptxas`` is found (``$CUDA_HOME/bin`` or ``PATH``)
 PTX to report registers and spills as the H200 would see them. It also checks that every
 kernel kind and every built-in variant compiles, without a device call.
 
-Needs NVRTC (``pip install nvidia-cuda-nvrtc``) beside numba-cuda; no driver.
+Needs the CUDA toolkit's NVVM and libdevice; no driver, no NVRTC.
 
     python3 bench/compile_cpu.py                 # the timed cases
     python3 bench/compile_cpu.py --variants      # plus the decode kernel of every variant
@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -33,14 +32,14 @@ CC = (9, 0)
 
 
 def _patch_numba():
-    """Compile without a driver: kernels go to ``compile_ptx``, and device functions (compiled
-    lazily, at their first call site) see a sm_90 device instead of asking the driver."""
-    import numba.cuda.dispatcher as dispatcher
+    """Compile without a driver (:func:`nbinfer.kernels.offline.assume_device`): kernels go
+    to ``compile_ptx``, timed, instead of being loaded."""
     from numba.cuda import compile_ptx
 
     import nbinfer.kernels.compiled as compiled
+    from nbinfer.kernels.offline import assume_device
 
-    dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=CC)
+    assume_device(CC)
     results = []
 
     def gpu_kernel(kind, spec, signature, build, options, module):

@@ -27,17 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def _offline_numba():
-    # compile_ptx needs NVVM and libdevice (CUDA toolkit) but not NVRTC; numba-cuda asks NVRTC
-    # for the supported architectures, so answer that question ourselves.
-    os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
-    from numba.cuda import cuda_paths
-    from numba.cuda.cudadrv import nvrtc
+    from nbinfer.kernels.offline import assume_device
 
-    nvrtc.get_arch_option = lambda *cc: "compute_90"
-    try:
-        cuda_paths._get_nvrtc_path()
-    except Exception:  # noqa: BLE001 - any failure to find NVRTC: skip it
-        cuda_paths._get_nvrtc_path = lambda: ("none", None)
+    assume_device((9, 0))
 
 
 def compile_spec(spec):

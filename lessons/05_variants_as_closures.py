@@ -246,12 +246,13 @@ assert after.hits - before.hits == 3 and after.misses == before.misses
 # Python process *without* the simulator. No GPU is needed for that:
 #
 # * **PTX** when the CUDA toolkit's NVVM library is installed: `numba.cuda.compile_ptx` lowers
-#   the kernel to LLVM IR, and NVVM turns it into PTX, the GPU's virtual assembly (Numba only
-#   asks NVRTC which architectures exist, so we answer that question ourselves, as
-#   `bench/sass_stats.py` does). A float32 constant is written in PTX as `0f` and its 8 hex
-#   digits (`30.0` is `0f41F00000`).
+#   the kernel to LLVM IR, and NVVM turns it into PTX, the GPU's virtual assembly. Numba asks
+#   the machine two questions a GPU-less one cannot answer (which architectures NVRTC knows,
+#   which device is current); `nbinfer.kernels.offline.assume_device` answers both. A float32
+#   constant is written in PTX as `0f` and its 8 hex digits (`30.0` is `0f41F00000`).
 # * **LLVM IR** otherwise: the module Numba generates before handing it to NVVM. It already
-#   contains the kernel with the hook inlined; LLVM writes a float constant as the 16 hex digits
+#   contains the kernel and, beside it, the hook as a function marked `alwaysinline` (NVVM
+#   inlines it); LLVM writes a float constant as the 16 hex digits
 #   of the equal double (`30.0` is `0x403E000000000000`).
 #
 # The worker below receives the source of our two factories (`inspect.getsource`), rebuilds the
@@ -272,15 +273,9 @@ if no_nvvm:
         data_layout = nvvm._datalayout
     nvvm.NVVM = _NoNVVM
     nvvm.add_ir_version = lambda module: None
-else:
-    # compile_ptx asks NVRTC for the supported architectures; answer without NVRTC.
-    from numba.cuda import cuda_paths
-    from numba.cuda.cudadrv import nvrtc
-    nvrtc.get_arch_option = lambda *cc: "compute_%d%d" % cc[:2]
-    try:
-        cuda_paths._get_nvrtc_path()
-    except Exception:
-        cuda_paths._get_nvrtc_path = lambda: ("none", None)
+# no GPU here: device functions see an sm_90 device, NVRTC is not asked for architectures
+from nbinfer.kernels.offline import assume_device
+assume_device((9, 0))
 from numba import cuda
 from numba.cuda.compiler import compile_cuda
 from nbinfer import Variant
@@ -384,7 +379,11 @@ def normalised(text):
     text = re.sub(r"_v\d+_", "_v<n>_", text)  # LLVM IR: names of inlined functions' variables
     text = re.sub(r"\$\d+", "$<n>", text)  # LLVM IR: the module id
     text = re.sub(r"\bB\d+", "B<n>", text)  # LLVM IR: basic-block labels of inlined code
-    return text.splitlines()
+    # LLVM IR: one module per device function, listed in the order this process first compiled
+    # them (NVVM inlines them into the kernel later): compare the modules sorted by name
+    modules = [m.splitlines() for m in re.split(r"(?m)^(?=; ModuleID)", text)]
+    return [line for m in sorted(modules, key=lambda m: (m[0] if m else "", len(m)))
+            for line in m if line.strip()]
 
 
 a_lines, b_lines = normalised(texts["cap30"]), normalised(texts["cap50"])

@@ -31,12 +31,10 @@ def device_jit(sim: bool):
     In the simulator, plain ``cuda.jit(device=True)``. On the GPU the function is typed and
     lowered by Numba once per argument types and marked ``alwaysinline`` for NVVM
     (``forceinline``), with the kernels' :data:`FASTMATH` flags, so that inside a kernel it
-    compiles to the same code as if written there. Numba's own ``inline="always"`` gives
-    nearly the same PTX (same registers, no ``call``) but copies and re-types the callee's IR
-    at every call site, which was most of a cold compile: ``python3 bench/compile_cpu.py``
-    (sm_90, no GPU) measured Numba + NVVM 5.5 -> 3.1 s for the decode kernel, 7.7 -> 4.0 s for
-    the tensor-core prefill, 5.0 -> 3.0 s for the CUDA-core prefill, 50 -> 31 s over its 14
-    kernels; on the H200 the causal prefill ran at the same speed either way.
+    compiles to the same code as if written there. Numba's own ``inline="always"`` gives the
+    same PTX but copies and re-types the callee's IR at every call site: measured on the CPU
+    (``compile_ptx``, sm_90), the decode kernel's Numba + NVVM time 6.2 -> 5.3 s, the tensor-core
+    prefill's 10.0 -> 7.9 s, the CUDA-core prefill's 7.6 -> 5.1 s, with the same registers.
     """
     if sim:
         return cuda.jit(device=True)
