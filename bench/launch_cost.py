@@ -6,9 +6,10 @@ The decode kernel of a batch-1 plan (Hq 32, Hkv 8, D 128, KV 512) is launched in
 the same prepared arguments; each figure is the median over 20 rounds of the mean of 500
 back-to-back calls (us):
 
-- ``prepared``: :class:`nbinfer.kernels.launch.PreparedLaunch` (``cuLaunchKernel`` through ctypes
-  with one pointer per parameter: ~100 parameters, a Numba array is 7);
-- ``ctypes_bound``: the same foreign call with its arguments packed once;
+- ``prepared``: :class:`nbinfer.kernels.launch.PreparedLaunch` (``cuLaunchKernelEx`` through
+  ctypes with one pointer per parameter: ~100 parameters, a Numba array is 7);
+- ``ctypes_bound``: ``cuLaunchKernel`` (eleven foreign-call arguments) packed once;
+- ``ex_bound``: ``cuLaunchKernelEx`` (four: grid, block and stream in one struct) packed once;
 - ``param_buffer``: ``cuLaunchKernel`` given the parameters as one packed buffer
   (``CU_LAUNCH_PARAM_BUFFER_POINTER``) instead of one pointer each;
 - ``one_param_kernel``: a kernel with a single int32 parameter (the driver's floor);
@@ -87,6 +88,8 @@ def main():
     fn = _driver().launch
     bound = (P._func, *P.grid, *P.block, 0, stream, P._params, None)
     res["ctypes_bound"] = per_call_us(lambda: fn(*bound))
+    fn_ex, args_ex, _cfg = _driver().bind_launch(P._func, P.grid, P.block, stream, P._params)
+    res["ex_bound"] = per_call_us(lambda: fn_ex(*args_ex))
 
     # One packed buffer: each cell copied from the 8-byte cells of the prepared block.
     cells, size = param_layout(P._types)

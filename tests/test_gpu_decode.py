@@ -92,6 +92,34 @@ def test_plan_reused_across_layers_and_out_buffers(rng):
         assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE["float16"]
 
 
+def test_page_tables_as_cuda_tensors(rng):
+    # int32 CUDA tables are read back in one wait (TableReader); other dtypes take the general
+    # path; both must plan exactly what host tables plan, and the plan keeps a snapshot
+    pt, cache, q = _case(rng, 9, 2500, 8, 32, 128, 16, "float16", "NHD")
+    ws = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+    host = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    dev = BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD")
+    args = (32, 8, 128, 16)
+    for _ in range(2):  # the second plan() of a wrapper runs the compiled check and schedule
+        host.plan(pt.indptr, pt.indices, pt.last_page_len, *args, q_data_type="float16")
+        want = host.run(q, cache)
+        for dtype in (torch.int32, torch.int64):
+            tables = [torch.as_tensor(a, device="cuda").to(dtype)
+                      for a in (pt.indptr, pt.indices, pt.last_page_len)]
+            dev.plan(*tables, *args, q_data_type="float16")
+            for t in tables:
+                t.fill_(-5)  # the plan holds its own copy
+            assert dev.step_plan.schedule == host.step_plan.schedule
+            np.testing.assert_array_equal(dev.step_plan.kv_indices, pt.indices)
+            assert torch.equal(dev.run(q, cache), want)
+    bad = torch.as_tensor(pt.indices, device="cuda").to(torch.int32)
+    bad[3] = -1
+    with pytest.raises(ValueError, match="indices"):
+        dev.plan(torch.as_tensor(pt.indptr, device="cuda").to(torch.int32), bad,
+                 torch.as_tensor(pt.last_page_len, device="cuda").to(torch.int32), *args,
+                 q_data_type="float16")
+
+
 def test_array_kinds_round_trip(rng):
     cupy = pytest.importorskip("cupy")
     from numba import cuda

@@ -10,7 +10,12 @@ from test_scheduler import batches
 from nbinfer.api.workspace import item_merge_lists
 from nbinfer.formats.paged import check_page_table
 from nbinfer.scheduler import PlanLayout, plan
-from nbinfer.scheduler.compiled import check_page_table_fast, pack_compiled, plan_compiled
+from nbinfer.scheduler.compiled import (
+    check_and_plan,
+    check_page_table_fast,
+    pack_compiled,
+    plan_compiled,
+)
 
 SETTINGS = settings(max_examples=150, deadline=None)
 NAMES = ("indptr", "indices", "last_page_len")
@@ -108,6 +113,39 @@ def test_page_table_fast_path_raises_the_validators_errors(table, message):
             check_page_table_fast(*arrays, 16, NAMES)
 
 
+@pytest.mark.parametrize("lens", [[1, 700, 40000, 16], [0, 0, 33], [4096] * 40])
+def test_check_and_plan_is_the_check_then_the_planner(lens, rng):
+    from nbinfer.formats import PageTable
+
+    pt = PageTable.from_kv_lens(lens, 16, rng=rng)
+    table = tuple(np.array(a, dtype=np.int32) for a in (pt.indptr, pt.indices, pt.last_page_len))
+    qo = np.arange(len(lens) + 1, dtype=np.int32)
+    for split in (None, 64):
+        *got_table, sched, item_merge = check_and_plan(*table, 16, NAMES, qo, 32, 8, 528,
+                                                       granule=16, fixed_split_size=split)
+        *want_table, pages = check_page_table_fast(*table, 16, NAMES)
+        assert got_table[4] == pages
+        for g, w in zip(got_table[:4], want_table, strict=True):
+            np.testing.assert_array_equal(g, w)
+            assert g.dtype == w.dtype and not g.flags.writeable
+        want = plan(qo, want_table[3], 32, 8, 528, granule=16, fixed_split_size=split)
+        assert sched == want
+        np.testing.assert_array_equal(item_merge, item_merge_lists(want))
+
+
+@pytest.mark.parametrize("table, message", [
+    (([1, 2], [0, 1], [1]), "indptr\\[0\\] must be 0"),
+    (([0, 2], [0, -1], [1]), "indices values must lie"),
+    (([0, 2], [0, 1], [17]), "last_page_len values must lie"),
+    (([0, 3], [0, 1], [1]), "at least indptr\\[-1\\]=3"),
+])
+def test_check_and_plan_raises_the_validators_errors(table, message):
+    for dtype in (np.int32, np.int64):
+        arrays = tuple(np.array(a, dtype=dtype) for a in table)
+        with pytest.raises((ValueError, TypeError), match=message):
+            check_and_plan(*arrays, 16, NAMES, np.arange(2, dtype=np.int32), 8, 2, 16)
+
+
 def test_a_wrappers_plans_agree_across_the_switch_to_the_compiled_planner(rng):
     # plan() #1 runs the NumPy planner, #2 on the compiled loops: the same step must give the
     # same schedule and the same words in plan memory; a step of another batch size in the same
@@ -143,7 +181,8 @@ def test_load_prepares_the_signatures_a_wrapper_uses(rng):
     from nbinfer.scheduler import _loops, compiled
 
     compiled.load()
-    before = {f: len(f.signatures) for f in (_loops.schedule, _loops.check_table, _loops.pack)}
+    before = {f: len(f.signatures) for f in (_loops.schedule, _loops.check_table, _loops.pack,
+                                             _loops.check_and_schedule)}
     w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, dtype=np.uint8), backend="sim")
     for _ in range(3):
         pt = PageTable.from_kv_lens(rng.integers(1, 300, size=3), 16, rng=rng)

@@ -7,6 +7,7 @@ converts whatever the caller passed, zero-copy where the array already lives on 
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import numpy as np
@@ -266,6 +267,17 @@ def current_stream(x) -> int:
     return 0
 
 
+def torch_device_index(x) -> int | None:
+    """The CUDA device index of a torch CUDA tensor ``x``; None for anything else."""
+    if array_kind(x) != "torch" or x.device.type != "cuda":
+        return None
+    if x.device.index is not None:
+        return x.device.index
+    import torch
+
+    return torch.cuda.current_device()
+
+
 def stream_getter(x):
     """A zero-argument function returning the CUDA stream handle :func:`current_stream` gives
     for arrays on ``x``'s device (one C call for torch, where that is most of plan()'s need)."""
@@ -326,14 +338,22 @@ def host_view(x, name: str) -> np.ndarray:
         arr = x
     elif isinstance(x, (list, tuple)):
         return host_index(x, name)
-    elif type(x).__module__.startswith("torch") and x.device.type == "cpu" \
-            and not (x.requires_grad or x.dtype.is_floating_point or x.dtype.is_complex):
-        arr = x.numpy()  # a host tensor (pinned or not): a view, none of to_host's round trip
+    elif type(x).__module__.startswith("torch") and x.is_cpu and x.dtype in _torch_ints():
+        # a host tensor (pinned or not) of integers, which cannot require grad: a view, none
+        # of to_host's round trip (plan() takes three of these per step)
+        return x.numpy()
     else:
         arr = to_host(x)
     if arr.dtype.kind not in "iu":  # not bool, float or object
         raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
     return arr
+
+
+@functools.cache
+def _torch_ints() -> frozenset:
+    import torch
+
+    return frozenset((torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8))
 
 
 def host_int32(x, name: str) -> np.ndarray:

@@ -162,15 +162,22 @@ def page_table(indptr, indices, last_page_len, page_size: int,
     return tuple(frozen(a) for a in out)
 
 
+def host_tables(indptr, indices, last_page_len,
+                names=("indptr", "indices", "last_page_len")) -> tuple[np.ndarray, ...]:
+    """The three page-table arrays as host NumPy arrays, views where they already are host
+    memory (:func:`nbinfer.api.arrays.host_view`): input of the compiled checks, which copy."""
+    return (arrays.host_view(indptr, names[0]), arrays.host_view(indices, names[1]),
+            arrays.host_view(last_page_len, names[2]))
+
+
 def page_table_fast(indptr, indices, last_page_len, page_size: int,
                     names=("indptr", "indices", "last_page_len")):
     """:func:`page_table` in one compiled pass for int32 tables (the common case; any other
     dtype, and every error, goes through the same validator)."""
     from ..scheduler.compiled import check_page_table_fast
 
-    return check_page_table_fast(arrays.host_view(indptr, names[0]),
-                                 arrays.host_view(indices, names[1]),
-                                 arrays.host_view(last_page_len, names[2]), page_size, names)
+    return check_page_table_fast(*host_tables(indptr, indices, last_page_len, names), page_size,
+                                 names)
 
 
 def frozen(a: np.ndarray) -> np.ndarray:

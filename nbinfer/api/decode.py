@@ -22,7 +22,7 @@ from . import arrays, binding
 from .base import WrapperBase, kv_strides, write_reference
 from .dtypes import normalize_dtype
 from .fast_path import TorchFastPath
-from .launch import AttentionLaunch
+from .launch import AttentionLaunch, TableReader
 from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
 
@@ -50,6 +50,9 @@ def attention_variant(num_qo_heads, variant, **flags):
     var = from_flashinfer_args(num_qo_heads=num_qo_heads, **flags)
     extra = resolve_variant(variant)
     return var if extra is None else compose(var, extra)
+
+
+_TABLE_NAMES = ("indptr", "indices", "last_page_len")
 
 
 class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
@@ -97,6 +100,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         self._num_ctas = None
         self._planned = False
         self._stream = arrays.stream_getter(self._workspace)
+        self._table_reader = TableReader()  # page tables given as CUDA tensors
+        self._device_index = arrays.torch_device_index(self._workspace)
         self._workspace_bytes = binding.nbytes(self._workspace)
 
     @property
@@ -146,7 +151,23 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         # A wrapper's first plan() uses the NumPy planner; later ones the compiled loops, which
         # cost Numba's CPU start-up (~0.3-0.6 s) once per process (compiled.load's docstring).
         fast = self._planned or compiled.loaded()
-        if fast:
+        sched = None
+        if fast and self._backend != "reference":
+            # the page-table check and the schedule in one compiled call
+            compiled.load()
+            if self._num_ctas is None:
+                self._num_ctas = persistent_ctas(self._backend)
+            raw = (indptr, indices, last_page_len)
+            if self._backend == "cuda" and TableReader.accepts(raw, self._device_index):
+                table = self._table_reader.read(raw, self._stream())
+            else:
+                table = binding.host_tables(*raw)
+            qo_indptr = self._qo_arange(max(table[0].size - 1, 0))
+            indptr, indices, last, kv_lens, min_pages, sched, item_merge = \
+                compiled.check_and_plan(*table, cfg.page_size, _TABLE_NAMES, qo_indptr,
+                                        num_qo_heads, num_kv_heads, self._num_ctas,
+                                        granule=cfg.granule, fixed_split_size=fixed_split_size)
+        elif fast:
             compiled.load()
             indptr, indices, last, kv_lens, min_pages = binding.page_table_fast(
                 indptr, indices, last_page_len, cfg.page_size)
@@ -155,10 +176,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                                                 cfg.page_size)
             min_pages = int(indices.max()) + 1 if indices.size else 0
         batch = indptr.size - 1
-        qo_indptr = self._aranges.get(batch)
-        if qo_indptr is None:
-            qo_indptr = self._aranges.setdefault(
-                batch, binding.frozen(np.arange(batch + 1, dtype=np.int32)))
+        qo_indptr = self._qo_arange(batch)
         fields = dict(batch_size=batch, num_qo_rows=batch, num_qo_heads=num_qo_heads,
                       num_kv_heads=num_kv_heads, head_dim=cfg.head_dim, page_size=cfg.page_size,
                       q_dtype=cfg.q_dtype, kv_dtype=cfg.kv_dtype, sm_scale=cfg.sm_scale,
@@ -168,11 +186,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             return StepPlan(**fields)
         if self._num_ctas is None:
             self._num_ctas = persistent_ctas(self._backend)
-        if fast:
+        if sched is None and fast:  # (the compiled path scheduled with the check)
             sched, item_merge = compiled.plan_compiled(
                 qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._num_ctas,
                 granule=cfg.granule, fixed_split_size=fixed_split_size)
-        else:
+        elif sched is None:
             sched = scheduler.plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
                                    self._num_ctas, granule=cfg.granule,
                                    fixed_split_size=fixed_split_size)
@@ -205,6 +223,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         self._planned = True
         return StepPlan(**fields, schedule=sched, spec=cfg.spec, launch=launch,
                         fast=torch_fast)
+
+    def _qo_arange(self, batch: int) -> np.ndarray:
+        """Decode's ``qo_indptr``: ``0..batch`` (int32, read-only, one per batch size)."""
+        qo_indptr = self._aranges.get(batch)
+        if qo_indptr is None:
+            qo_indptr = self._aranges.setdefault(
+                batch, binding.frozen(np.arange(batch + 1, dtype=np.int32)))
+        return qo_indptr
 
     def _config(self, statics):
         """The validated static half of plan()'s arguments (memoised per wrapper)."""

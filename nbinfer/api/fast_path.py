@@ -42,6 +42,7 @@ class TorchFastPath:
         Hq, Hkv, D, PS = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.page_size
         tail = (PS, Hkv, D) if layout == "NHD" else (Hkv, PS, D)
         self.combined_tail, self.tuple_tail = (2, *tail), tail
+        self._combined_shape = None  # the last combined cache's whole shape, tail checked
         self.v_off = PS * Hkv * D * self.torch.empty((), dtype=self.kv_dtype).element_size()
         token, head = (Hkv * D, D) if layout == "NHD" else (D, PS * D)
         page = PS * Hkv * D
@@ -58,7 +59,7 @@ class TorchFastPath:
         self._stream_bound, self._bound = None, None
         from ..kernels.launch import _driver
 
-        self._cu_launch = _driver().launch
+        self._driver = _driver()
         self._lse_buf = self.scratch_lse = None
         try:
             self.stream = torch._C._cuda_getCurrentRawStream  # one C call
@@ -117,8 +118,14 @@ class TorchFastPath:
             kp, vp, combined = k.data_ptr(), v.data_ptr(), False
         else:
             k = cache
-            if not (self._ok(k, self.kv_dtype) and k.shape[1:] == self.combined_tail):
+            # inlined _ok(); the shape's tail is compared only when the whole shape changes
+            if not (type(k) is self.Tensor and k.dtype is self.kv_dtype and k.is_contiguous()
+                    and k.get_device() == self.index):
                 return None
+            if k.shape != self._combined_shape:
+                if k.shape[1:] != self.combined_tail:
+                    return None
+                self._combined_shape = k.shape
             kp, combined = k.data_ptr(), True
             vp = kp + self.v_off
         if kp % 16 or vp % 16:
@@ -148,11 +155,12 @@ class TorchFastPath:
             self.launch(stream)
             return out, lse
         if stream != self._stream_bound:
-            self._bound = (P._func, *P.grid, *P.block, 0, stream, P._params, None)
+            self._bound = self._driver.bind_launch(P._func, P.grid, P.block, stream, P._params)
             self._stream_bound = stream
-        err = self._cu_launch(*self._bound)
+        fn, args, _ = self._bound
+        err = fn(*args)
         if err:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
+            raise RuntimeError(f"kernel launch failed with CUresult {err}")
         return out, lse
 def run_fast(step, q, cache, out, lse, return_lse):
     """run() through the plan's fast path, as run() returns it; None when the plan has none or

@@ -20,9 +20,54 @@ from ..kernels.launch import PreparedLaunch, _driver, check
 from . import arrays, binding
 from .workspace import WorkspaceLayout
 
-__all__ = ["ARG", "AttentionLaunch", "PlanMemory"]
+__all__ = ["ARG", "AttentionLaunch", "PlanMemory", "TableReader"]
 
 STRIDE_ARGS = ("page_stride", "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h")
+
+
+class TableReader:
+    """Reads plan()'s page table back to the host when it is given as CUDA int32 tensors.
+
+    The three tensors are copied asynchronously on the caller's stream into one pinned buffer
+    (reused from step to step), then the stream is waited for once; torch's ``.cpu()`` would
+    allocate, copy and wait per tensor. plan() needs the values on the host (so does
+    FlashInfer's), so one wait is the floor. The returned views are valid until the next read:
+    plan() snapshots what it keeps.
+    """
+
+    def __init__(self):
+        self._buf = None
+        self._address = 0
+
+    @staticmethod
+    def accepts(tensors, device_index: int | None) -> bool:
+        """Whether every one of ``tensors`` is a contiguous int32 torch tensor on CUDA device
+        ``device_index`` (the workspace's: its stream orders the copies)."""
+        if device_index is None:
+            return False
+        for t in tensors:
+            if not (type(t).__module__.startswith("torch") and t.is_cuda
+                    and str(t.dtype) == "torch.int32" and t.is_contiguous()
+                    and t.get_device() == device_index):
+                return False
+        return True
+
+    def read(self, tensors, stream: int) -> tuple[np.ndarray, ...]:
+        """Host int32 copies of ``tensors`` (as :meth:`accepts` requires), 1-D."""
+        sizes = [t.numel() for t in tensors]
+        starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes]).tolist()
+        if self._buf is None or self._buf.size < starts[-1]:
+            from numba import cuda
+
+            self._buf = cuda.pinned_array(max(2 * starts[-1], 4096), dtype=np.int32)
+            self._address = self._buf.ctypes.data
+        drv = _driver()
+        for t, n, start in zip(tensors, sizes, starts, strict=False):
+            if n:
+                check(drv.memcpy_dtoh_async(self._address + 4 * start, t.data_ptr(), 4 * n,
+                                            stream), "cuMemcpyDtoHAsync")
+        check(drv.stream_synchronize(stream), "cuStreamSynchronize")
+        return tuple(self._buf[start:start + n] for n, start in zip(sizes, starts, strict=False))
 
 
 class PlanMemory:
@@ -39,6 +84,7 @@ class PlanMemory:
         self.address = 0
         self.generation = 0
         self._staging = None
+        self.staging_address = 0
         self.event = None  # recorded after each upload; the staging buffer is free once it fires
 
     def staging(self, words: int) -> np.ndarray:
@@ -57,7 +103,12 @@ class PlanMemory:
                 from numba import cuda
 
                 self._staging = cuda.pinned_array(max(2 * words, 1024), dtype=np.int32)
+            self.staging_address = self._staging.ctypes.data
         return self._staging[:words]
+
+    def is_staged(self, words: np.ndarray) -> bool:
+        """Whether ``words`` is the buffer :meth:`staging` last returned (filled in place)."""
+        return words.base is self._staging and words.base is not None
 
     def __del__(self):
         if self.event is not None:
@@ -209,11 +260,14 @@ class AttentionLaunch:
             return
         tables = () if self.page_table_buffers is None else page_table
         extra = sum(t.size for t in tables) if self._table_ptrs is not None else 0
-        buf = self.staging(staged.size + extra)
-        if buf.ctypes.data != staged.ctypes.data:
+        if extra == 0 and self.memory.is_staged(staged) and staged.ctypes.data == \
+                self.memory.staging_address:
+            buf = staged  # packed in place after staging() waited for the previous upload
+        else:
+            buf = self.staging(staged.size + extra)
             buf[: staged.size] = staged
         drv = _driver()
-        ptr = buf.ctypes.data
+        ptr = self.memory.staging_address
         check(drv.memcpy_htod_async(self.memory.address, ptr, 4 * staged.size, stream),
               "cuMemcpyHtoDAsync")
         if self._table_ptrs is not None:

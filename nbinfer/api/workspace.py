@@ -108,9 +108,17 @@ class WorkspaceLayout:
         w = self.words
         buf = np.zeros(w["end"], dtype=np.int32) if out is None else out
         # plan, then zeros over item_merge and counters (every launch expects zero counters)
+        if compiled and not sections and (page_table is None or all(
+                a.dtype == np.int32 for a in page_table)):
+            # all in one compiled pass (decode's step: no other section)
+            pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], item_merge=item_merge,
+                          item_merge_offset=w["item_merge"], page_table=page_table,
+                          table_offsets=(w["kv_indptr"], w["kv_indices"],
+                                         w["kv_last_page_len"]))
+            return buf
         if compiled:
-            pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], extras=(item_merge,),
-                          extra_offsets=(w["item_merge"],))
+            pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], item_merge=item_merge,
+                          item_merge_offset=w["item_merge"])
         else:
             self.plan.pack(plan, out=buf[:self.plan.size])
             buf[w["item_merge"]:w["kv_indptr"]] = 0

@@ -6,7 +6,7 @@ small batch. :class:`PreparedLaunch` does that work once. It lays out the kernel
 the way Numba's ABI expects it (a 1-D array is seven 8-byte fields: meminfo, parent, nitems,
 itemsize, data, shape, stride; a scalar is one field), keeps it in a NumPy buffer, and per call only
 patches the fields that changed (data pointers of q, the cache, the outputs) before a single
-``cuLaunchKernel`` (the driver's, through ctypes).
+``cuLaunchKernelEx`` (the driver's, through ctypes).
 
 Under the simulator there are no pointers: the same object stores the argument arrays and calls
 the kernel the ordinary way, so callers have one code path.
@@ -151,11 +151,13 @@ class PreparedLaunch:
             self.kernel[self.grid, self.block](*self._args)
             return
         if stream != self._stream:
-            self._bound = (self._func, *self.grid, *self.block, 0, stream, self._params, None)
+            self._bound = _driver().bind_launch(self._func, self.grid, self.block, stream,
+                                                self._params)
             self._stream = stream
-        err = _driver().launch(*self._bound)
+        fn, args, _ = self._bound
+        err = fn(*args)
         if err:
-            raise RuntimeError(f"cuLaunchKernel failed with CUresult {err}")
+            raise RuntimeError(f"kernel launch failed with CUresult {err}")
 
 
 def _dim3(dims) -> tuple[int, int, int]:
@@ -177,6 +179,8 @@ class _Driver:
         u32, ptr, size = ctypes.c_uint, ctypes.c_void_p, ctypes.c_size_t
         sig = {"cuLaunchKernel": [ptr, u32, u32, u32, u32, u32, u32, u32, ptr, ptr, ptr],
                "cuMemcpyHtoDAsync_v2": [ctypes.c_uint64, ptr, size, ptr],
+               "cuMemcpyDtoHAsync_v2": [ptr, ctypes.c_uint64, size, ptr],
+               "cuStreamSynchronize": [ptr],
                "cuEventCreate": [ptr, u32], "cuEventRecord": [ptr, ptr],
                "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr]}
         for name, argtypes in sig.items():
@@ -184,9 +188,33 @@ class _Driver:
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
         self.ctypes = ctypes
         self.launch = lib.cuLaunchKernel
+        # cuLaunchKernelEx (CUDA 12.0+) takes the grid, block and stream as one struct built
+        # once per stream: four foreign-call arguments instead of eleven, ~1 us less of ctypes
+        # conversion per launch (measured on a C stub: 1.4-1.7 us -> 0.35 us).
+        self.launch_ex = getattr(lib, "cuLaunchKernelEx", None)
+        if self.launch_ex is not None:
+            self.launch_ex.argtypes, self.launch_ex.restype = [ptr, ptr, ptr, ptr], ctypes.c_int
+
+            class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+                _fields_ = [(n, u32) for n in ("grid_x", "grid_y", "grid_z", "block_x",
+                                                "block_y", "block_z", "shared_bytes")] + [
+                    ("stream", ptr), ("attrs", ptr), ("num_attrs", u32)]
+
+            self._config = LaunchConfig
         self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
+        self.memcpy_dtoh_async = lib.cuMemcpyDtoHAsync_v2
+        self.stream_synchronize = lib.cuStreamSynchronize
         self._event_create, self.event_record = lib.cuEventCreate, lib.cuEventRecord
         self.event_synchronize, self.event_destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
+
+    def bind_launch(self, func: int, grid, block, stream: int, params: int):
+        """``(fn, args, keep)``: ``fn(*args)`` launches ``func`` (grid and block as 3-tuples)
+        on ``stream`` with the kernel-parameter pointer array at address ``params``; ``keep``
+        is what must stay alive while the tuple is used (the launch configuration)."""
+        if self.launch_ex is None:
+            return self.launch, (func, *grid, *block, 0, stream, params, None), None
+        cfg = self._config(*grid, *block, 0, stream or None, None, 0)
+        return self.launch_ex, (self.ctypes.addressof(cfg), func, params, None), cfg
 
     def event(self) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""

@@ -30,7 +30,8 @@ from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["check_page_table_fast", "load", "loaded", "pack_compiled", "plan_compiled"]
+__all__ = ["check_and_plan", "check_page_table_fast", "load", "loaded", "pack_compiled",
+           "plan_compiled"]
 
 _OK = 0  # _loops.schedule returns 1 for the steps it hands to the NumPy planner
 
@@ -41,7 +42,7 @@ def _kernels():
     here, never by ``import nbinfer``."""
     from . import _loops
 
-    return _loops.schedule, _loops.pack, _loops.check_table
+    return _loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule
 
 
 def loaded() -> bool:
@@ -59,7 +60,7 @@ def load() -> None:
     """
     if _LOADED[0]:
         return
-    schedule, pack, check = _kernels()
+    schedule, pack, check, check_and_schedule = _kernels()
     # Numba types a read-only array apart from a writable one: load every variant the wrappers
     # pass (page tables from torch or NumPy, writable or frozen; decode's frozen qo_indptr and
     # the check's frozen KV lengths), so none is loaded inside a later plan().
@@ -69,11 +70,17 @@ def load() -> None:
         qo = _frozen(np.arange(2, dtype=np.int32), frozen)
         plan_compiled(qo, _frozen(np.array([8], dtype=np.int64), frozen), 1, 1, 1)
         plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
+        check_and_plan(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1, "abc",
+                       _frozen(np.arange(2, dtype=np.int32), True), 1, 1, 1)
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
-    pack_compiled(layout, sched, np.empty(layout.size + 4, dtype=np.int32),
-                  zero_end=layout.size + 4, extras=(item_merge,), extra_offsets=(layout.size,))
+    n = layout.size
+    for frozen in (False, True):  # page tables: snapshots (frozen) or the caller's arrays
+        table = tuple(_frozen(np.zeros(k, dtype=np.int32), frozen) for k in (2, 1, 1))
+        pack_compiled(layout, sched, np.empty(n + 8, dtype=np.int32), zero_end=n + 4,
+                      item_merge=item_merge, item_merge_offset=n, page_table=table,
+                      table_offsets=(n + 4, n + 6, n + 7))
     _LOADED[0] = True
 
 
@@ -127,6 +134,14 @@ def plan_compiled(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_qo_heads: int,
     res = _kernels()[0](qo_indptr, kv_lens,
                         num_kv_heads, group, num_ctas, granule, wq, wkv, fixed_split_size or 0,
                         bool(causal), tile_q or 0)
+    return _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule,
+                    alpha, beta, fixed_split_size, causal, tile_q)
+
+
+def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha,
+             beta, fixed_split_size, causal, tile_q) -> tuple[Plan, np.ndarray]:
+    """``(Plan, item_merge)`` from ``_loops.schedule``'s result, or from the NumPy planner for
+    the steps the loops hand back."""
     if res[0] != _OK:  # counts past int32 (plan raises) or huge cost keys (plan handles them)
         from ..api.workspace import item_merge_lists
 
@@ -147,6 +162,42 @@ def plan_compiled(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_qo_heads: int,
     return sched, item_merge
 
 
+def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_indptr,
+                   num_qo_heads: int, num_kv_heads: int, num_ctas: int, *, granule: int = 16,
+                   fixed_split_size: int | None = None):
+    """:func:`check_page_table_fast` and then :func:`plan_compiled` over the table's KV
+    lengths (decode: one query row per request, ``alpha = beta = 1``, not causal), in one
+    compiled call for int32 host tables. Returns ``(indptr, indices, last_page_len, kv_lens,
+    pages, plan, item_merge)``; a table the loops reject goes through the NumPy validator,
+    which raises its descriptive error."""
+    i32 = _I32
+    table = None
+    if (type(indptr) is np.ndarray and type(indices) is np.ndarray
+            and type(last_page_len) is np.ndarray and indptr.dtype == i32
+            and indices.dtype == i32 and last_page_len.dtype == i32 and indptr.ndim == 1
+            and indices.ndim == 1 and last_page_len.ndim == 1
+            and indptr.size == qo_indptr.size > 0):
+        wq, wkv = _weights(1.0, 1.0)
+        table, res = _kernels()[3](indptr, indices, last_page_len, page_size, qo_indptr,
+                                   num_kv_heads, num_qo_heads // num_kv_heads, num_ctas,
+                                   granule, wq, wkv, fixed_split_size or 0, False, 0)
+    if table is None or table[0] != _OK:
+        # other dtypes or kinds, or a table the loops reject: the validator (which raises the
+        # descriptive error), then the planner
+        ptr, idx, last, kv_lens, pages = check_page_table_fast(indptr, indices, last_page_len,
+                                                               page_size, names)
+        sched, item_merge = plan_compiled(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
+                                          num_ctas, granule=granule,
+                                          fixed_split_size=fixed_split_size)
+        return ptr, idx, last, kv_lens, pages, sched, item_merge
+    _, ptr, idx, last, kv_lens, pages = table
+    for a in (ptr, idx, last, kv_lens):
+        a.flags.writeable = False
+    sched, item_merge = _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas,
+                                 granule, 1.0, 1.0, fixed_split_size, False, None)
+    return ptr, idx, last, kv_lens, int(pages), sched, item_merge
+
+
 _EMPTY = np.empty(0, dtype=np.int32)
 _I32 = np.dtype(np.int32)
 _weights = functools.lru_cache(maxsize=16)(integer_weights)
@@ -160,12 +211,14 @@ def _offsets(layout: PlanLayout) -> np.ndarray:
 
 
 def pack_compiled(layout: PlanLayout, sched: Plan, out: np.ndarray, *, zero_end: int = 0,
-                  extras=(), extra_offsets=()) -> np.ndarray:
+                  item_merge: np.ndarray | None = None, item_merge_offset: int = 0,
+                  page_table=None, table_offsets=(0, 0, 0)) -> np.ndarray:
     """:meth:`PlanLayout.pack` of ``sched`` into ``out[:layout.size]`` in one compiled pass.
 
-    ``out`` (int32, at least ``layout.size`` words) may be a whole staging buffer: then
-    ``out[layout.size:zero_end]`` is zeroed and each int32 array of ``extras`` copied to its
-    word offset in ``extra_offsets``, in the same pass (the rest of the workspace's sections).
+    ``out`` (int32, at least ``layout.size`` words) may be a whole staging buffer: then, in the
+    same pass, ``out[layout.size:zero_end]`` is zeroed, ``item_merge`` (int32) copied to word
+    ``item_merge_offset`` and the int32 arrays of ``page_table`` (``kv_indptr, kv_indices,
+    kv_last_page_len``) to the word offsets ``table_offsets`` (the workspace's other sections).
     """
     size = layout.size
     if not layout.fits(sched) or out.ndim != 1 or out.size < max(size, zero_end) \
@@ -173,17 +226,25 @@ def pack_compiled(layout: PlanLayout, sched: Plan, out: np.ndarray, *, zero_end:
         raise ValueError(f"the plan ({sched.num_work} items, {sched.num_merge_rows} merge rows, "
                          f"{sched.num_merge_nnz} entries, {sched.num_ctas} CTAs) or out "
                          f"({out.dtype} {out.shape}) does not fit {layout}")
-    lengths = [a.size for a in extras]
-    if len(extras) != len(extra_offsets) or any(
-            o < 0 or o + n > out.size for n, o in zip(lengths, extra_offsets, strict=True)):
-        raise ValueError(f"extra sections of {lengths} words at offsets "
-                         f"{list(extra_offsets)} do not fit out ({out.size} words)")
-    flat = _EMPTY if not extras else extras[0] if len(extras) == 1 else np.concatenate(extras)
+    im = _EMPTY if item_merge is None else item_merge
+    table = (_EMPTY, _EMPTY, _EMPTY) if page_table is None else page_table
+    ends = [item_merge_offset + im.size] + [o + a.size for o, a in zip(table_offsets, table,
+                                                                        strict=True)]
+    if min(item_merge_offset, *table_offsets) < 0 or max(ends) > out.size or any(
+            a.dtype != _I32 for a in (im, *table)):
+        raise ValueError(f"item_merge and the page table (int32, ending at words {ends}) do "
+                         f"not fit out ({out.size} words)")
     _kernels()[1](out, size, _offsets(layout), layout.header(sched), sched.work,
                   sched.cta_indptr, sched.cta_work, sched.merge_rows, sched.merge_indptr,
-                  sched.merge_indices, layout.max_merge_rows, max(zero_end, size),
-                  np.ascontiguousarray(flat, dtype=np.int32),
-                  np.array(extra_offsets, dtype=np.int64), np.array(lengths, dtype=np.int64))
+                  sched.merge_indices, layout.max_merge_rows, max(zero_end, size), im,
+                  item_merge_offset, *table, _table_offsets(*table_offsets))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _table_offsets(a: int, b: int, c: int) -> np.ndarray:
+    out = np.array([a, b, c], dtype=np.int64)
+    out.flags.writeable = False
     return out
 
 
