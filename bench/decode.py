@@ -198,13 +198,54 @@ def host_overhead_us(n=200):
     return dict(run_us_median=float(np.median(times)), sdpa_default_us=sdpa_us)
 
 
+def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16):
+    """The same decode step on the CUDA-core decode kernel and with ``use_tensor_cores=True``
+    (a prefill of one row per request on the tensor-core kernel): GPU time of one run() each,
+    fp16, and their largest difference."""
+    hq = group * hkv
+    pt, cache, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
+    kv_bytes = batch * kv_len * hkv * d * 2 * 2
+    res = dict(batch=batch, kv_len=kv_len, group=group, hq=hq, hkv=hkv, kv_bytes=kv_bytes)
+    outs = {}
+    for name, tc in (("cuda_cores", False), ("tensor_cores", True)):
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
+                                                           device="cuda"), "NHD",
+                                               use_tensor_cores=tc)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+               q_data_type=torch.float16)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+        t = median_ms(lambda w=w, out=out, lse=lse: w.run(q, cache, out=out, lse=lse))
+        res[f"{name}_ms"], res[f"{name}_tbps"] = t, kv_bytes / t / 1e9
+        res[f"{name}_kernel"] = type(w.step_plan.spec).__name__
+        outs[name] = out
+    res["max_abs_diff"] = float((outs["cuda_cores"].float() - outs["tensor_cores"].float())
+                                .abs().max())
+    res["tensor_cores_speedup"] = res["cuda_cores_ms"] / res["tensor_cores_ms"]
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true",
                     help="the three cases only, no spot checks (lesson 04's live sweep)")
+    ap.add_argument("--tensor-cores", action="store_true",
+                    help="only use_tensor_cores=True against the CUDA-core decode, groups 4 and 8")
     args = ap.parse_args()
+    if args.tensor_cores:
+        rows = [tensor_core_case(b, l, g) for g in (4, 8) for b, l in ((64, 4096), (16, 32768))]
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(dict(device=torch.cuda.get_device_name(), tensor_cores=rows), f,
+                          indent=2)
+        for r in rows:
+            print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: CUDA cores {r['cuda_cores_ms']:.3f}"
+                  f" ms ({r['cuda_cores_tbps']:.2f} TB/s), tensor cores {r['tensor_cores_ms']:.3f}"
+                  f" ms ({r['tensor_cores_tbps']:.2f} TB/s, {r['tensor_cores_kernel']}), "
+                  f"max |diff| {r['max_abs_diff']:.1e}")
+        return
     if args.sweep:
         payload = dict(device=torch.cuda.get_device_name(), copy_ceiling=COPY_CEILING,
                        decode=[bench_case(b, l) for b, l in CASES])

@@ -76,6 +76,40 @@ def test_decode_matrix(rng, batch, max_len, hq, hkv, d, ps, dtype, layout, kw):
         np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=0, atol=5e-3)
 
 
+# use_tensor_cores=True: page sizes 1 and 16, D 64/128 (tensor cores) and 256 (the CUDA-core
+# prefill kernel), groups 1-8, both layouts, fp16 and bf16, every built-in variant
+TENSOR_CORE_MATRIX = [
+    (9, 3000, 32, 8, 128, 16, "float16", "NHD", {}),
+    (7, 3000, 32, 4, 64, 1, "bfloat16", "HND", {}),
+    (5, 1500, 8, 8, 128, 16, "bfloat16", "NHD", dict(logits_soft_cap=30.0)),  # group 1
+    (4, 5000, 16, 2, 64, 16, "float16", "HND", dict(window_left=300)),  # group 8
+    (3, 2500, 32, 8, 128, 1, "float16", "NHD", dict(pos_encoding_mode="ROPE_LLAMA",
+                                                    rope_theta=5e5)),
+    (3, 2500, 32, 4, 64, 16, "bfloat16", "NHD", dict(pos_encoding_mode="ALIBI")),
+    (3, 2500, 32, 8, 128, 16, "float16", "HND", dict(variant=V.sigmoid_attention(0.5, -1.0))),
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD",
+     dict(variant=V.attention_sink(np.linspace(-1.0, 2.0, 32)))),
+    (3, 2000, 16, 4, 256, 16, "float16", "NHD", dict(variant=V.causal())),
+]
+
+
+@pytest.mark.parametrize("batch, max_len, hq, hkv, d, ps, dtype, layout, kw",
+                         TENSOR_CORE_MATRIX)
+def test_decode_on_tensor_cores(rng, batch, max_len, hq, hkv, d, ps, dtype, layout, kw):
+    pt, cache, q = _case(rng, batch, max_len, hkv, hq, d, ps, dtype, layout)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), layout,
+                                           use_tensor_cores=True)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=q.dtype, **kw)
+    assert type(w.step_plan.spec).__name__ == ("MmaPrefillSpec" if d <= 128 else "PrefillSpec")
+    out, lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, pt, layout, **kw)
+    assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE[dtype]
+    if "variant" not in kw or kw["variant"].use_softmax:
+        np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=0, atol=5e-3)
+
+
 def test_plan_reused_across_layers_and_out_buffers(rng):
     pt, cache, q = _case(rng, 6, 3000, 8, 32, 128, 16, "float16", "NHD")
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,

@@ -164,3 +164,51 @@ def test_single_decode_dense_addressing(rng, layout, dtype, kw):
     assert out.shape == (hq, d) and out.dtype == q.dtype
     assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kv_lens, hq, hkv, d, ps, layout, plan_kw",
+    [
+        ([5, 40], 8, 2, 64, 16, "NHD", {}),  # G 4 on the tensor-core kernel
+        ([0, 33, 7], 8, 1, 128, 1, "HND", dict(logits_soft_cap=30.0)),  # G 8, an empty request
+        ([19, 4], 2, 2, 64, 3, "NHD", dict(pos_encoding_mode="ROPE_LLAMA", window_left=6)),
+        ([12, 2], 4, 2, 256, 16, "NHD", dict(variant=V.sigmoid_attention(0.7, -0.5))),
+    ],
+    ids=["g4", "g8-softcap-empty", "g1-rope-window", "d256-sigmoid"],
+)
+def test_decode_on_tensor_cores_matches_reference(rng, kv_lens, hq, hkv, d, ps, layout,
+                                                  plan_kw):
+    # use_tensor_cores=True: the step runs as a prefill of one row per request, on the
+    # tensor-core kernel where it takes the head_dim (64, 128), else on the CUDA-core one
+    pt, cache, q = _case(rng, kv_lens, hq, hkv, d, ps, np.float16, layout)
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), layout,
+                                           use_tensor_cores=True)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type="float16",
+           **plan_kw)
+    assert type(w.step_plan.spec).__name__ == ("MmaPrefillSpec" if d <= 128 else "PrefillSpec")
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout=layout, return_lse=True,
+        **plan_kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    finite = np.isfinite(ref_lse)
+    if "variant" not in plan_kw:  # sigmoid attention has no softmax, so no LSE to compare
+        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-3)
+    assert np.all(out[~finite] == 0)
+
+
+def test_decode_on_tensor_cores_errors(rng):
+    pt, cache, q = _case(rng, [3, 5], 4, 2, 64, 4, np.float16, "NHD")
+    with pytest.raises(NotImplementedError, match="use_cuda_graph"):
+        BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 16, np.uint8), "NHD",
+                                           use_cuda_graph=True, use_tensor_cores=True)
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD",
+                                           use_tensor_cores=True)
+    with pytest.raises(ValueError, match="last_page_len"):  # decode's argument names
+        w.plan(pt.indptr, pt.indices, np.array([0, 9]), 4, 2, 64, 4)
+    with pytest.raises(RuntimeError, match="plan"):  # the failed plan() left no plan
+        w.run(q, cache)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, 4, q_data_type="float16")
+    with pytest.raises(ValueError, match="qo_indptr"):  # q's rows: one per request
+        w.run(q[:1], cache)

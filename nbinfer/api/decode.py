@@ -67,6 +67,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
     use_cuda_graph : bool
         Fixed buffers for the page table (the ``paged_kv_*_buffer`` arguments) and a fixed
         workspace layout, so that a captured ``run()`` replays correctly after any ``plan()``.
+    use_tensor_cores : bool
+        Run each step as a prefill of one query row per request
+        (:class:`~nbinfer.api.prefill.BatchPrefillWithPagedKVCacheWrapper`): for fp16/bf16 and
+        head_dim 64 or 128 the tensor-core kernel, which puts a GQA group's heads in the rows
+        of one MMA tile; otherwise the CUDA-core prefill kernel. Same results as the decode
+        kernel within the tolerance of the dtype; plan() takes the prefill's host time.
     backend : {"auto", "cuda", "sim", "reference"}
         ``"auto"``: the simulator when active, else the GPU, else the reference engine.
     """
@@ -76,8 +82,19 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
                  paged_kv_last_page_len_buffer=None, *, backend: str = "auto"):
         super().__init__(float_workspace_buffer, kv_layout, backend=backend)
+        self._tensor_cores = None
         if use_tensor_cores:
-            raise NotImplementedError("use_tensor_cores: nbinfer's decode runs on CUDA cores only")
+            if use_cuda_graph:
+                raise NotImplementedError("use_tensor_cores=True with use_cuda_graph=True: the "
+                                          "prefill wrapper it runs on has no CUDA-graph mode")
+            from .prefill import BatchPrefillWithPagedKVCacheWrapper
+
+            # A decode step is a prefill of one query row per request: the tensor-core kernel
+            # packs a GQA group's heads into the rows of one MMA tile, so each K/V tile is
+            # loaded once for the group (FlashInfer's use_tensor_cores). One plan slot.
+            self._tensor_cores = BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, kv_layout, backend=self._backend)
+            self._tensor_cores._slot = self._slot
         buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         names = ("paged_kv_indptr_buffer", "paged_kv_indices_buffer",
                  "paged_kv_last_page_len_buffer")
@@ -132,12 +149,36 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         table in one asynchronous transfer on the current stream, and serves every run() until
         the next plan(). A failed plan() leaves no plan: run() raises until plan() succeeds.
         """
+        if self._tensor_cores is not None:
+            self._plan_tensor_cores(indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                                    head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+                                    window_left=window_left, logits_soft_cap=logits_soft_cap,
+                                    sm_scale=sm_scale, rope_scale=rope_scale,
+                                    rope_theta=rope_theta, q_data_type=q_data_type,
+                                    kv_data_type=kv_data_type, fixed_split_size=fixed_split_size,
+                                    variant=variant)
+            return
         self._install(self._build, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                       head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
                       window_left=window_left, logits_soft_cap=logits_soft_cap,
                       sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
                       q_data_type=q_data_type, kv_data_type=kv_data_type,
                       fixed_split_size=fixed_split_size, variant=variant)
+
+    def _plan_tensor_cores(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                           head_dim, page_size, **flags) -> None:
+        """plan() with ``use_tensor_cores``: the page table checked under decode's argument
+        names, then the paged prefill's plan of one query row per request (its query at the
+        request's last position, as in decode)."""
+        try:
+            page_size = check_positive_int("page_size", page_size)
+            table = binding.page_table(indptr, indices, last_page_len, page_size)
+        except BaseException as exc:
+            self._slot.fail(exc)
+            raise
+        qo_indptr = np.arange(table[0].size, dtype=np.int32)
+        self._tensor_cores.plan(qo_indptr, *table[:3], num_qo_heads, num_kv_heads, head_dim,
+                                page_size, causal=False, **flags)
 
     def _build(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
                page_size, *, pos_encoding_mode, window_left, logits_soft_cap, sm_scale,
@@ -334,6 +375,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         out [B, Hq, D] of q's kind and dtype, and ``lse [B, Hq]`` float32 (natural log) if
         ``return_lse``.
         """
+        if self._tensor_cores is not None:
+            return self._tensor_cores.run(q, paged_kv_cache, out=out, lse=lse,
+                                          return_lse=return_lse)
         step = self._slot.get()
         if step.fast is not None:  # torch tensors matching the plan: a few comparisons
             res = step.fast(q, paged_kv_cache, out, lse, return_lse)
