@@ -31,6 +31,14 @@ COPY_CEILING = 4.22e12
 CASES = [(64, 4096), (256, 1024), (16, 32768)]
 
 
+def save_json(path, **payload) -> None:
+    """Write ``payload`` with the device's name to ``path`` (nothing when ``path`` is None)."""
+    if path:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), **payload), f, indent=2)
+
+
 def median_ms(fn, warmup=5, iters=30):
     for _ in range(warmup):
         fn()
@@ -236,10 +244,7 @@ def main():
     args = ap.parse_args()
     if args.tensor_cores:
         rows = [tensor_core_case(b, l, g) for g in (4, 8) for b, l in ((64, 4096), (16, 32768))]
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), tensor_cores=rows), f,
-                          indent=2)
+        save_json(args.out, tensor_cores=rows)
         for r in rows:
             print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: CUDA cores {r['cuda_cores_ms']:.3f}"
                   f" ms ({r['cuda_cores_tbps']:.2f} TB/s), tensor cores {r['tensor_cores_ms']:.3f}"
@@ -247,11 +252,8 @@ def main():
                   f"max |diff| {r['max_abs_diff']:.1e}")
         return
     if args.sweep:
-        payload = dict(device=torch.cuda.get_device_name(), copy_ceiling=COPY_CEILING,
-                       decode=[bench_case(b, l) for b, l in CASES])
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(payload, f, indent=2)
+        payload = dict(copy_ceiling=COPY_CEILING, decode=[bench_case(b, l) for b, l in CASES])
+        save_json(args.out, **payload)
         for r in payload["decode"]:
             print(f"B{r['batch']} L{r['kv_len']}: nbinfer {r['kernel_only_tbps']:.2f} TB/s, "
                   f"cuDNN {r.get('sdpa_cudnn_tbps', float('nan')):.2f} TB/s")
@@ -286,12 +288,8 @@ def main():
         print(checks[-1], flush=True)
     results = [bench_case(b, l) for b, l in (CASES[:1] if args.quick else CASES)]
     host = host_overhead_us()
-    payload = dict(device=torch.cuda.get_device_name(), nbinfer=nbinfer.__version__,
-                   checks=checks, decode=results, host_overhead=host, copy_ceiling=COPY_CEILING)
-    if args.out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(payload, f, indent=2)
+    save_json(args.out, nbinfer=nbinfer.__version__, checks=checks, decode=results,
+              host_overhead=host, copy_ceiling=COPY_CEILING)
     print("\ncase          run ms kernel ms  TB/s  %ceil | cudnn TB/s ratio | flash TB/s | flex TB/s | regs")
     for r in results:
         cud = r.get("sdpa_cudnn_ms", float("nan"))

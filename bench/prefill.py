@@ -19,7 +19,6 @@ graph and replayed (``graph_speedup``: decode as a serving engine runs it).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import median_ms  # noqa: E402
+from decode import median_ms, save_json  # noqa: E402
 
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
@@ -166,10 +165,7 @@ def main():
     args = ap.parse_args()
     if args.sweep:
         rows = [causal_prefill(B=1, L=int(x)) for x in args.sweep.split(",")]
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(device=torch.cuda.get_device_name(), causal_sweep=rows), f,
-                          indent=2)
+        save_json(args.out, causal_sweep=rows)
         for r in rows:
             print(f"causal prefill B1 L{r['L']}: nbinfer {r['nbinfer_tflops']:.1f} TFLOP/s, "
                   f"SDPA flash {r.get('sdpa_flash_tflops', float('nan')):.1f}, cuDNN "
@@ -177,10 +173,7 @@ def main():
         return
     a = shared_prefix()
     b = causal_prefill()
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), shared_prefix=a,
-                           causal_prefill=b), f, indent=2)
+    save_json(args.out, shared_prefix=a, causal_prefill=b)
     print(f"shared prefix: cascade {a['cascade_ms']:.3f} ms, plain decode {a['plain_ms']:.3f} ms,"
           f" speed-up {a['speedup']:.2f}x (max |diff| {a['max_abs_diff']:.1e}); one launch "
           f"{a['one_launch']}, {a['kernel']}, {a['work_items']} items")
