@@ -84,3 +84,23 @@ def test_byte_strides_that_are_not_whole_elements_raise(rng):
     if SIMULATOR:
         with pytest.raises(ValueError, match="strides"):
             w.run(q, cache)
+
+
+def test_a_trusted_step_plan_equals_a_constructed_one(rng):
+    # decode's plan() builds its StepPlan without the frozen __init__: the same object, frozen
+    import dataclasses
+
+    from nbinfer.api.step import StepPlan
+
+    pt = PageTable.from_kv_lens([40, 7], 16, rng=rng)
+    w = nbinfer.BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), backend="sim"
+                                                   if SIMULATOR else "reference")
+    for _ in range(2):  # the second plan() takes the compiled path
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, 16)
+    step = w.step_plan
+    values = {f.name: getattr(step, f.name) for f in dataclasses.fields(StepPlan)}
+    assert StepPlan(**values) == step == StepPlan._trusted(**values)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.batch_size = 3
+    with pytest.raises(TypeError, match="missing.*kv_lens"):
+        StepPlan._trusted(**{k: v for k, v in values.items() if k != "kv_lens"})

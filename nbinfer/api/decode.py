@@ -262,8 +262,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if self._graph_buffers is not None:
             self._graph_layout = layout
         self._planned = True
-        return StepPlan(**fields, schedule=sched, spec=cfg.spec, launch=launch,
-                        fast=torch_fast)
+        return StepPlan._trusted(**fields, schedule=sched, spec=cfg.spec, launch=launch,
+                                 fast=torch_fast)
 
     def _qo_arange(self, batch: int) -> np.ndarray:
         """Decode's ``qo_indptr``: ``0..batch`` (int32, read-only, one per batch size)."""

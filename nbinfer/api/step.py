@@ -8,7 +8,7 @@ rather than with the previous step's. Its index arrays are read-only snapshots t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
@@ -71,6 +71,17 @@ class StepPlan:
     fast: object = None
     extra: dict = field(default_factory=dict)
 
+    @classmethod
+    def _trusted(cls, **fields) -> StepPlan:
+        """A step plan from fields plan() has already validated and snapshotted: frozen like
+        any other, built without the frozen ``__init__``'s per-field ``object.__setattr__``
+        (a few us of a serving step's plan()). Omitted fields take their defaults."""
+        if not _REQUIRED <= fields.keys():
+            raise TypeError(f"StepPlan fields missing: {sorted(_REQUIRED - fields.keys())}")
+        step = object.__new__(cls)
+        step.__dict__.update({**_DEFAULTS, "extra": {}, **fields})
+        return step
+
     @property
     def group_size(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
@@ -87,6 +98,11 @@ class StepPlan:
     def flat_mask(self):
         """The custom masks concatenated row-major (the reference engine's form), or None."""
         return np.concatenate([m.ravel() for m in self.masks]) if self.custom_mask else None
+
+
+_DEFAULTS = {f.name: f.default for f in fields(StepPlan) if f.default is not MISSING}
+_REQUIRED = frozenset(f.name for f in fields(StepPlan)
+                      if f.default is MISSING and f.default_factory is MISSING)
 
 
 class PlanSlot:

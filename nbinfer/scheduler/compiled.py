@@ -227,17 +227,19 @@ def pack_compiled(layout: PlanLayout, sched: Plan, out: np.ndarray, *, zero_end:
                          f"{sched.num_merge_nnz} entries, {sched.num_ctas} CTAs) or out "
                          f"({out.dtype} {out.shape}) does not fit {layout}")
     im = _EMPTY if item_merge is None else item_merge
-    table = (_EMPTY, _EMPTY, _EMPTY) if page_table is None else page_table
-    ends = [item_merge_offset + im.size] + [o + a.size for o, a in zip(table_offsets, table,
-                                                                        strict=True)]
-    if min(item_merge_offset, *table_offsets) < 0 or max(ends) > out.size or any(
-            a.dtype != _I32 for a in (im, *table)):
-        raise ValueError(f"item_merge and the page table (int32, ending at words {ends}) do "
-                         f"not fit out ({out.size} words)")
+    (ptr, idx, last), (o_ptr, o_idx, o_last) = (
+        (_EMPTY, _EMPTY, _EMPTY) if page_table is None else page_table), table_offsets
+    n = out.size  # (plain comparisons: this runs in every decode plan())
+    if (min(item_merge_offset, o_ptr, o_idx, o_last) < 0 or item_merge_offset + im.size > n
+            or o_ptr + ptr.size > n or o_idx + idx.size > n or o_last + last.size > n
+            or im.dtype != _I32 or ptr.dtype != _I32 or idx.dtype != _I32
+            or last.dtype != _I32):
+        raise ValueError(f"item_merge and the page table (int32, at words {item_merge_offset} "
+                         f"and {list(table_offsets)}) do not fit out ({n} words)")
     _kernels()[1](out, size, _offsets(layout), layout.header(sched), sched.work,
                   sched.cta_indptr, sched.cta_work, sched.merge_rows, sched.merge_indptr,
                   sched.merge_indices, layout.max_merge_rows, max(zero_end, size), im,
-                  item_merge_offset, *table, _table_offsets(*table_offsets))
+                  item_merge_offset, ptr, idx, last, _table_offsets(o_ptr, o_idx, o_last))
     return out
 
 
