@@ -293,7 +293,9 @@ def main(argv=None) -> int:
                    help="sliding windows (window_left)")
     p.add_argument("--soft-cap", type=float, nargs="*", default=[], metavar="C")
     p.add_argument("--rope", action="store_true", help="also fused RoPE (ROPE_LLAMA)")
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+                   help="which kernels (default all); prefill's also serve decode with "
+                        "use_tensor_cores=True")
     p.add_argument("--jobs", type=int, default=None, help="worker processes")
     a = p.parse_args(argv)
     options = [{}]

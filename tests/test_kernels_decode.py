@@ -212,3 +212,16 @@ def test_decode_on_tensor_cores_errors(rng):
     w.plan(pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, 4, q_data_type="float16")
     with pytest.raises(ValueError, match="qo_indptr"):  # q's rows: one per request
         w.run(q[:1], cache)
+
+
+def test_decode_on_tensor_cores_uses_the_paged_prefill_kernel(rng):
+    # so `python -m nbinfer.warmup --kinds prefill` precompiles what use_tensor_cores runs
+    from nbinfer.api.prefill import BatchPrefillWithPagedKVCacheWrapper
+
+    pt = PageTable.from_kv_lens([37, 5], 16, rng=rng)
+    args = (pt.indptr, pt.indices, pt.last_page_len, 32, 8, 128, 16)
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 22, np.uint8), use_tensor_cores=True)
+    w.plan(*args, q_data_type="float16", logits_soft_cap=30.0)
+    p = BatchPrefillWithPagedKVCacheWrapper(np.zeros(1 << 22, np.uint8))
+    p.plan(np.array([0, 3, 6]), *args, q_data_type="float16", logits_soft_cap=30.0)
+    assert w.step_plan.spec == p.step_plan.spec
