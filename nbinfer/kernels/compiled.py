@@ -94,7 +94,7 @@ class CompiledKernel:
                             p.set_scalar(i, a)
                     p(handle)
                 finally:
-                    p._keep.clear()
+                    p.release()
 
         return launch
 

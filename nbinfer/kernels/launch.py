@@ -114,6 +114,12 @@ class PreparedLaunch:
         cai = arr.__cuda_array_interface__
         self.set_pointer(i, cai["data"][0], int(np.prod(cai["shape"])))
 
+    def release(self) -> None:
+        """Let go of the arrays :meth:`set_array` kept alive: after a one-off launch, whose
+        arguments the driver has already copied."""
+        if not self.sim:
+            self._keep.clear()
+
     def set_pointer(self, i: int, ptr: int, nitems: int) -> None:
         """Bind argument ``i`` (an array) to ``nitems`` elements at device address ``ptr``."""
         s = self._slot[i]
