@@ -121,8 +121,9 @@ def test_check_and_plan_is_the_check_then_the_planner(lens, rng):
     table = tuple(np.array(a, dtype=np.int32) for a in (pt.indptr, pt.indices, pt.last_page_len))
     qo = np.arange(len(lens) + 1, dtype=np.int32)
     for split in (None, 64):
-        *got_table, sched, item_merge = check_and_plan(*table, 16, NAMES, qo, 32, 8, 528,
-                                                       granule=16, fixed_split_size=split)
+        *got_table, sched, item_merge, packed = check_and_plan(
+            *table, 16, NAMES, qo, 32, 8, 528, granule=16, fixed_split_size=split)
+        assert not packed  # nothing to pack into without ``speculate``
         *want_table, pages = check_page_table_fast(*table, 16, NAMES)
         assert got_table[4] == pages
         for g, w in zip(got_table[:4], want_table, strict=True):
@@ -182,7 +183,8 @@ def test_load_prepares_the_signatures_a_wrapper_uses(rng):
 
     compiled.load()
     before = {f: len(f.signatures) for f in (_loops.schedule, _loops.check_table, _loops.pack,
-                                             _loops.check_and_schedule)}
+                                             _loops.check_and_schedule,
+                                             _loops.check_schedule_pack)}
     w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, dtype=np.uint8), backend="sim")
     for _ in range(3):
         pt = PageTable.from_kv_lens(rng.integers(1, 300, size=3), 16, rng=rng)
@@ -206,3 +208,31 @@ def test_head_counts_with_the_same_group_get_their_own_launch(rng):
                                                          pt.last_page_len)
         np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-5)
     assert len(w._launches) == 2
+
+
+def test_speculative_pack_writes_what_staging_writes(rng, monkeypatch):
+    # From a wrapper's third plan() on, the compiled check-and-schedule call also packs the step
+    # for the layout of the step before; whenever the step keeps that layout, those words are
+    # uploaded instead of staging again. They must equal the NumPy staging of the same step.
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+    from nbinfer.api.workspace import WorkspaceLayout
+    from nbinfer.formats import PageTable
+
+    calls = []
+    stage = WorkspaceLayout.stage
+    monkeypatch.setattr(WorkspaceLayout, "stage",
+                        lambda self, *a, **k: calls.append(1) or stage(self, *a, **k))
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(8 << 20, dtype=np.uint8), backend="sim")
+    staged_steps = 0
+    for lens in ([700, 30], [701, 31], [702, 32], [20, 900, 5], [21, 901, 6], [3] * 9,
+                 [4] * 9):
+        pt = PageTable.from_kv_lens(lens, 16, rng=rng)
+        before = len(calls)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 8, 2, 64, 16, fixed_split_size=256)
+        staged_steps += len(calls) > before
+        step = w.step_plan
+        launch = step.launch
+        want = launch.layout.stage(step.schedule, item_merge_lists(step.schedule),
+                                   step.page_table)
+        np.testing.assert_array_equal(launch.ints[:want.size], want)
+    assert staged_steps <= 4, staged_steps  # three or more steps took the speculative words

@@ -114,6 +114,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         # one prepared launch per kernel spec (rebound to each step's layout), workspace
         # layouts, decode's qo_indptr per batch size, the grid, the stream getter.
         self._configs, self._launches, self._layouts, self._aranges = {}, {}, {}, {}
+        self._last_layouts = {}  # per prepared launch: its last step's layout
         self._num_ctas = None
         self._planned = False
         self._stream = arrays.stream_getter(self._workspace)
@@ -192,7 +193,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         # A wrapper's first plan() uses the NumPy planner; later ones the compiled loops, which
         # cost Numba's CPU start-up (~0.3-0.6 s) once per process (compiled.load's docstring).
         fast = self._planned or compiled.loaded()
-        sched = None
+        sched, packed, guess, speculate = None, False, None, None
+        launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
         if fast and self._backend != "reference":
             # the page-table check and the schedule in one compiled call
             compiled.load()
@@ -204,10 +206,18 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             else:
                 table = binding.host_tables(*raw)
             qo_indptr = self._qo_arange(max(table[0].size - 1, 0))
-            indptr, indices, last, kv_lens, min_pages, sched, item_merge = \
+            # Consecutive steps mostly keep their layout: the same call packs the step into
+            # the staging buffer for the last step's layout, used if this step keeps it.
+            guess = self._last_layouts.get(launch_key)
+            if guess is not None and launch_key in self._launches:
+                speculate = (self._launches[launch_key].staging(guess.words["end"]),
+                             *guess.pack_args(num_qo_heads, num_kv_heads, cfg.granule,
+                                              fixed_split_size))
+            indptr, indices, last, kv_lens, min_pages, sched, item_merge, packed = \
                 compiled.check_and_plan(*table, cfg.page_size, _TABLE_NAMES, qo_indptr,
                                         num_qo_heads, num_kv_heads, self._num_ctas,
-                                        granule=cfg.granule, fixed_split_size=fixed_split_size)
+                                        granule=cfg.granule, fixed_split_size=fixed_split_size,
+                                        speculate=speculate)
         elif fast:
             compiled.load()
             indptr, indices, last, kv_lens, min_pages = binding.page_table_fast(
@@ -240,7 +250,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                   cfg.head_dim, cfg.page_size, fixed_split_size)
         # The spec fixes the group size, not the head counts, which the fast path's shape
         # checks and strides depend on: one prepared launch per (spec, heads).
-        launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
         launch = self._launches.get(launch_key)
         if launch is None:
             launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
@@ -250,8 +259,13 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         else:
             launch.bind(layout, cfg.sm_scale)
         table = (indptr, indices, last)
-        staged = layout.stage(sched, item_merge, None if self._graph_buffers else table,
-                              out=launch.staging(layout.words["end"]), compiled=fast)
+        if packed and layout is guess:
+            staged = speculate[0]  # packed there by check_and_plan
+        else:
+            staged = layout.stage(sched, item_merge, None if self._graph_buffers else table,
+                                  out=launch.staging(layout.words["end"]), compiled=fast)
+        if self._graph_buffers is None and fast:
+            self._last_layouts[launch_key] = layout
         launch.upload(staged, table, self._stream())
         torch_fast = launch.fast
         if torch_fast is not None:

@@ -33,6 +33,7 @@ import numpy as np
 from ..kernels.common import VALUE_SCAN_SPLITS
 from ..scheduler import Plan, PlanLayout
 from ..scheduler.compiled import pack_compiled
+from ..scheduler.layout import STEP_FIELDS_AT
 
 __all__ = ["WorkspaceLayout", "item_merge_lists"]
 
@@ -69,6 +70,27 @@ class WorkspaceLayout:
             pos += _align4(max(n, 1))
         out["end"] = pos
         return out
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019 - layouts are few, frozen and hashable
+    def pack_args(self, num_qo_heads: int, num_kv_heads: int, granule: int,
+                  fixed_split_size: int | None) -> tuple:
+        """What :func:`nbinfer.scheduler.compiled.check_and_plan` needs (after ``out``) to pack
+        a decode step (alpha = beta = 1, not causal) with this layout in its compiled call:
+        ``(caps, plan offsets, header template, step-field positions, item_merge offset,
+        page-table offsets)``, as :meth:`stage` would lay them out."""
+        p, w = self.plan, self.words
+        caps = np.array([p.max_work, p.max_merge_rows, p.max_merge_nnz, self.max_batch,
+                         self.max_pages, p.size, w["kv_indptr"]], dtype=np.int64)
+        off = p.offsets()
+        offsets = np.array([off[n] for n in ("work", "cta_indptr", "cta_work", "merge_rows",
+                                             "merge_indptr", "merge_indices")], dtype=np.int64)
+        table = np.array([w["kv_indptr"], w["kv_indices"], w["kv_last_page_len"]],
+                         dtype=np.int64)
+        for a in (caps, offsets, table):
+            a.flags.writeable = False
+        head = p.header_template(num_qo_heads, num_kv_heads, granule, False, fixed_split_size,
+                                 1.0, 1.0)
+        return caps, offsets, head, STEP_FIELDS_AT, w["item_merge"], table
 
     @functools.cached_property
     def plan_offsets(self) -> dict[str, int]:

@@ -261,3 +261,34 @@ def check_and_schedule(indptr, indices, last, page_size, qo_indptr, hkv, group, 
                                wkv, fixed, causal, tile_q)
     return table, schedule(qo_indptr, table[4], hkv, group, num_ctas, granule, wq, wkv, fixed,
                            causal, tile_q)
+
+
+@jit
+def check_schedule_pack(indptr, indices, last, page_size, qo_indptr, hkv, group, num_ctas,
+                        granule, wq, wkv, fixed, causal, tile_q, out, caps, off, head, step_at,
+                        item_merge_off, table_off):
+    # check_and_schedule, then, when the schedule fits the capacities ``caps`` (max_work,
+    # max_merge_rows, max_merge_nnz, max_batch, max_pages, plan words, zero_end) of the layout
+    # the caller expects, pack it into ``out`` as pack() would with that layout: ``head`` is
+    # its header template, ``step_at`` where this step's counts go (layout.STEP_FIELDS).
+    # Returns (table, schedule, packed).
+    table, res = check_and_schedule(indptr, indices, last, page_size, qo_indptr, hkv, group,
+                                    num_ctas, granule, wq, wkv, fixed, causal, tile_q)
+    batch = qo_indptr.size - 1
+    if (table[0] != _OK or res[0] != _OK or res[1].shape[0] > caps[0]
+            or res[4].size > caps[1] or res[6].size > caps[2] or batch > caps[3]
+            or table[2].size > caps[4] or res[2].size != num_ctas + 1):
+        return table, res, False
+    h = head.copy()
+    h[step_at[0]] = res[1].shape[0]  # num_work
+    h[step_at[1]] = res[4].size  # num_merge_rows
+    h[step_at[2]] = res[6].size  # num_merge_nnz
+    h[step_at[3]] = res[8]  # num_partials
+    h[step_at[4]] = batch
+    h[step_at[5]] = qo_indptr[batch]  # num_qo_rows
+    h[step_at[6]] = res[9]  # tile_q
+    h[step_at[7]] = res[10]  # tile_rows
+    h[step_at[8]] = res[11]  # kv_chunk
+    pack(out, caps[5], off, h, res[1], res[2], res[3], res[4], res[5], res[6], caps[1],
+         caps[6], res[7], item_merge_off, table[1], table[2], table[3], table_off)
+    return table, res, True

@@ -25,7 +25,7 @@ import functools
 
 import numpy as np
 
-from .layout import PlanLayout
+from .layout import STEP_FIELDS, STEP_FIELDS_AT, PlanLayout
 from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
@@ -42,7 +42,8 @@ def _kernels():
     here, never by ``import nbinfer``."""
     from . import _loops
 
-    return _loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule
+    return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
+            _loops.check_schedule_pack)
 
 
 def loaded() -> bool:
@@ -60,7 +61,7 @@ def load() -> None:
     """
     if _LOADED[0]:
         return
-    schedule, pack, check, check_and_schedule = _kernels()
+    schedule, pack, check = _kernels()[:3]
     # Numba types a read-only array apart from a writable one: load every variant the wrappers
     # pass (page tables from torch or NumPy, writable or frozen; decode's frozen qo_indptr and
     # the check's frozen KV lengths), so none is loaded inside a later plan().
@@ -70,8 +71,10 @@ def load() -> None:
         qo = _frozen(np.arange(2, dtype=np.int32), frozen)
         plan_compiled(qo, _frozen(np.array([8], dtype=np.int64), frozen), 1, 1, 1)
         plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
-        check_and_plan(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1, "abc",
-                       _frozen(np.arange(2, dtype=np.int32), True), 1, 1, 1)
+        for speculate in (None, _NO_FIT):  # decode's plan() with and without a layout guess
+            check_and_plan(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1,
+                           "abc", _frozen(np.arange(2, dtype=np.int32), True), 1, 1, 1,
+                           speculate=speculate)
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
@@ -164,23 +167,34 @@ def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, gran
 
 def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_indptr,
                    num_qo_heads: int, num_kv_heads: int, num_ctas: int, *, granule: int = 16,
-                   fixed_split_size: int | None = None):
+                   fixed_split_size: int | None = None, speculate=None):
     """:func:`check_page_table_fast` and then :func:`plan_compiled` over the table's KV
     lengths (decode: one query row per request, ``alpha = beta = 1``, not causal), in one
     compiled call for int32 host tables. Returns ``(indptr, indices, last_page_len, kv_lens,
-    pages, plan, item_merge)``; a table the loops reject goes through the NumPy validator,
-    which raises its descriptive error."""
+    pages, plan, item_merge, packed)``; a table the loops reject goes through the NumPy
+    validator, which raises its descriptive error.
+
+    ``speculate``: ``(out, caps, offsets, header, step_at, item_merge_offset, table_offsets)``
+    (:meth:`nbinfer.api.workspace.WorkspaceLayout.pack_args` after ``out``) of the layout the
+    caller expects this step to take: when the plan fits it, the same call packs plan, merge
+    lists and page table into ``out`` as :func:`pack_compiled` would, and ``packed`` is True.
+    The caller uses ``out`` only if it then chooses that layout.
+    """
     i32 = _I32
-    table = None
+    table, packed = None, False
     if (type(indptr) is np.ndarray and type(indices) is np.ndarray
             and type(last_page_len) is np.ndarray and indptr.dtype == i32
             and indices.dtype == i32 and last_page_len.dtype == i32 and indptr.ndim == 1
             and indices.ndim == 1 and last_page_len.ndim == 1
             and indptr.size == qo_indptr.size > 0):
         wq, wkv = _weights(1.0, 1.0)
-        table, res = _kernels()[3](indptr, indices, last_page_len, page_size, qo_indptr,
-                                   num_kv_heads, num_qo_heads // num_kv_heads, num_ctas,
-                                   granule, wq, wkv, fixed_split_size or 0, False, 0)
+        args = (indptr, indices, last_page_len, page_size, qo_indptr, num_kv_heads,
+                num_qo_heads // num_kv_heads, num_ctas, granule, wq, wkv,
+                fixed_split_size or 0, False, 0)
+        if speculate is None:
+            table, res = _kernels()[3](*args)
+        else:
+            table, res, packed = _kernels()[4](*args, *speculate)
     if table is None or table[0] != _OK:
         # other dtypes or kinds, or a table the loops reject: the validator (which raises the
         # descriptive error), then the planner
@@ -189,16 +203,23 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
         sched, item_merge = plan_compiled(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
                                           num_ctas, granule=granule,
                                           fixed_split_size=fixed_split_size)
-        return ptr, idx, last, kv_lens, pages, sched, item_merge
+        return ptr, idx, last, kv_lens, pages, sched, item_merge, False
     _, ptr, idx, last, kv_lens, pages = table
     for a in (ptr, idx, last, kv_lens):
         a.flags.writeable = False
     sched, item_merge = _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas,
                                  granule, 1.0, 1.0, fixed_split_size, False, None)
-    return ptr, idx, last, kv_lens, int(pages), sched, item_merge
+    return ptr, idx, last, kv_lens, int(pages), sched, item_merge, bool(packed)
 
 
 _EMPTY = np.empty(0, dtype=np.int32)
+
+
+# check_and_plan's ``speculate`` with the argument types WorkspaceLayout.pack_args gives and
+# capacities nothing fits (load() compiles that signature with it)
+_NO_FIT = (np.zeros(8, dtype=np.int32), _frozen(np.zeros(7, dtype=np.int64), True),
+           _frozen(np.zeros(6, dtype=np.int64), True), _frozen(np.zeros(24, dtype=np.int32), True),
+           STEP_FIELDS_AT, 0, _frozen(np.zeros(3, dtype=np.int64), True))
 _I32 = np.dtype(np.int32)
 _weights = functools.lru_cache(maxsize=16)(integer_weights)
 
@@ -250,4 +271,7 @@ def _table_offsets(a: int, b: int, c: int) -> np.ndarray:
     return out
 
 
-assert WORK_FIELDS == 7 and INT32_MAX == 2147483647  # the loops above hard-code both
+# the loops hard-code these
+assert WORK_FIELDS == 7 and INT32_MAX == 2147483647
+assert STEP_FIELDS == ("num_work", "num_merge_rows", "num_merge_nnz", "num_partials",
+                       "batch_size", "num_qo_rows", "tile_q", "tile_rows", "kv_chunk")

@@ -32,7 +32,8 @@ import numpy as np
 from .._checks import check_heads, check_positive_int
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["HEADER_FIELDS", "HEADER_WORDS", "PLAN_MAGIC", "PlanLayout"]
+__all__ = ["HEADER_FIELDS", "HEADER_WORDS", "PLAN_MAGIC", "STEP_FIELDS", "STEP_FIELDS_AT",
+           "PlanLayout"]
 
 PLAN_MAGIC = 0x4E425031  # "NBP1": rejects a buffer that holds no plan (or an older format)
 HEADER_FIELDS = ("magic", "num_ctas", "max_work", "max_merge_rows", "max_merge_nnz",
@@ -41,6 +42,12 @@ HEADER_FIELDS = ("magic", "num_ctas", "max_work", "max_merge_rows", "max_merge_n
                  "kv_chunk", "granule", "flags", "alpha_lo", "alpha_hi", "beta_lo", "beta_hi")
 HEADER_WORDS = 24  # len(HEADER_FIELDS) rounded up to a multiple of 4
 _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
+# The header fields each step's schedule sets, in this order (PlanLayout.header_template holds
+# the rest); their word positions, read-only.
+STEP_FIELDS = ("num_work", "num_merge_rows", "num_merge_nnz", "num_partials", "batch_size",
+               "num_qo_rows", "tile_q", "tile_rows", "kv_chunk")
+STEP_FIELDS_AT = np.array([_H[name] for name in STEP_FIELDS], dtype=np.int64)
+STEP_FIELDS_AT.flags.writeable = False
 _CAUSAL, _FIXED = 1, 2  # flag bits
 _SECTIONS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr", "merge_indices")
 
@@ -194,14 +201,29 @@ class PlanLayout:
 
     def header(self, plan: Plan) -> np.ndarray:
         """The header words of ``plan`` packed with this layout (int32 [HEADER_WORDS])."""
-        flags = (_CAUSAL if plan.causal else 0) | (_FIXED if plan.fixed_split_size else 0)
-        # HEADER_FIELDS in order: magic, capacities, counts, the problem, flags, the weights
-        head = np.array((
-            PLAN_MAGIC, self.num_ctas, self.max_work, self.max_merge_rows, self.max_merge_nnz,
-            plan.num_work, plan.num_merge_rows, plan.num_merge_nnz, plan.num_partials,
-            plan.batch_size, plan.num_qo_rows, plan.num_qo_heads, plan.num_kv_heads, plan.tile_q,
-            plan.tile_rows, plan.kv_chunk, plan.granule, flags, *_weight_words(plan.alpha, plan.beta),
-            0, 0), dtype=np.int32)
+        head = self.header_template(plan.num_qo_heads, plan.num_kv_heads, plan.granule,
+                                    plan.causal, plan.fixed_split_size, plan.alpha,
+                                    plan.beta).copy()
+        head[STEP_FIELDS_AT] = (plan.num_work, plan.num_merge_rows, plan.num_merge_nnz,
+                                plan.num_partials, plan.batch_size, plan.num_qo_rows,
+                                plan.tile_q, plan.tile_rows, plan.kv_chunk)
+        return head
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - layouts are few, frozen and hashable
+    def header_template(self, num_qo_heads: int, num_kv_heads: int, granule: int, causal: bool,
+                        fixed_split_size: int | None, alpha: float, beta: float) -> np.ndarray:
+        """The header words that do not change from step to step (read-only): every field but
+        :data:`STEP_FIELDS`, whose words (at :data:`STEP_FIELDS_AT`) are zero."""
+        flags = (_CAUSAL if causal else 0) | (_FIXED if fixed_split_size else 0)
+        head = np.zeros(HEADER_WORDS, dtype=np.int32)
+        static = dict(magic=PLAN_MAGIC, num_ctas=self.num_ctas, max_work=self.max_work,
+                      max_merge_rows=self.max_merge_rows, max_merge_nnz=self.max_merge_nnz,
+                      num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, granule=granule,
+                      flags=flags)
+        static.update(zip(HEADER_FIELDS[18:22], _weight_words(alpha, beta), strict=True))
+        for name, value in static.items():
+            head[_H[name]] = value
+        head.flags.writeable = False
         return head
 
     def unpack(self, buf) -> Plan:
