@@ -104,3 +104,5 @@ def test_a_trusted_step_plan_equals_a_constructed_one(rng):
         step.batch_size = 3
     with pytest.raises(TypeError, match="missing.*kv_lens"):
         StepPlan._trusted(**{k: v for k, v in values.items() if k != "kv_lens"})
+    with pytest.raises(TypeError, match="unknown.*kv_len"):
+        StepPlan._trusted(**values, kv_len=5)

@@ -259,7 +259,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         else:
             launch.bind(layout, cfg.sm_scale)
         table = (indptr, indices, last)
-        if packed and layout is guess:
+        if packed and (layout is guess or layout == guess):  # (an exact layout is not memoised)
             staged = speculate[0]  # packed there by check_and_plan
         else:
             staged = layout.stage(sched, item_merge, None if self._graph_buffers else table,

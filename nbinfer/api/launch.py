@@ -41,12 +41,13 @@ class TableReader:
 
     @staticmethod
     def accepts(tensors, device_index: int | None) -> bool:
-        """Whether every one of ``tensors`` is a contiguous int32 torch tensor on CUDA device
-        ``device_index`` (the workspace's: its stream orders the copies)."""
+        """Whether every one of ``tensors`` is a 1-D contiguous int32 torch tensor on CUDA
+        device ``device_index`` (the workspace's: its stream orders the copies); anything else
+        goes through the general path, which names what is wrong."""
         if device_index is None:
             return False
         for t in tensors:
-            if not (type(t).__module__.startswith("torch") and t.is_cuda
+            if not (type(t).__module__.startswith("torch") and t.is_cuda and t.dim() == 1
                     and str(t.dtype) == "torch.int32" and t.is_contiguous()
                     and t.get_device() == device_index):
                 return False

@@ -76,8 +76,9 @@ class StepPlan:
         """A step plan from fields plan() has already validated and snapshotted: frozen like
         any other, built without the frozen ``__init__``'s per-field ``object.__setattr__``
         (a few us of a serving step's plan()). Omitted fields take their defaults."""
-        if not _REQUIRED <= fields.keys():
-            raise TypeError(f"StepPlan fields missing: {sorted(_REQUIRED - fields.keys())}")
+        if not _REQUIRED <= fields.keys() <= _ALL:
+            raise TypeError(f"StepPlan fields missing: {sorted(_REQUIRED - fields.keys())}, "
+                            f"unknown: {sorted(fields.keys() - _ALL)}")
         step = object.__new__(cls)
         step.__dict__.update({**_DEFAULTS, "extra": {}, **fields})
         return step
@@ -103,6 +104,7 @@ class StepPlan:
 _DEFAULTS = {f.name: f.default for f in fields(StepPlan) if f.default is not MISSING}
 _REQUIRED = frozenset(f.name for f in fields(StepPlan)
                       if f.default is MISSING and f.default_factory is MISSING)
+_ALL = frozenset(f.name for f in fields(StepPlan))
 
 
 class PlanSlot:

@@ -194,6 +194,12 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
         if speculate is None:
             table, res = _kernels()[3](*args)
         else:
+            out, caps, _, head, _, _, table_off = speculate
+            # the loop trusts these: the layout's grid, and room for its page-table sections
+            if head[1] != num_ctas or out.size < table_off[2] + caps[3] or out.dtype != i32:
+                raise ValueError(f"speculate: a layout of {head[1]} CTAs and {out.size} int32 "
+                                 f"words does not take a {num_ctas}-CTA plan ending at word "
+                                 f"{table_off[2] + caps[3]}")
             table, res, packed = _kernels()[4](*args, *speculate)
     if table is None or table[0] != _OK:
         # other dtypes or kinds, or a table the loops reject: the validator (which raises the
@@ -215,11 +221,12 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
 _EMPTY = np.empty(0, dtype=np.int32)
 
 
-# check_and_plan's ``speculate`` with the argument types WorkspaceLayout.pack_args gives and
-# capacities nothing fits (load() compiles that signature with it)
+# check_and_plan's ``speculate`` with the argument types WorkspaceLayout.pack_args gives, for a
+# one-CTA layout whose capacities nothing fits (load() compiles that signature with it)
 _NO_FIT = (np.zeros(8, dtype=np.int32), _frozen(np.zeros(7, dtype=np.int64), True),
-           _frozen(np.zeros(6, dtype=np.int64), True), _frozen(np.zeros(24, dtype=np.int32), True),
-           STEP_FIELDS_AT, 0, _frozen(np.zeros(3, dtype=np.int64), True))
+           _frozen(np.zeros(6, dtype=np.int64), True),
+           _frozen(np.array([0, 1] + [0] * 22, dtype=np.int32), True), STEP_FIELDS_AT, 0,
+           _frozen(np.zeros(3, dtype=np.int64), True))
 _I32 = np.dtype(np.int32)
 _weights = functools.lru_cache(maxsize=16)(integer_weights)
 
