@@ -195,11 +195,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         fast = self._planned or compiled.loaded()
         sched, packed, guess, speculate = None, False, None, None
         launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
+        if self._num_ctas is None and self._backend != "reference":
+            self._num_ctas = persistent_ctas(self._backend)
         if fast and self._backend != "reference":
             # the page-table check and the schedule in one compiled call
             compiled.load()
-            if self._num_ctas is None:
-                self._num_ctas = persistent_ctas(self._backend)
             raw = (indptr, indices, last_page_len)
             if self._backend == "cuda" and TableReader.accepts(raw, self._device_index):
                 table = self._table_reader.read(raw, self._stream())
@@ -235,8 +235,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                       kv_indices=indices, kv_last_page_len=last, kv_lens=kv_lens)
         if self._backend == "reference":
             return StepPlan(**fields)
-        if self._num_ctas is None:
-            self._num_ctas = persistent_ctas(self._backend)
         if sched is None and fast:  # (the compiled path scheduled with the check)
             sched, item_merge = compiled.plan_compiled(
                 qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._num_ctas,

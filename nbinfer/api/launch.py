@@ -108,8 +108,10 @@ class PlanMemory:
         return self._staging[:words]
 
     def is_staged(self, words: np.ndarray) -> bool:
-        """Whether ``words`` is the buffer :meth:`staging` last returned (filled in place)."""
-        return words.base is self._staging and words.base is not None
+        """Whether ``words`` is the buffer :meth:`staging` last returned (filled in place):
+        a view of the staging buffer from its first word."""
+        return (words.base is not None and words.base is self._staging
+                and words.ctypes.data == self.staging_address)
 
     def __del__(self):
         if self.event is not None:
@@ -261,8 +263,7 @@ class AttentionLaunch:
             return
         tables = () if self.page_table_buffers is None else page_table
         extra = sum(t.size for t in tables) if self._table_ptrs is not None else 0
-        if extra == 0 and self.memory.is_staged(staged) and staged.ctypes.data == \
-                self.memory.staging_address:
+        if extra == 0 and self.memory.is_staged(staged):
             buf = staged  # packed in place after staging() waited for the previous upload
         else:
             buf = self.staging(staged.size + extra)

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..kernels.common import VALUE_SCAN_SPLITS
 from ..scheduler import Plan, PlanLayout
-from ..scheduler.compiled import pack_compiled
+from ..scheduler.compiled import pack_compiled, section_offsets, word_offsets
 from ..scheduler.layout import STEP_FIELDS_AT
 
 __all__ = ["WorkspaceLayout", "item_merge_lists"]
@@ -79,18 +79,18 @@ class WorkspaceLayout:
         ``(caps, plan offsets, header template, step-field positions, item_merge offset,
         page-table offsets)``, as :meth:`stage` would lay them out."""
         p, w = self.plan, self.words
-        caps = np.array([p.max_work, p.max_merge_rows, p.max_merge_nnz, self.max_batch,
-                         self.max_pages, p.size, w["kv_indptr"]], dtype=np.int64)
-        off = p.offsets()
-        offsets = np.array([off[n] for n in ("work", "cta_indptr", "cta_work", "merge_rows",
-                                             "merge_indptr", "merge_indices")], dtype=np.int64)
-        table = np.array([w["kv_indptr"], w["kv_indices"], w["kv_last_page_len"]],
-                         dtype=np.int64)
-        for a in (caps, offsets, table):
-            a.flags.writeable = False
+        caps = word_offsets(p.max_work, p.max_merge_rows, p.max_merge_nnz, self.max_batch,
+                            self.max_pages, p.size, w["kv_indptr"])
         head = p.header_template(num_qo_heads, num_kv_heads, granule, False, fixed_split_size,
                                  1.0, 1.0)
-        return caps, offsets, head, STEP_FIELDS_AT, w["item_merge"], table
+        return (caps, section_offsets(p), head, STEP_FIELDS_AT, w["item_merge"],
+                word_offsets(*self.table_offsets))
+
+    @property
+    def table_offsets(self) -> tuple[int, int, int]:
+        """Word offsets of ``kv_indptr``, ``kv_indices`` and ``kv_last_page_len``."""
+        w = self.words
+        return w["kv_indptr"], w["kv_indices"], w["kv_last_page_len"]
 
     @functools.cached_property
     def plan_offsets(self) -> dict[str, int]:
@@ -135,8 +135,7 @@ class WorkspaceLayout:
             # all in one compiled pass (decode's step: no other section)
             pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], item_merge=item_merge,
                           item_merge_offset=w["item_merge"], page_table=page_table,
-                          table_offsets=(w["kv_indptr"], w["kv_indices"],
-                                         w["kv_last_page_len"]))
+                          table_offsets=self.table_offsets)
             return buf
         if compiled:
             pack_compiled(self.plan, plan, buf, zero_end=w["kv_indptr"], item_merge=item_merge,

@@ -95,17 +95,21 @@ def _frozen(a: np.ndarray, frozen: bool) -> np.ndarray:
 _LOADED = [False]
 
 
+def _int32_vectors(*arrays) -> bool:
+    """Whether every one of ``arrays`` is a 1-D int32 NumPy array (what the loops take)."""
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype != _I32 or a.ndim != 1:
+            return False
+    return True
+
+
 def check_page_table_fast(indptr, indices, last_page_len, page_size: int, names):
     """:func:`nbinfer.formats.paged.check_page_table`'s result for int32 host arrays, checked
     and copied in one compiled pass; other dtypes, and any table the pass rejects, go through
     the NumPy validator (which raises its descriptive error). Returns read-only snapshots
     ``(indptr, indices, last_page_len, kv_lens)`` and the number of pages the table needs the
     cache to hold (largest page id + 1)."""
-    i32 = _I32
-    if (type(indptr) is np.ndarray and type(indices) is np.ndarray
-            and type(last_page_len) is np.ndarray and indptr.dtype == i32
-            and indices.dtype == i32 and last_page_len.dtype == i32 and indptr.ndim == 1
-            and indices.ndim == 1 and last_page_len.ndim == 1 and indptr.size):
+    if _int32_vectors(indptr, indices, last_page_len) and indptr.size:
         ok, ptr, idx, last, kv_lens, pages = _kernels()[2](indptr, indices, last_page_len,
                                                            page_size)
     else:
@@ -180,13 +184,8 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
     lists and page table into ``out`` as :func:`pack_compiled` would, and ``packed`` is True.
     The caller uses ``out`` only if it then chooses that layout.
     """
-    i32 = _I32
     table, packed = None, False
-    if (type(indptr) is np.ndarray and type(indices) is np.ndarray
-            and type(last_page_len) is np.ndarray and indptr.dtype == i32
-            and indices.dtype == i32 and last_page_len.dtype == i32 and indptr.ndim == 1
-            and indices.ndim == 1 and last_page_len.ndim == 1
-            and indptr.size == qo_indptr.size > 0):
+    if _int32_vectors(indptr, indices, last_page_len) and indptr.size == qo_indptr.size > 0:
         wq, wkv = _weights(1.0, 1.0)
         args = (indptr, indices, last_page_len, page_size, qo_indptr, num_kv_heads,
                 num_qo_heads // num_kv_heads, num_ctas, granule, wq, wkv,
@@ -196,7 +195,7 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
         else:
             out, caps, _, head, _, _, table_off = speculate
             # the loop trusts these: the layout's grid, and room for its page-table sections
-            if head[1] != num_ctas or out.size < table_off[2] + caps[3] or out.dtype != i32:
+            if head[1] != num_ctas or out.size < table_off[2] + caps[3] or out.dtype != _I32:
                 raise ValueError(f"speculate: a layout of {head[1]} CTAs and {out.size} int32 "
                                  f"words does not take a {num_ctas}-CTA plan ending at word "
                                  f"{table_off[2] + caps[3]}")
@@ -232,10 +231,20 @@ _weights = functools.lru_cache(maxsize=16)(integer_weights)
 
 
 @functools.lru_cache(maxsize=64)
-def _offsets(layout: PlanLayout) -> np.ndarray:
+def section_offsets(layout: PlanLayout) -> np.ndarray:
+    """The word offsets of ``layout``'s six plan sections, in the order the pack loop takes
+    them (int64, read-only)."""
     off = layout.offsets()
-    return np.array([off[n] for n in ("work", "cta_indptr", "cta_work", "merge_rows",
-                                      "merge_indptr", "merge_indices")], dtype=np.int64)
+    return word_offsets(*(off[n] for n in ("work", "cta_indptr", "cta_work", "merge_rows",
+                                           "merge_indptr", "merge_indices")))
+
+
+@functools.lru_cache(maxsize=256)
+def word_offsets(*offsets: int) -> np.ndarray:
+    """``offsets`` as the loops take them: an int64 array, read-only (one per distinct tuple)."""
+    out = np.array(offsets, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
 
 def pack_compiled(layout: PlanLayout, sched: Plan, out: np.ndarray, *, zero_end: int = 0,
@@ -264,17 +273,10 @@ def pack_compiled(layout: PlanLayout, sched: Plan, out: np.ndarray, *, zero_end:
             or last.dtype != _I32):
         raise ValueError(f"item_merge and the page table (int32, at words {item_merge_offset} "
                          f"and {list(table_offsets)}) do not fit out ({n} words)")
-    _kernels()[1](out, size, _offsets(layout), layout.header(sched), sched.work,
+    _kernels()[1](out, size, section_offsets(layout), layout.header(sched), sched.work,
                   sched.cta_indptr, sched.cta_work, sched.merge_rows, sched.merge_indptr,
                   sched.merge_indices, layout.max_merge_rows, max(zero_end, size), im,
-                  item_merge_offset, ptr, idx, last, _table_offsets(o_ptr, o_idx, o_last))
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _table_offsets(a: int, b: int, c: int) -> np.ndarray:
-    out = np.array([a, b, c], dtype=np.int64)
-    out.flags.writeable = False
+                  item_merge_offset, ptr, idx, last, word_offsets(o_ptr, o_idx, o_last))
     return out
 
 
