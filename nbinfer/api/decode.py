@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import reference, scheduler
 from .._checks import check_dim, check_heads, check_ndim, check_positive_int, check_sm_scale
-from ..kernels.decode import DecodeSpec
+from ..kernels.decode import NUM_THREADS, DecodeSpec, build_decode_kernel
 from ..scheduler import PlanLayout, compiled
 from ..variants import compose, from_flashinfer_args
 from ..variants import resolve as resolve_variant
@@ -26,7 +26,8 @@ from .launch import AttentionLaunch, TableReader
 from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
 
-__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "persistent_ctas", "split_cache"]
+__all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "kernel_ctas", "persistent_ctas",
+           "split_cache"]
 
 # A chunk shorter than this costs more in merge traffic than it gains in parallelism; chunk
 # boundaries are multiples of it (the scheduler's granule).
@@ -42,6 +43,17 @@ def persistent_ctas(backend: str, per_sm: int = 0) -> int:
     from numba import cuda
 
     return cuda.get_current_device().MULTIPROCESSOR_COUNT * (per_sm or CTAS_PER_SM)
+
+
+def kernel_ctas(backend: str, kernel, threads: int, most: int = CTAS_PER_SM) -> int:
+    """The persistent grid of a compiled ``kernel`` of ``threads`` threads per CTA: as many CTAs
+    per SM as an SM holds at once (its registers and shared memory decide, through the driver's
+    occupancy calculator), at most ``most``; :func:`persistent_ctas` in the simulator. A grid
+    larger than what is resident would run its last CTAs as a second wave after the others'
+    queues, twice as long for them."""
+    if backend != "cuda":
+        return persistent_ctas(backend)
+    return persistent_ctas(backend, max(1, min(most, kernel.resident_ctas(threads))))
 
 
 def attention_variant(num_qo_heads, variant, **flags):
@@ -112,10 +124,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         self._graph_layout = None
         # Per-wrapper memos of what stays the same between steps: validated static arguments,
         # one prepared launch per kernel spec (rebound to each step's layout), workspace
-        # layouts, decode's qo_indptr per batch size, the grid, the stream getter.
+        # layouts, decode's qo_indptr per batch size, the stream getter (the grid is the
+        # config's: it follows the kernel's registers).
         self._configs, self._launches, self._layouts, self._aranges = {}, {}, {}, {}
         self._last_layouts = {}  # per prepared launch: its last step's layout
-        self._num_ctas = None
         self._planned = False
         self._stream = arrays.stream_getter(self._workspace)
         self._table_reader = TableReader()  # page tables given as CUDA tensors
@@ -195,8 +207,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         fast = self._planned or compiled.loaded()
         sched, packed, guess, speculate = None, False, None, None
         launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
-        if self._num_ctas is None and self._backend != "reference":
-            self._num_ctas = persistent_ctas(self._backend)
         if fast and self._backend != "reference":
             # the page-table check and the schedule in one compiled call
             compiled.load()
@@ -215,7 +225,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                               fixed_split_size))
             indptr, indices, last, kv_lens, min_pages, sched, item_merge, packed = \
                 compiled.check_and_plan(*table, cfg.page_size, _TABLE_NAMES, qo_indptr,
-                                        num_qo_heads, num_kv_heads, self._num_ctas,
+                                        num_qo_heads, num_kv_heads, cfg.num_ctas,
                                         granule=cfg.granule, fixed_split_size=fixed_split_size,
                                         speculate=speculate)
         elif fast:
@@ -237,11 +247,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             return StepPlan(**fields)
         if sched is None and fast:  # (the compiled path scheduled with the check)
             sched, item_merge = compiled.plan_compiled(
-                qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._num_ctas,
+                qo_indptr, kv_lens, num_qo_heads, num_kv_heads, cfg.num_ctas,
                 granule=cfg.granule, fixed_split_size=fixed_split_size)
         elif sched is None:
             sched = scheduler.plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
-                                   self._num_ctas, granule=cfg.granule,
+                                   cfg.num_ctas, granule=cfg.granule,
                                    fixed_split_size=fixed_split_size)
             item_merge = item_merge_lists(sched)
         layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
@@ -251,7 +261,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         launch = self._launches.get(launch_key)
         if launch is None:
             launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
-                                     self._num_ctas, cfg.sm_scale, self._memory,
+                                     cfg.num_ctas, cfg.sm_scale, self._memory,
                                      self._graph_buffers)
             self._launches[launch_key] = launch
         else:
@@ -315,15 +325,19 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                 logits_soft_cap=logits_soft_cap,
                                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
                                 rope_theta=rope_theta)
-        spec = granule = None
+        spec = granule = num_ctas = None
         if self._backend != "reference":
             spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim")
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
+            # The grid follows the kernel's registers (4 CTAs per SM under 128, 3 under 168),
+            # so on the GPU the kernel is compiled (or loaded) here, before the schedule.
+            num_ctas = kernel_ctas(self._backend, self._backend == "cuda" and
+                                   build_decode_kernel(spec), NUM_THREADS)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,
-                               granule=granule)
+                               granule=granule, num_ctas=num_ctas)
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""

@@ -37,7 +37,15 @@ from ..reference._batch import batch_masks
 from ..scheduler import PlanLayout
 from . import arrays, binding
 from .base import WrapperBase, kv_strides, write_reference
-from .decode import MIN_CHUNK, attention_variant, check_q, persistent_ctas, split_cache
+from .decode import (
+    CTAS_PER_SM,
+    MIN_CHUNK,
+    attention_variant,
+    check_q,
+    kernel_ctas,
+    persistent_ctas,
+    split_cache,
+)
 from .dtypes import normalize_dtype
 from .fast_path import TorchFastPath, run_fast
 from .launch import AttentionLaunch
@@ -112,9 +120,14 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)
-            return (spec, *_compiled(spec), persistent_ctas(self._backend, MMA_CTAS_PER_SM))
-        spec = PrefillSpec(*args, **flags)
-        return (spec, *_compiled(spec), persistent_ctas(self._backend))
+            most = MMA_CTAS_PER_SM
+        else:
+            spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM
+        kernel, threads, companions = _compiled(spec)
+        # as many CTAs per SM as are resident at once (the CUDA-core kernel's 168 registers:
+        # three), at most ``most``
+        return spec, kernel, threads, companions, kernel_ctas(self._backend, kernel, threads,
+                                                              most)
 
     def _upload(self, step, spec, kernels, threads, sched, qo_start, qo_end) -> StepPlan:
         """Lay out the plan memory for ``sched`` and copy plan, page table, query ranges

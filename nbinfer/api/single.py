@@ -13,10 +13,10 @@ import numpy as np
 from .. import reference, scheduler
 from .._checks import KV_LAYOUTS, check_choice, check_dim, check_heads, check_ndim, check_sm_scale
 from ..kernels.common import ARG
-from ..kernels.decode import DecodeSpec
+from ..kernels.decode import NUM_THREADS, DecodeSpec, build_decode_kernel
 from ..scheduler import PlanLayout
 from . import arrays, binding
-from .decode import MIN_CHUNK, attention_variant, persistent_ctas
+from .decode import MIN_CHUNK, attention_variant, kernel_ctas
 from .launch import AttentionLaunch, PlanMemory
 from .workspace import WorkspaceLayout, item_merge_lists
 
@@ -73,7 +73,7 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     spec = DecodeSpec(head_dim=d, group_size=hq // hkv, page_size=1, kv_dtype=kv_dtype,
                       q_dtype=q_dtype, kv_layout=kv_layout, variant=var, sparse=False,
                       sim=be == "sim")
-    num_ctas = persistent_ctas(be)
+    num_ctas = kernel_ctas(be, be == "cuda" and build_decode_kernel(spec), NUM_THREADS)
     sched = scheduler.plan(np.arange(2), [kv_len], hq, hkv, num_ctas, granule=MIN_CHUNK)
     layout = WorkspaceLayout(PlanLayout.for_plan(sched), hkv, hq, d, 1, 0)
     workspace = binding.workspace_like(q, layout.nbytes, be)

@@ -188,7 +188,8 @@ class _Driver:
                "cuMemcpyDtoHAsync_v2": [ptr, ctypes.c_uint64, size, ptr],
                "cuStreamSynchronize": [ptr],
                "cuEventCreate": [ptr, u32], "cuEventRecord": [ptr, ptr],
-               "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr]}
+               "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr],
+               "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ptr, ptr, ctypes.c_int, size]}
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -212,6 +213,7 @@ class _Driver:
         self.stream_synchronize = lib.cuStreamSynchronize
         self._event_create, self.event_record = lib.cuEventCreate, lib.cuEventRecord
         self.event_synchronize, self.event_destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
+        self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
 
     def bind_launch(self, func: int, grid, block, stream: int, params: int):
         """``(fn, args, keep)``: ``fn(*args)`` launches ``func`` (grid and block as 3-tuples)
@@ -221,6 +223,14 @@ class _Driver:
             return self.launch, (func, *grid, *block, 0, stream, params, None), None
         cfg = self._config(*grid, *block, 0, stream or None, None, 0)
         return self.launch_ex, (self.ctypes.addressof(cfg), func, params, None), cfg
+
+    def resident_blocks(self, func: int, threads: int, dynamic_shared: int = 0) -> int:
+        """How many blocks of ``threads`` threads of ``func`` one SM holds at once (the driver's
+        occupancy calculator: registers, shared memory and the per-SM block limit)."""
+        n = self.ctypes.c_int()
+        check(self._occupancy(self.ctypes.byref(n), func, threads, dynamic_shared),
+              "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return n.value
 
     def event(self) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""

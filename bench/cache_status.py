@@ -1,0 +1,52 @@
+"""Which entries of a kernel cache folder are still valid for this checkout's kernel sources.
+
+An entry's key includes a digest of the kernel module it was built from (and every module of
+the kernel package that one imports), so any edit there, comments included, makes the entries
+built from it unreachable. Before carrying ``.nbinfer-cache/`` to a device call, this says how
+many entries the call can load and which kernels it will compile again.
+
+    python3 bench/cache_status.py [folder]      # default: $NBINFER_CACHE_DIR or .nbinfer-cache
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+from nbinfer.kernels import cache
+
+
+def entries(folder: Path):
+    """``(path, header)`` of every readable entry in ``folder``."""
+    for path in sorted(folder.glob("*.nbk")):
+        data = path.read_bytes()
+        if not data.startswith(cache.MAGIC):
+            continue
+        n = int.from_bytes(data[len(cache.MAGIC):len(cache.MAGIC) + 8], "little")
+        start = len(cache.MAGIC) + 8
+        try:
+            yield path, json.loads(data[start:start + n])
+        except ValueError:
+            continue
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    root = Path(argv[0] if argv else os.environ.get("NBINFER_CACHE_DIR", ".nbinfer-cache"))
+    folder = root / "kernels" if (root / "kernels").is_dir() else root
+    valid, stale = collections.Counter(), collections.Counter()
+    for _, header in entries(folder):
+        meta = header["meta"]
+        fresh = cache._source_digest(meta["module"]) == meta["source"]
+        (valid if fresh else stale)[meta["kind"]] += 1
+    for name, counter in (("valid", valid), ("stale", stale)):
+        print(f"{name}: {sum(counter.values())}  " +
+              ", ".join(f"{k} {v}" for k, v in sorted(counter.items())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
