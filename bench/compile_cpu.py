@@ -55,23 +55,6 @@ def _patch_numba():
 
 
 def _ptxas(ptx: str, max_registers) -> dict:
-    """ptxas's registers and spills for ``ptx``; a tuple of caps is chosen among as
-    :mod:`nbinfer.kernels.compiled` does (the first with no local memory, else the first with
-    the least)."""
-    caps = tuple(max_registers) if isinstance(max_registers, (tuple, list)) else (max_registers,)
-    best = None
-    for cap in caps:
-        row = _ptxas_one(ptx, cap)
-        if not row:
-            return row
-        if best is None or row["stack_bytes"] < best["stack_bytes"]:
-            best = row
-        if row["stack_bytes"] == 0:
-            break
-    return best
-
-
-def _ptxas_one(ptx: str, cap) -> dict:
     exe = shutil.which("ptxas") or shutil.which(
         "ptxas", path=os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin"))
     if exe is None:
@@ -83,17 +66,15 @@ def _ptxas_one(ptx: str, cap) -> dict:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         cmd = [exe, f"-arch=sm_{CC[0]}{CC[1]}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")]
-        if cap:
-            cmd.insert(1, f"-maxrregcount={cap}")
+        if max_registers:
+            cmd.insert(1, f"-maxrregcount={max_registers}")
         t0 = time.perf_counter()
         err = subprocess.run(cmd, capture_output=True, text=True).stderr
         secs = time.perf_counter() - t0
     regs = re.findall(r"Used (\d+) registers", err)
     spill = re.findall(r"(\d+) bytes spill stores", err)
-    stack = re.findall(r"(\d+) bytes stack frame", err)
-    return {"regs": int(regs[-1]) if regs else None, "max_registers": cap,
-            "spill_bytes": int(spill[0]) if spill else None,
-            "stack_bytes": int(stack[0]) if stack else 0, "ptxas_s": secs}
+    return {"regs": int(regs[-1]) if regs else None,
+            "spill_bytes": int(spill[-1]) if spill else None, "ptxas_s": secs}
 
 
 def cases(with_variants: bool):

@@ -331,7 +331,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim")
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
-            # The grid follows the kernel's registers (4 CTAs per SM under 128, 3 under 168),
+            # The grid follows the kernel's occupancy (its registers and shared memory),
             # so on the GPU the kernel is compiled (or loaded) here, before the schedule.
             num_ctas = kernel_ctas(self._backend, self._backend == "cuda" and
                                    build_decode_kernel(spec), NUM_THREADS)

@@ -11,12 +11,8 @@ The compile phases are timed (``kernel.timings``: ``lower`` for Numba to LLVM IR
 NVVM, ``link`` for the cubin, ``load`` for the driver) so ``bench/compile.py`` can say where
 cold-start time goes.
 
-**Register caps.** ``max_registers`` may be a tuple of caps, lowest first: the kernel is linked
-under the first one that leaves it no local memory (spills), else under the first of those
-with the least (a local array or libdevice's slow-path stack stays at any cap). Numba
-lowers and NVVM compiles once; only the link (ptxas, 1-3 s) is repeated per cap tried. A
-kernel's register count fixes how many of its CTAs an SM holds (:meth:`CompiledKernel.
-resident_ctas`), which the persistent grids are sized by.
+A kernel's registers and shared memory fix how many of its CTAs an SM holds at once
+(:meth:`CompiledKernel.resident_ctas`), which the persistent grids are sized by.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ class CompiledKernel:
     regs, local_bytes, shared_bytes : int
         Registers per thread, local (spill) bytes per thread, static shared bytes per block.
     max_registers : int or None
-        The register cap it was linked under (the one chosen, for a tuple of caps).
+        The register cap it was linked under.
     from_cache : bool
         Whether the cubin came from the disk cache (else it was compiled in this process).
     key : str or None
@@ -134,65 +130,36 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
         key = meta = None
     timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}
     if key is None or root is None:
-        name, cubin, extra = _compile(ctx, build, signature, options, cc, timings)
+        name, cubin, _ = _compile(build, signature, options, cc, timings)
         kernel = _load(ctx, cubin, name, signature, False, key, timings)
     else:
         store = KernelStore(root)
         with _LOCK:  # threads of one process: one compile per key
             header, cubin, built = store.get_or_build(
-                key, meta, lambda: _compile(ctx, build, signature, options, cc, timings))
+                key, meta, lambda: _compile(build, signature, options, cc, timings))
         kernel = _load(ctx, cubin, header["name"], signature, not built, key, timings)
-        extra = header
-    kernel.max_registers = extra.get("max_registers")
+    kernel.max_registers = options.get("max_registers")
     LOADED.append((kind, spec, kernel))
     return kernel
 
 
-def _compile(ctx, build, signature, options, cc, timings):
+def _compile(build, signature, options, cc, timings):
     from numba import cuda
 
-    caps = options.get("max_registers")
-    caps = tuple(caps) if isinstance(caps, (tuple, list)) else (caps,)
-
-    def jit(cap):
-        opts = {k: v for k, v in options.items() if k != "max_registers"}
-        return cuda.jit(signature, **opts, **({"max_registers": cap} if cap else {}))(build())
-
     t0 = time.perf_counter()
-    dispatcher = jit(caps[0])
+    dispatcher = cuda.jit(signature, **options)(build())
     overload = dispatcher.overloads[tuple(signature.args)]
     t1 = time.perf_counter()
     lib = overload._codelibrary
     lib.get_asm_strs(cc=cc)
     t2 = time.perf_counter()
-    name = lib._entry_name
-    best = None  # (local bytes, cap, cubin): the first cap with the least local memory
-    for i, cap in enumerate(caps):
-        if i and hasattr(lib, "_max_registers") and hasattr(lib, "_cubin_cache"):
-            # the same PTX linked again under the next cap (Numba's library keeps it)
-            lib._max_registers = cap
-            lib._cubin_cache.clear()
-        elif i:  # a numba-cuda without those attributes: lowered again under this cap
-            lib = jit(cap).overloads[tuple(signature.args)]._codelibrary
-        image = lib.get_cubin(cc=cc)
-        code = getattr(image, "code", image)
-        if not isinstance(code, (bytes, bytearray)):
-            raise RuntimeError(f"the linker returned {type(code).__name__}, not a cubin image")
-        local = _local_bytes(ctx, bytes(code), name) if len(caps) > 1 else 0
-        if best is None or local < best[0]:
-            best = (local, cap, bytes(code))
-        if local == 0:
-            break
+    image = lib.get_cubin(cc=cc)
     t3 = time.perf_counter()
     timings.update(lower=t1 - t0, ptx=t2 - t1, link=t3 - t2)
-    return name, best[2], {"cc": list(cc), "max_registers": best[1]}
-
-
-def _local_bytes(ctx, cubin: bytes, name: str) -> int:
-    """Local memory per thread of ``name`` in ``cubin`` (spills, or a local array)."""
-    from cuda.core import ObjectCode
-
-    return ctx.create_module_image(ObjectCode.from_cubin(cubin)).get_function(name).attrs.local
+    code = getattr(image, "code", image)
+    if not isinstance(code, (bytes, bytearray)):
+        raise RuntimeError(f"the linker returned {type(code).__name__}, not a cubin image")
+    return lib._entry_name, bytes(code), {"cc": list(cc)}
 
 
 def _load(ctx, cubin: bytes, name: str, signature, from_cache: bool, key, timings):

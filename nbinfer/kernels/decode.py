@@ -68,12 +68,9 @@ class DecodeSpec(AttentionSpec):
     """Everything that is compiled into one decode kernel (hashable: the kernel cache key)."""
 
     stages: int = 2
-    # Register caps, tried in order (kernels.compiled): the first that leaves no spills. 128 =
-    # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM; measured on the H200
-    # at G 4 (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28
-    # (spills). Groups above 4 (and D 256 above 2) spill 112-336 bytes under 128 and none under
-    # 168 (ptxas, sm_90): three CTAs per SM, the grid the wrappers then size.
-    max_registers: int | tuple[int, ...] | None = (128, 168)
+    # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
+    # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
+    max_registers: int | None = 128
 
     def __post_init__(self):
         super().__post_init__()
@@ -135,8 +132,9 @@ def build_decode_kernel(spec: DecodeSpec):
     completes the last chunk of a (merge list, kv head) contracts the list's partials in the
     map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
+    opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
     return compile_kernel("decode", spec, decode_signature(spec),
-                          lambda: decode_kernel_source(spec), max_registers=spec.max_registers)
+                          lambda: decode_kernel_source(spec), **opts)
 
 
 def decode_kernel_source(spec: DecodeSpec):
