@@ -39,26 +39,11 @@ def save_json(path, **payload) -> None:
             json.dump(dict(device=torch.cuda.get_device_name(), **payload), f, indent=2)
 
 
-def median_ms(fn, warmup=5, iters=30):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-def gpu_ms(fn, reps=20, rounds=5):
+def gpu_ms(fn, reps=20, rounds=5, warmup=3):
     """GPU time per call: ``reps`` calls issued back to back between two events (the host runs
     ahead of the GPU, so its launch cost is hidden), median over ``rounds``. This is the GPU
     time the issue compares; :func:`median_ms` times one call from an idle GPU, host included."""
-    for _ in range(3):
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -71,6 +56,12 @@ def gpu_ms(fn, reps=20, rounds=5):
         b.synchronize()
         times.append(a.elapsed_time(b) / reps)
     return float(np.median(times))
+
+
+def median_ms(fn, warmup=5, iters=30):
+    """Median over ``iters`` of one call between two events, each from an idle GPU (so the
+    call's host cost before its kernels start is included)."""
+    return gpu_ms(fn, reps=1, rounds=iters, warmup=warmup)
 
 
 def paged_case(batch, kv_len, hq=32, hkv=8, d=128, ps=16, dtype=torch.float16, seed=0,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import median_ms, save_json  # noqa: E402
+from decode import gpu_ms, median_ms, save_json  # noqa: E402
 
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
@@ -106,16 +106,7 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
 
 def back_to_back_ms(fn, n=20):
     """Per-call time of ``n`` calls between one event pair (GPU-bound: host cost overlapped)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(n):
-        fn()
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b) / n
+    return gpu_ms(fn, reps=n, rounds=1)
 
 
 def graph_ms(fn, n=20):
