@@ -51,11 +51,15 @@ def time_case(group, flags, caps, batch=64, kv_len=4096):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--case", default=None, help="one case by name, e.g. 'rope G4'")
+    ap.add_argument("--caps", default="128,168", help="register caps to time, comma-separated")
     args = ap.parse_args()
     rows = []
     for name, group, flags in CASES:
+        if args.case and name != args.case:
+            continue
         outs = []
-        for caps in (128, 168):
+        for caps in (int(c) for c in args.caps.split(",")):
             row, out = time_case(group, flags, caps)
             rows.append(dict(case=name, **row))
             outs.append(out)

@@ -678,14 +678,19 @@ RETURN_TYPES = {
     "soft_cap": ("logits_transform", F32),
     "alibi": ("logits_transform", F32),
     "sigmoid": ("logits_transform", F32),
-    "rope_llama": ("query_transform", numba.float64),
+    # float32 too: the angle is formed in float64, its sine and cosine in the data's precision
+    "rope_llama": ("query_transform", F32),
     "attention_sink": ("output_transform", F32),
 }
 
 
 @pytest.fixture(scope="module")
 def compiled_f32():
-    """Each built-in's hooks compiled once with numba.njit for float32/int32 arguments."""
+    """Each built-in's hooks compiled once with numba.njit for float32/int32 arguments (after
+    registering ``as_type_of``, as nbinfer does before it compiles hooks)."""
+    from nbinfer.variants.precision import register
+
+    register("cpu")
     out = {}
     for name, factory in BUILTIN_FACTORIES.items():
         v = factory()
@@ -745,3 +750,17 @@ def test_keys_of_unusual_captures():
         return recursive(s, q_pos, kv_pos, qo_head) if s > 0 else s
 
     assert Variant("r", logits_transform=recursive) == Variant("r", logits_transform=recursive)
+
+
+def test_rope_float32_path_stays_accurate_at_large_positions(compiled_f32, rng):
+    """Compiled for float32 (a kernel's types) the RoPE hook still forms and reduces the angle
+    in float64, and only its sine and cosine are float32: at positions 1e5-2e5 the rotation is
+    within float32 rounding of the exact one (a float32 angle would be off by 1e-2 radians)."""
+    disp, _ = compiled_f32["rope_llama", "key_transform"]
+    d = 128
+    x = rng.normal(size=d).astype(np.float32)
+    pos = int(rng.integers(100_000, 200_000))
+    got = np.array([disp(x[i], x[(i + d // 2) % d], np.int32(i), np.int32(d), np.int32(pos),
+                         np.int32(0)) for i in range(d)])
+    want = np_rope(x[None, None].astype(np.float64), [pos], 8.0, 5e5)[0, 0]
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(x).max()

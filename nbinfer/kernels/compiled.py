@@ -121,6 +121,9 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
     for ``signature`` and ``options`` (keyword arguments of ``cuda.jit``), then stored."""
     from numba import cuda
 
+    from ..variants.precision import register
+
+    register("cuda")  # the hooks' as_type_of, before any hook is typed
     ctx = cuda.current_context()
     cc = ctx.device.compute_capability
     root = cache_dir()

@@ -25,6 +25,9 @@ def assume_device(cc: tuple[int, int] = (9, 0)) -> None:
     from numba.cuda import cuda_paths
     from numba.cuda.cudadrv import nvrtc
 
+    from ..variants.precision import register
+
+    register("cuda")  # the hooks' as_type_of, as kernels.compiled does before a compile
     major, minor = cc
     dispatcher.get_current_device = lambda: SimpleNamespace(compute_capability=(major, minor))
     nvrtc.get_arch_option = lambda *_: f"compute_{major}{minor}"

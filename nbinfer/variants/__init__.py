@@ -19,6 +19,7 @@ from .builtins import (
     soft_cap,
     standard,
 )
+from .precision import as_type_of
 from .spec import HOOK_KINDS, Variant, compose
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Variant",
     "alibi",
     "alibi_slopes",
+    "as_type_of",
     "attention_sink",
     "causal",
     "compose",

@@ -12,11 +12,14 @@ import math
 
 import numpy as np
 
+from .precision import as_type_of
 from .spec import Variant, compose
 
 POS_ENCODING_MODES = ("NONE", "ROPE_LLAMA", "ALIBI")
 
 _ONE = np.float32(1.0)
+_TWO_PI = 2.0 * math.pi
+_INV_TWO_PI = 1.0 / (2.0 * math.pi)
 
 
 def standard() -> Variant:
@@ -113,7 +116,13 @@ def rope_llama(rope_scale: float = 1.0, rope_theta: float = 1e4) -> Variant:
     Element ``d`` of a vector at position ``pos`` rotates with angle
     ``pos / rope_scale * rope_theta ** (-2 (d mod D/2) / D)``:
     ``x[d] cos - x[d + D/2] sin`` in the first half and ``x[d] cos + x[d - D/2] sin`` in the second.
-    The angle is computed in float64 (positions reach 1e5 radians, where float32 loses 1e-2).
+
+    Precision: the angle is formed in float64 (positions reach 1e5 radians, where a float32
+    angle is off by 1e-2) and reduced to ``[-pi, pi)`` there; its cosine and sine are taken in
+    the data's precision (:func:`~nbinfer.variants.precision.as_type_of`): float64 in the
+    reference engine (exact), float32 in a kernel, within 2e-7 radians of exact at every
+    position. With float64 sine and cosine of the whole angle the fused-RoPE decode ran at
+    0.43 TB/s of KV on the H200, a tenth of the plain kernel (``bench/NOTES.md``, issue 13).
     """
     scale = _positive_float("rope_scale", rope_scale)
     theta = _positive_float("rope_theta", rope_theta)
@@ -123,8 +132,11 @@ def rope_llama(rope_scale: float = 1.0, rope_theta: float = 1e4) -> Variant:
     def rotate(x, x_pair, d, head_dim, pos, head):
         half = head_dim // 2
         i = d - half if d >= half else d
-        angle = pos * inv_scale * math.exp(-2.0 * i * log_theta / head_dim)
-        sign = 1.0 if d >= half else -1.0
+        # turns per position; the same for every key of a lane, so a kernel's loop may hoist it
+        turns_per_pos = inv_scale * math.exp(-2.0 * i * log_theta / head_dim) * _INV_TWO_PI
+        turns = pos * turns_per_pos
+        angle = as_type_of((turns - math.floor(turns + 0.5)) * _TWO_PI, x)  # in [-pi, pi)
+        sign = _ONE if d >= half else -_ONE
         return x * math.cos(angle) + sign * x_pair * math.sin(angle)
 
     return Variant(

@@ -32,6 +32,9 @@ def _ufunc(kind: str, fn):
     if uf is None:
         import numba  # on first use: a reference run without hooks never loads it
 
+        from .precision import register
+
+        register("cpu")
         uf = _UFUNCS[key] = numba.vectorize([_SIGNATURES[kind]])(fn)
     return uf
 

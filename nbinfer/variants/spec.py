@@ -28,11 +28,13 @@ prefill whose KV is longer than its query sits at ``qo_idx + kv_len - qo_len``):
 
 Hooks must be written for Numba: ``math`` functions, arithmetic, comparisons, and indexing into
 captured NumPy arrays. Capture constants as ``numpy.float32`` so that GPU code does not silently
-promote to float64. A variant's identity (its hash) is its name, its parameters, ``use_softmax``
-and, for each hook, its code, the values it closes over and the globals it reads (what Numba
-freezes into compiled code), so two calls of the same factory with the same parameters give equal
-specs and share compiled kernels. Captured arrays count by content at the time the spec is built:
-do not mutate them afterwards.
+promote to float64; a hook that needs float64 for part of its work ends it with
+:func:`~nbinfer.variants.precision.as_type_of` (``as_type_of(value, x)``: float32 in a kernel,
+unchanged in the float64 reference), as RoPE does for its angle. A variant's identity (its
+hash) is its name, its parameters, ``use_softmax`` and, for each hook, its code, the values it
+closes over and the globals it reads (what Numba freezes into compiled code), so two calls of
+the same factory with the same parameters give equal specs and share compiled kernels. Captured
+arrays count by content at the time the spec is built: do not mutate them afterwards.
 """
 
 from __future__ import annotations
