@@ -1,9 +1,11 @@
-"""Which entries of a kernel cache folder are still valid for this checkout's kernel sources.
+"""Which entries of a kernel cache folder still match this checkout's kernel sources.
 
 An entry's key includes a digest of the kernel module it was built from (and every module of
 the kernel package that one imports), so any edit there, comments included, makes the entries
 built from it unreachable. Before carrying ``.nbinfer-cache/`` to a device call, this says how
-many entries the call can load and which kernels it will compile again.
+many entries are current for the sources and which kernel kinds will compile again. It checks
+the source digest only: an entry whose variant hooks, library versions or compute capability
+differ from what a call asks for is counted here and still not loaded there.
 
     python3 bench/cache_status.py [folder]      # default: $NBINFER_CACHE_DIR or .nbinfer-cache
 """
@@ -37,12 +39,15 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     root = Path(argv[0] if argv else os.environ.get("NBINFER_CACHE_DIR", ".nbinfer-cache"))
     folder = root / "kernels" if (root / "kernels").is_dir() else root
+    if not folder.is_dir():
+        print(f"no cache folder at {folder}")
+        return 1
     valid, stale = collections.Counter(), collections.Counter()
     for _, header in entries(folder):
         meta = header["meta"]
         fresh = cache._source_digest(meta["module"]) == meta["source"]
         (valid if fresh else stale)[meta["kind"]] += 1
-    for name, counter in (("valid", valid), ("stale", stale)):
+    for name, counter in (("source-current", valid), ("stale", stale)):
         print(f"{name}: {sum(counter.values())}  " +
               ", ".join(f"{k} {v}" for k, v in sorted(counter.items())))
     return 0

@@ -274,11 +274,10 @@ def main():
                        decode=[bench_case(b, l, group=args.group) for b, l in CASES])
         save_json(args.out, **payload)
         for r in payload["decode"]:
-            print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: nbinfer {r['kernel_only_tbps']:.2f}"
-                  f" TB/s (GPU time per run() {r['nbinfer_gpu_tbps']:.2f}; {r['regs']} regs, "
-                  f"{r['num_ctas']} CTAs), cuDNN {r.get('sdpa_cudnn_tbps', float('nan')):.2f} TB/s"
-                  f" per call, {r['kv_bytes'] / r.get('sdpa_cudnn_gpu_ms', float('nan')) / 1e9:.2f}"
-                  " back to back")
+            cud = r["kv_bytes"] / r.get("sdpa_cudnn_gpu_ms", float("nan")) / 1e9
+            print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: GPU time back to back: nbinfer "
+                  f"{r['nbinfer_gpu_tbps']:.2f} TB/s ({r['regs']} regs, {r['num_ctas']} CTAs), "
+                  f"cuDNN {cud:.2f} TB/s")
         return
     from nbinfer import variants as V
 
@@ -313,15 +312,15 @@ def main():
     save_json(args.out, nbinfer=nbinfer.__version__, checks=checks, decode=results,
               host_overhead=host, copy_ceiling=COPY_CEILING)
     # "call": one call from an idle GPU (host cost included); "gpu": back-to-back GPU time
-    print("\ncase         call ms  gpu ms kernel ms  TB/s  %ceil | cudnn call  gpu  ratio call gpu "
-          "| flash TB/s | flex TB/s | regs")
+    print("\ncase         call ms  gpu ms kernel ms  TB/s  %ceil | cudnn call ms gpu ms | "
+          "ratio call gpu | flash TB/s | flex TB/s | regs")
     for r in results:
         cud = r.get("sdpa_cudnn_ms", float("nan"))
         cudg = r.get("sdpa_cudnn_gpu_ms", float("nan"))
         print(f"B{r['batch']:<4} L{r['kv_len']:<6} {r['nbinfer_ms']:7.3f} {r['nbinfer_gpu_ms']:7.3f} "
               f"{r['kernel_only_ms']:8.3f} "
               f"{r['kernel_only_tbps']:5.2f} {r['kernel_only_tbps'] / 4.22 * 100:5.1f} | "
-              f"{cud:10.3f} {cudg:6.3f} {cud / r['nbinfer_ms']:5.2f} {cudg / r['nbinfer_gpu_ms']:4.2f} | "
+              f"{cud:10.3f} {cudg:6.3f} | {cud / r['nbinfer_ms']:5.2f} {cudg / r['nbinfer_gpu_ms']:4.2f} | "
               f"{r.get('sdpa_flash_tbps', 0):10.2f} | {r.get('flex_tbps', 0):9.2f} | {r['regs']:4d}")
     print(f"run() host cost, batch 1, torch tensors: {host['run_us_median']:.1f} us per call "
           f"(torch SDPA call: {host['sdpa_default_us']:.1f} us)")

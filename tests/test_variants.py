@@ -764,3 +764,21 @@ def test_rope_float32_path_stays_accurate_at_large_positions(compiled_f32, rng):
                          np.int32(0)) for i in range(d)])
     want = np_rope(x[None, None].astype(np.float64), [pos], 8.0, 5e5)[0, 0]
     assert np.abs(got - want).max() <= 2e-6 * np.abs(x).max()
+
+
+def test_hook_key_follows_the_as_type_of_rule(monkeypatch):
+    """A hook that calls as_type_of is keyed (in the kernel cache too) by the overload's rule,
+    not only by as_type_of's plain-Python body: a changed rule must not load old kernels."""
+    from nbinfer.kernels.cache import stable
+    from nbinfer.variants import precision
+
+    before = stable(rope_llama(8.0, 5e5))
+
+    def narrowing_half_too(types):  # a different rule
+        def impl(value, x):
+            return lambda value, x: value
+
+        return impl
+
+    monkeypatch.setattr(precision, "_implementation", narrowing_half_too)
+    assert stable(rope_llama(8.0, 5e5)) != before

@@ -225,7 +225,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                               fixed_split_size))
             indptr, indices, last, kv_lens, min_pages, sched, item_merge, packed = \
                 compiled.check_and_plan(*table, cfg.page_size, _TABLE_NAMES, qo_indptr,
-                                        num_qo_heads, num_kv_heads, cfg.num_ctas,
+                                        num_qo_heads, num_kv_heads, self._grid(cfg),
                                         granule=cfg.granule, fixed_split_size=fixed_split_size,
                                         speculate=speculate)
         elif fast:
@@ -247,11 +247,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             return StepPlan(**fields)
         if sched is None and fast:  # (the compiled path scheduled with the check)
             sched, item_merge = compiled.plan_compiled(
-                qo_indptr, kv_lens, num_qo_heads, num_kv_heads, cfg.num_ctas,
+                qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._grid(cfg),
                 granule=cfg.granule, fixed_split_size=fixed_split_size)
         elif sched is None:
             sched = scheduler.plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads,
-                                   cfg.num_ctas, granule=cfg.granule,
+                                   self._grid(cfg), granule=cfg.granule,
                                    fixed_split_size=fixed_split_size)
             item_merge = item_merge_lists(sched)
         layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
@@ -261,7 +261,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         launch = self._launches.get(launch_key)
         if launch is None:
             launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
-                                     cfg.num_ctas, cfg.sm_scale, self._memory,
+                                     self._grid(cfg), cfg.sm_scale, self._memory,
                                      self._graph_buffers)
             self._launches[launch_key] = launch
         else:
@@ -325,19 +325,25 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                 logits_soft_cap=logits_soft_cap,
                                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
                                 rope_theta=rope_theta)
-        spec = granule = num_ctas = None
+        spec = granule = None
         if self._backend != "reference":
             spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim")
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
-            # The grid follows the kernel's occupancy (its registers and shared memory),
-            # so on the GPU the kernel is compiled (or loaded) here, before the schedule.
-            num_ctas = kernel_ctas(self._backend, self._backend == "cuda" and
-                                   build_decode_kernel(spec), NUM_THREADS)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,
-                               granule=granule, num_ctas=num_ctas)
+                               granule=granule, num_ctas=None)
+
+    def _grid(self, cfg) -> int:
+        """The config's persistent grid. It follows the kernel's occupancy (its registers and
+        shared memory), so on the GPU the kernel is compiled (or loaded) here: asked for only
+        once a schedule needs it, so a first plan() with a bad page table raises before any
+        compile."""
+        if cfg.num_ctas is None:
+            cfg.num_ctas = kernel_ctas(self._backend, self._backend == "cuda" and
+                                       build_decode_kernel(cfg.spec), NUM_THREADS)
+        return cfg.num_ctas
 
     def _layout_for(self, sched, batch, pages, hq, hkv, d, page_size, fixed_split_size):
         """The plan's own layout, or in CUDA-graph mode one fixed layout for every step."""
@@ -375,6 +381,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             raise ValueError("a CUDA-graph wrapper keeps its head counts and head_dim: planned "
                              f"{(hq, hkv, d)}, first plan had "
                              f"{(layout.num_qo_heads, layout.num_kv_heads, layout.head_dim)}")
+        if sched.num_ctas != layout.plan.num_ctas:
+            raise ValueError("a CUDA-graph wrapper keeps its kernel's grid: this plan's kernel "
+                             f"runs {sched.num_ctas} CTAs, the first plan's "
+                             f"{layout.plan.num_ctas} (plan the same variant and dtypes)")
         if not layout.fits(sched, batch, pages):
             raise ValueError(f"this step does not fit the CUDA-graph buffers: batch {batch} "
                              f"(max {layout.max_batch}), {pages} pages (max {layout.max_pages})")

@@ -106,8 +106,11 @@ class CompiledKernel:
 
     def resident_ctas(self, threads: int) -> int:
         """CTAs of ``threads`` threads one SM runs at once (the driver's occupancy calculator)."""
+        from numba import cuda
+
         from .launch import _driver
 
+        cuda.current_context()  # the calling thread may have none current yet (kernel cached)
         return _driver().resident_blocks(self.handle, threads)
 
     def __repr__(self):

@@ -132,7 +132,8 @@ def rope_llama(rope_scale: float = 1.0, rope_theta: float = 1e4) -> Variant:
     def rotate(x, x_pair, d, head_dim, pos, head):
         half = head_dim // 2
         i = d - half if d >= half else d
-        # turns per position; the same for every key of a lane, so a kernel's loop may hoist it
+        # turns per position (float64: 1e-12 relative is needed at 1e5 radians); the same for
+        # every key a kernel lane rotates, though the decode's loop recomputes it (bench/NOTES.md)
         turns_per_pos = inv_scale * math.exp(-2.0 * i * log_theta / head_dim) * _INV_TWO_PI
         turns = pos * turns_per_pos
         angle = as_type_of((turns - math.floor(turns + 0.5)) * _TWO_PI, x)  # in [-pi, pi)
