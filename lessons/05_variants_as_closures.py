@@ -22,7 +22,8 @@
 # 4. how variants are identified (by code *and* captured values) and how the kernel factory
 #    caches compiled kernels by that identity;
 # 5. masks, rotary embeddings and `compose`: each mask drawn as the (query, key) pattern it
-#    keeps, RoPE as a query/key transform whose logits depend only on the distance, and
+#    keeps, RoPE as a query/key transform whose logits depend only on the distance (and why
+#    its angle is computed in float64 but its sine and cosine in the data's precision), and
 #    `compose` chaining transforms and AND-ing masks.
 #
 # The first cell picks Numba's CUDA simulator, so the lesson runs anywhere, GPU or not.
@@ -551,6 +552,56 @@ save_figure(fig, "05_masks_rope.png")
 show(fig)
 
 # %% [markdown]
+# **RoPE needs float64 for its angle, and only for its angle.** The angle is
+# `p * theta^(-2i/D)`: at position 100 000 and the fastest frequency (i = 0) that is 100 000
+# radians, where neighbouring float32 numbers are 2^-7 = 0.008 apart, and the frequencies
+# themselves carry float32's relative error of 6e-8, times 1e5: an angle computed in float32
+# is off by thousandths of a radian, and the rotated key with it. So `rope_llama` forms the
+# angle in float64 and reduces it to [-pi, pi) there; after that, float32 is enough. But in
+# Numba a float64 value keeps everything it touches in float64 (float32 x float64 is float64),
+# so the hook ends the float64 part explicitly: `as_type_of(angle, x)` is the angle in the
+# type of the data `x`: unchanged in the float64 reference engine, float32 in a kernel, where
+# the sine and cosine then run on the hardware's fast float32 units. (On the H200 this took the
+# fused-RoPE decode from 0.43 to 0.95 TB/s of KV: `bench/NOTES.md`, issue 13.)
+#
+# The check compiles the RoPE hook for float32 data on the CPU (as a kernel sees it) and
+# rotates one key at position 123 457 three ways: exactly (float64 NumPy), with the angle
+# computed in float32, and with the hook.
+
+# %%
+import numba  # noqa: E402
+
+from nbinfer.variants.precision import register  # noqa: E402
+
+register("cpu")  # as_type_of for Numba's CPU target (nbinfer does this before compiling hooks)
+f32, i32 = numba.float32, numba.int32
+rotate_f32 = numba.njit((f32, f32, i32, i32, i32, i32))(rope.key_transform[0])
+D_R, POS = 64, 123_457
+key = rng.standard_normal(D_R).astype(np.float32)
+half = np.arange(D_R) % (D_R // 2)
+freq = 1e4 ** (-2.0 * half / D_R)  # rope_llama()'s defaults: scale 1, theta 1e4
+partner = np.roll(key, -(D_R // 2)) * np.where(np.arange(D_R) < D_R // 2, -1.0, 1.0)
+
+
+def rotated(angle):
+    return key * np.cos(angle) + partner * np.sin(angle)
+
+
+exact = rotated(POS * freq)
+angle32 = np.float32(POS) * freq.astype(np.float32)  # the angle in float32
+by_float32_angle = rotated(angle32.astype(np.float64))
+by_hook = np.array([rotate_f32(key[d], key[(d + D_R // 2) % D_R], d, D_R, POS, 0)
+                    for d in range(D_R)])
+angle_err = np.abs(np.angle(np.exp(1j * (angle32 - POS * freq)))).max()  # radians, mod 2 pi
+err32 = np.abs(by_float32_angle - exact).max() / np.abs(exact).max()
+err_hook = np.abs(by_hook - exact).max() / np.abs(exact).max()
+print(f"compiled for float32 data, the hook returns {rotate_f32.nopython_signatures[0].return_type}")
+print(f"at position {POS}: the float32 angle is off by up to {angle_err:.1e} rad")
+print(f"relative error of the rotated key: float32 angle {err32:.1e}, the hook {err_hook:.1e}")
+assert rotate_f32.nopython_signatures[0].return_type == f32  # the kernel stays in float32
+assert angle_err > 1e-3 and err_hook < 2e-6 and err32 > 100 * err_hook
+
+# %% [markdown]
 # ## Exercise: a variant of your own
 #
 # Write `my_distance_penalty(slope, window)`: a `Variant` whose logits are lowered by
@@ -585,5 +636,7 @@ print(exercises.attempt(exercises.check_distance_penalty, my_distance_penalty))
 # * Identity is code plus captured values, so the factory's `functools.cache` compiles each
 #   distinct variant once and reuses it for equal ones.
 # * Masks are hooks too (`compose` ANDs them; an OR is one hook of its own), and RoPE is a
-#   query/key transform whose logits depend on distances only.
+#   query/key transform whose logits depend on distances only. Its angle needs float64; the
+#   hook hands the reduced angle back in the data's precision (`as_type_of`), so a kernel
+#   computes the rest in float32.
 
