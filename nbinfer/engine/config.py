@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._checks import check_positive_int
+
 __all__ = ["CONFIGS", "ModelConfig", "config_from_hf", "named_config"]
 
 
@@ -54,9 +56,7 @@ class ModelConfig:
     def __post_init__(self):
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                     "num_kv_heads", "head_dim"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{key} must be a positive int, got {value!r}")
+            check_positive_int(key, getattr(self, key))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")

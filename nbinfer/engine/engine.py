@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .._checks import check_positive_int
 from ..formats.radix import CascadeLevels, RadixTree
 from .pool import PagePool
 
@@ -60,9 +61,7 @@ class Request:
             raise ValueError("prompt must hold at least one token")
         if min(self.prompt) < 0:
             raise ValueError(f"prompt token ids must be >= 0, got {min(self.prompt)}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        check_positive_int("max_new_tokens", self.max_new_tokens)
 
 
 @dataclass(eq=False)  # compared by identity: the step loops test membership often
@@ -136,9 +135,8 @@ class Engine:
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
                  max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto"):
-        for name, value in (("max_step_tokens", max_step_tokens), ("max_batch", max_batch)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_int("max_step_tokens", max_step_tokens)
+        check_positive_int("max_batch", max_batch)
         self.runner, self.pool = runner, PagePool(num_pages, page_size)
         self.max_step_tokens, self.max_batch = max_step_tokens, max_batch
         self.waiting: list[_Sequence] = []
@@ -185,8 +183,7 @@ class Engine:
         preempted = []
         plan = self._schedule()
         plan = self._allocate(plan, preempted)
-        sampled, finished = [], []
-        attention = ""
+        sampled, finished, attention = [], [], ""
         if plan:
             # a sequence whose scheduled tokens reach the end of what it has samples its next
             # token from its last row; only those rows go through the LM head
@@ -218,10 +215,9 @@ class Engine:
     def _schedule(self) -> list:
         """``[(sequence, new tokens)]`` within the step's token and batch budgets."""
         budget, plan = self.max_step_tokens, []
-        decoding = [s for s in self.running if len(s.tokens) - s.computed == 1]
-        prefilling = [s for s in self.running if len(s.tokens) - s.computed > 1]
-        for seq in sorted(decoding, key=lambda s: s.order) + sorted(prefilling,
-                                                                    key=lambda s: s.order):
+        # decoding sequences (one token to compute) first, then prefilling ones; oldest first
+        pending = [s for s in self.running if len(s.tokens) > s.computed]
+        for seq in sorted(pending, key=lambda s: (len(s.tokens) - s.computed > 1, s.order)):
             if budget == 0 or len(plan) == self.max_batch:
                 return plan
             n = min(len(seq.tokens) - seq.computed, budget)

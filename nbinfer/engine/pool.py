@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._checks import check_positive_int
+
 __all__ = ["PagePool", "pages_for_budget"]
 
 
@@ -24,10 +26,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_size: int):
-        for name, value in (("num_pages", num_pages), ("page_size", page_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        self.num_pages, self.page_size = num_pages, page_size
+        self.num_pages = check_positive_int("num_pages", num_pages)
+        self.page_size = check_positive_int("page_size", page_size)
         self.refs = np.zeros(num_pages, dtype=np.int32)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids first
 
