@@ -2,7 +2,7 @@
 # The whole GPU check of a change in one device call: every gpu test (seven pytest processes in
 # parallel, so the kernel specs compile on seven cores at once), then the decode benchmark alone
 # on the GPU (nothing else running while it times), then the optional benchmarks named, each
-# alone too. Logs and JSON go to $OUT.
+# alone too. JSON goes to $OUT, the logs into $OUT/logs.tgz.
 #   [SKIP_DECODE=1] bash bench/gpu_check.sh [prefill] [sched] [host]
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
@@ -55,4 +55,7 @@ for f in "$@"; do
     *) tail -4 "$OUT/$f.log" ;; esac 2>/dev/null
 done
 tail -6 "$OUT/decode.log" 2>/dev/null
+# The device returns only a few files from $OUT: the logs travel as one archive, beside the
+# JSON files (at most five), so that nothing is left behind.
+(cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
 exit $status
