@@ -23,10 +23,11 @@ _REGISTERED: set = set()
 def as_type_of(value, x):
     """``value`` in the float type of ``x``: float32 when ``x`` is a float32 (a kernel's data),
     unchanged otherwise (the float64 reference; plain Python)."""
-    # Compiled code runs _implementation's rule, not this body. Naming it here puts its code
-    # into the key of every hook that calls as_type_of (variants.spec._function_key keys the
-    # globals a hook reads, recursively), so a changed rule is a different kernel on disk.
-    assert _implementation is not None
+    # Compiled code runs _implementation's rule, not this body. Reading it here (a name load
+    # that python -O keeps, unlike an assert) puts its code into the key of every hook that
+    # calls as_type_of (variants.spec._function_key keys the globals a hook reads,
+    # recursively), so a changed rule is a different kernel on disk.
+    _implementation  # noqa: B018
     return value
 
 
