@@ -13,7 +13,6 @@ differ from what a call asks for is counted here and still not loaded there.
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 from pathlib import Path
@@ -24,15 +23,9 @@ from nbinfer.kernels import cache
 def entries(folder: Path):
     """``(path, header)`` of every readable entry in ``folder``."""
     for path in sorted(folder.glob("*.nbk")):
-        data = path.read_bytes()
-        if not data.startswith(cache.MAGIC):
-            continue
-        n = int.from_bytes(data[len(cache.MAGIC):len(cache.MAGIC) + 8], "little")
-        start = len(cache.MAGIC) + 8
-        try:
-            yield path, json.loads(data[start:start + n])
-        except ValueError:
-            continue
+        header = cache.read_header(path.read_bytes())
+        if header is not None:
+            yield path, header
 
 
 def main(argv=None) -> int:

@@ -296,8 +296,10 @@ def _header(key: str, meta: dict, name: str, payload: bytes, extra: dict | None)
                 sha256=hashlib.sha256(payload).hexdigest())
 
 
-def _parse(data: bytes, key: str, meta: dict) -> dict | None:
-    """The header of a complete, intact entry for exactly ``(key, meta)``, else ``None``."""
+def read_header(data: bytes) -> dict | None:
+    """The JSON header of an entry's bytes ``data``, with ``_offset`` (where the payload
+    starts) added; ``None`` when ``data`` does not start with a readable header. Checks
+    nothing else (:func:`_parse` does)."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 8:
         return None
     n = int.from_bytes(data[len(MAGIC):len(MAGIC) + 8], "little")
@@ -306,15 +308,23 @@ def _parse(data: bytes, key: str, meta: dict) -> dict | None:
         header = json.loads(data[start:start + n])
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(header, dict) or header.get("key") != key or header.get("meta") != meta:
-        return None
-    payload = data[start + n:]
-    if len(payload) != header.get("size") or \
-            hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    if not isinstance(header, dict):
         return None
     header["_offset"] = start + n
     return header
 
 
-__all__ = ["KernelStore", "Unkeyable", "cache_dir", "kernel_key", "source_files", "stable",
-           "versions"]
+def _parse(data: bytes, key: str, meta: dict) -> dict | None:
+    """The header of a complete, intact entry for exactly ``(key, meta)``, else ``None``."""
+    header = read_header(data)
+    if header is None or header.get("key") != key or header.get("meta") != meta:
+        return None
+    payload = data[header["_offset"]:]
+    if len(payload) != header.get("size") or \
+            hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+        return None
+    return header
+
+
+__all__ = ["KernelStore", "Unkeyable", "cache_dir", "kernel_key", "read_header", "source_files",
+           "stable", "versions"]
