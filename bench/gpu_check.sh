@@ -3,7 +3,9 @@
 # parallel, so the kernel specs compile on seven cores at once), then the decode benchmark alone
 # on the GPU (nothing else running while it times), then the optional benchmarks named, each
 # alone too. JSON goes to $OUT, the logs into $OUT/logs.tgz.
-#   [SKIP_DECODE=1] bash bench/gpu_check.sh [prefill] [sched] [host]
+#   [SKIP_DECODE=1] [CACHE_BACK=1] bash bench/gpu_check.sh [prefill] [sched] [host]
+# CACHE_BACK=1 also returns the kernel cache as $OUT/cache.tgz (a few MiB): unpacked into the
+# checkout, it lets the next session's first device call start warm instead of compiling.
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
@@ -58,4 +60,8 @@ tail -6 "$OUT/decode.log" 2>/dev/null
 # The device returns only a few files from $OUT: the logs travel as one archive, beside the
 # JSON files (at most five), so that nothing is left behind.
 (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)
+if [ -n "${CACHE_BACK:-}" ]; then
+  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
+  echo "cache.tgz: $(du -h "$OUT/cache.tgz" | cut -f1)"
+fi
 exit $status
