@@ -158,6 +158,24 @@ def check_heads(num_qo_heads: int, num_kv_heads: int) -> int:
     return num_qo_heads // num_kv_heads
 
 
+def check_scales(q_scale=None, k_scale=None, v_scale=None) -> tuple[float, float]:
+    """FlashInfer's per-call scales of a quantised q / KV cache as ``(q_scale * k_scale,
+    v_scale)``: each a finite real number, ``None`` meaning 1. The logits are ``q.k * sm_scale
+    * q_scale * k_scale`` and the output is multiplied by ``v_scale``, which is attention over
+    ``k * k_scale`` and ``v * v_scale`` without rescaling the cache."""
+    vals = []
+    for name, x in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+        if x is None:
+            vals.append(1.0)
+            continue
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise TypeError(f"{name} must be a real number or None, got {type(x).__name__}")
+        if not np.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+        vals.append(float(x))
+    return vals[0] * vals[1], vals[2]
+
+
 def check_sm_scale(sm_scale, head_dim: int) -> float:
     """Resolve the softmax scale: ``None`` means ``1/sqrt(head_dim)``."""
     if sm_scale is None:

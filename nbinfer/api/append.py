@@ -29,8 +29,9 @@ from ..kernels.append import (
     build_append_kernel,
     choose_word_bytes,
 )
+from ..kernels.common import ITEMSIZE
 from . import arrays
-from .state import check_placement, named_dtype
+from .state import check_placement
 
 __all__ = ["PagedKVAppendWrapper", "append_paged_kv_cache", "get_batch_indices_positions"]
 
@@ -69,7 +70,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     Parameters
     ----------
     append_key, append_value : array [nnz, num_kv_heads, head_dim], the cache's dtype
-        New keys and values (float16, bfloat16 or float32).
+        New keys and values (float16, bfloat16 or float32; an FP8 cache takes FP8 codes, of a
+        torch FP8 dtype or uint8: the caller quantises, the append copies bits).
     batch_indices, positions : int array [nnz]
         Request and position (within the request's KV) of each new token, see
         :func:`get_batch_indices_positions`.
@@ -256,14 +258,14 @@ def _check_kv(append_key, append_value, paged_kv_cache, kv_layout, be):
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
     k_cache, v_cache, combined = _split_cache(paged_kv_cache)
     num_pages, page_size, heads, dim = _cache_dims(k_cache, kv_layout)
-    kv_dtype = named_dtype("paged_kv_cache", k_cache)
+    kv_dtype = arrays.storage_dtype(k_cache, "paged_kv_cache", kv=True)
     for name, a in (("append_key", append_key), ("append_value", append_value)):
         check_ndim(name, a, 3)
         check_dim(name, a, 1, heads, "num_kv_heads of paged_kv_cache")
         check_dim(name, a, 2, dim, "head_dim of paged_kv_cache")
-        if named_dtype(name, a) != kv_dtype:
-            raise TypeError(f"{name} must have the cache's dtype {kv_dtype}, "
-                            f"got {arrays.storage_dtype(a)}")
+        got = arrays.storage_dtype(a, name, kv=True)
+        if not _same_storage(got, kv_dtype):
+            raise TypeError(f"{name} must have the cache's dtype {kv_dtype}, got {got}")
     nnz = int(append_key.shape[0])
     check_dim("append_value", append_value, 0, nnz, "nnz of append_key")
     caches = dict(paged_kv_cache=paged_kv_cache) if combined else dict(k_cache=k_cache,
@@ -301,7 +303,7 @@ def _launch(append_key, append_value, caches, combined, kv_layout, be, kind, idx
     if nnz == 0 or heads * dim == 0:
         return
 
-    itemsize = 4 if named_dtype("paged_kv_cache", first_cache) == "float32" else 2
+    itemsize = ITEMSIZE.get(arrays.storage_dtype(first_cache, "paged_kv_cache", kv=True), 1)
     # Every array is read or written in place through its strides (last dimension contiguous):
     # the cache as the views it is, the new keys/values as the views they are.
     srcs = [arrays.kernel_view(a, be, name) for name, a in (("append_key", append_key),
@@ -387,13 +389,21 @@ def _split_cache(paged_kv_cache):
         if tuple(k.shape) != tuple(v.shape):
             raise ValueError(f"v_cache.shape must equal k_cache.shape {tuple(k.shape)}, "
                              f"got {tuple(v.shape)}")
-        if named_dtype("k_cache", k) != named_dtype("v_cache", v):
-            raise TypeError(f"v_cache must have k_cache's dtype {arrays.storage_dtype(k)}, "
-                            f"got {arrays.storage_dtype(v)}")
+        kd = arrays.storage_dtype(k, "k_cache", kv=True)
+        vd = arrays.storage_dtype(v, "v_cache", kv=True)
+        if not _same_storage(kd, vd):
+            raise TypeError(f"v_cache must have k_cache's dtype {kd}, got {vd}")
         return k, v, False
     check_ndim("paged_kv_cache", paged_kv_cache, 5)
     check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
     return paged_kv_cache[:, 0], paged_kv_cache[:, 1], True
+
+
+def _same_storage(a: str, b: str) -> bool:
+    """Whether two KV dtypes hold the same bits: equal, or FP8 codes and a named FP8 format
+    (append copies codes; it never converts)."""
+    fp8 = ("uint8", "float8_e4m3fn", "float8_e5m2")
+    return a == b or ("uint8" in (a, b) and a in fp8 and b in fp8)
 
 
 def _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, nnz,

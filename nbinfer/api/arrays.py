@@ -65,17 +65,63 @@ def resolve_backend(backend: str) -> str:
     return backend
 
 
-def storage_dtype(x, name: str = "array") -> str:
+def storage_dtype(x, name: str = "array", *, kv: bool = False) -> str:
     """``"float16"``, ``"bfloat16"`` or ``"float32"`` for a float array of any kind; a TypeError
-    naming the argument otherwise (float64 included: the kernels store 16 or 32 bits)."""
+    naming the argument otherwise (float64 included: the kernels store 16 or 32 bits).
+
+    With ``kv`` (a KV cache or keys and values to append) also the FP8 formats: a torch
+    ``float8_e4m3fn`` / ``float8_e5m2`` tensor gives its name, and any ``uint8`` array
+    ``"uint8"``: raw FP8 codes, whose format the plan's ``kv_data_type`` names
+    (:func:`check_kv_dtype`)."""
     dt = dtype_name(x)
+    if kv and dt in ("float8_e4m3fn", "float8_e5m2", "uint8"):
+        return dt
     if dt in ("float16", "bfloat16", "float32"):
         if isinstance(x, np.ndarray) and dt == "bfloat16":
             # ml_dtypes' NumPy bfloat16 would reach the kernels as values, not as the bits.
             raise TypeError(f"{name}: NumPy bfloat16 arrays are not supported; pass torch "
                             f"bfloat16 tensors or float16/float32 arrays")
         return dt
-    raise TypeError(f"{name} must have dtype float16, bfloat16 or float32, got {dt}")
+    allowed = ("float16, bfloat16, float32, float8_e4m3fn, float8_e5m2 or uint8 (FP8 codes)"
+               if kv else "float16, bfloat16 or float32")
+    raise TypeError(f"{name} must have dtype {allowed}, got {dt}")
+
+
+def check_kv_dtype(name: str, x, kv_dtype: str, what: str = "planned kv_data_type") -> None:
+    """Require a KV array of dtype ``kv_dtype``; an FP8 plan also takes ``uint8`` codes."""
+    dt = storage_dtype(x, name, kv=True)
+    if dt != kv_dtype and not (dt == "uint8" and kv_dtype.startswith("float8")):
+        codes = " (or uint8 codes)" if kv_dtype.startswith("float8") else ""
+        raise TypeError(f"{name} must have dtype {kv_dtype}{codes} ({what}), got {dt}")
+
+
+def single_kv_dtype(k, v, kv_data_type=None) -> str:
+    """The KV dtype of a single-request call's ``k`` and ``v``: ``kv_data_type`` when given
+    (``uint8`` codes need it to name their FP8 format), else ``k``'s own; ``v`` must match."""
+    from .dtypes import normalize_dtype
+
+    if kv_data_type is None:
+        kv_dtype = storage_dtype(k, "k", kv=True)
+        if kv_dtype == "uint8":
+            raise TypeError("k: uint8 arrays are FP8 codes; pass kv_data_type='float8_e4m3fn' "
+                            "or 'float8_e5m2' to name their format")
+    else:
+        kv_dtype = normalize_dtype("kv_data_type", kv_data_type, kv=True)
+    check_kv_dtype("k", k, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's")
+    check_kv_dtype("v", v, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's")
+    return kv_dtype
+
+
+def _bits_view(t):
+    """A torch tensor whose dtype the kernels cannot take as itself, viewed as its bits: bf16
+    as int16, FP8 as uint8 (a view: same memory)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16)
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return t.view(torch.uint8)
+    return t
 
 
 def device_of(x):
@@ -98,12 +144,9 @@ def to_kernel(x, backend: str):
     """
     kind = array_kind(x)
     if kind == "torch":
-        import torch
-
         if not x.is_contiguous():
             raise ValueError("torch tensors must be contiguous")
-        t = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        t = t.reshape(-1)
+        t = _bits_view(x).reshape(-1)
         if backend == "sim":
             return t.cpu().numpy()
         return cuda.as_cuda_array(t.detach())
@@ -192,14 +235,11 @@ def kernel_view(x, backend: str, name: str):
 
 
 def to_host_exact(x) -> np.ndarray:
-    """``x`` as host NumPy memory with its bits unchanged (torch bf16 as its int16 bits), a view
-    where ``x`` already is host memory."""
+    """``x`` as host NumPy memory with its bits unchanged (torch bf16 as its int16 bits, FP8 as
+    its uint8 codes), a view where ``x`` already is host memory."""
     kind = array_kind(x)
     if kind == "torch":
-        import torch
-
-        t = x.detach()
-        t = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        t = _bits_view(x.detach())
         return t.cpu().numpy() if t.device.type != "cpu" else t.numpy()
     if kind == "cupy":
         return x.get()
@@ -306,6 +346,18 @@ def to_host(x) -> np.ndarray:
     if kind == "numba":
         return x.copy_to_host()
     return np.asarray(x)
+
+
+def kv_values(x, kv_dtype: str, scale: float = 1.0) -> np.ndarray:
+    """A KV array of any kind as the float64 values attention reads: FP8 codes decoded
+    (:func:`nbinfer.reference.fp8.decode`), times ``scale`` (the per-call ``k_scale`` or
+    ``v_scale``). What the reference backend computes with."""
+    if kv_dtype.startswith("float8"):
+        from ..reference import fp8
+
+        return fp8.decode(np.asarray(to_host_exact(x)).view(np.uint8), kv_dtype, scale)
+    values = to_host(x).astype(np.float64)
+    return values * scale if scale != 1.0 else values
 
 
 def host_mask(mask):

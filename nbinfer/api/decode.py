@@ -13,7 +13,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from .. import reference, scheduler
-from .._checks import check_dim, check_heads, check_ndim, check_positive_int, check_sm_scale
+from .._checks import (
+    check_dim,
+    check_heads,
+    check_ndim,
+    check_positive_int,
+    check_scales,
+    check_sm_scale,
+)
 from ..kernels.decode import NUM_THREADS, DecodeSpec, build_decode_kernel
 from ..scheduler import PlanLayout, compiled
 from ..variants import compose, from_flashinfer_args
@@ -319,7 +326,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if fixed_split_size is not None:
             check_positive_int("fixed_split_size", fixed_split_size)
         q_dtype = normalize_dtype("q_data_type", q_data_type)
-        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
+        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type, kv=True)
         sm_scale = check_sm_scale(sm_scale, head_dim)
         var = attention_variant(num_qo_heads, variant, window_left=window_left,
                                 logits_soft_cap=logits_soft_cap,
@@ -391,7 +398,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         return layout
 
     # ------------------------------------------------------------------------------------------
-    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, paged_kv_cache, *, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None, out=None, lse=None,
+            return_lse: bool = False):
         """Decode attention for the planned batch.
 
         Parameters
@@ -401,7 +410,14 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         paged_kv_cache : array ``[num_pages, 2, page_size, Hkv, D]`` (NHD) /
             ``[num_pages, 2, Hkv, page_size, D]`` (HND), or a ``(k_cache, v_cache)`` pair of
             ``[num_pages, page_size, Hkv, D]`` / ``[num_pages, Hkv, page_size, D]``; views with a
-            contiguous last dimension and 16-byte strides are read in place.
+            contiguous last dimension and 16-byte strides are read in place. An FP8 plan
+            (``kv_data_type`` ``float8_e4m3fn`` / ``float8_e5m2``) reads torch FP8 tensors or
+            ``uint8`` arrays of the codes.
+        q_scale, k_scale, v_scale : float, optional
+            FlashInfer's scales of a quantised q / cache (None: 1): attention over
+            ``q * q_scale``, ``k * k_scale``, ``v * v_scale`` (the logits' ``sm_scale`` times
+            ``q_scale * k_scale``, the output times ``v_scale``; the cache is not rescaled).
+            Read at launch: a captured CUDA graph keeps the scales of its capture.
         out, lse : optional outputs ([B, Hq, D] in q's dtype, [B, Hq] float32), C-contiguous,
             writable, on q's device: the result is written into them.
         return_lse : bool
@@ -412,9 +428,13 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         ``return_lse``.
         """
         if self._tensor_cores is not None:
-            return self._tensor_cores.run(q, paged_kv_cache, out=out, lse=lse,
+            return self._tensor_cores.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale,
+                                          v_scale=v_scale, out=out, lse=lse,
                                           return_lse=return_lse)
         step = self._slot.get()
+        qk_scale, v_scale = check_scales(q_scale, k_scale, v_scale)
+        if step.launch is not None:
+            step.launch.scale(qk_scale, v_scale)
         if step.fast is not None:  # torch tensors matching the plan: a few comparisons
             res = step.fast(q, paged_kv_cache, out, lse, return_lse)
             if res is not None:
@@ -425,10 +445,11 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         k_cache, v_cache, _ = split_cache(paged_kv_cache, self._kv_layout, step)
         binding.same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
-            host = arrays.to_host
+            kv = (arrays.kv_values(k_cache, step.kv_dtype),
+                  arrays.kv_values(v_cache, step.kv_dtype, v_scale))
             res = reference.batch_decode_with_paged_kv_cache(
-                host(q), (host(k_cache), host(v_cache)), *step.page_table,
-                kv_layout=self._kv_layout, variant=step.variant, sm_scale=step.sm_scale,
+                arrays.to_host(q), kv, *step.page_table, kv_layout=self._kv_layout,
+                variant=step.variant, sm_scale=step.sm_scale * qk_scale,
                 return_lse=return_lse or lse is not None)
             return write_reference(res, out, lse, q, (B, Hq, D), step.q_dtype, return_lse)
         names = ("paged_kv_cache", "paged_kv_cache") if not isinstance(
@@ -488,6 +509,4 @@ def _check_page_dims(name, a, first, layout, page_size, num_kv_heads, head_dim, 
     check_dim(name, a, ps_axis, page_size, "page_size planned")
     check_dim(name, a, h_axis, num_kv_heads, "num_kv_heads")
     check_dim(name, a, first + 2, head_dim, "head_dim")
-    if arrays.storage_dtype(a, name) != kv_dtype:
-        raise TypeError(f"{name} must have dtype {kv_dtype} (planned kv_data_type), "
-                        f"got {arrays.storage_dtype(a, name)}")
+    arrays.check_kv_dtype(name, a, kv_dtype)

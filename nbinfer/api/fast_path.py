@@ -37,7 +37,8 @@ class TorchFastPath:
             device = torch.device("cuda", torch.cuda.current_device())
         self.torch, self.Tensor, self.launch, self.device = torch, torch.Tensor, launch, device
         self.index = device.index
-        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+        tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+               "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
         self.q_dtype, self.kv_dtype = tdt[step.q_dtype], tdt[step.kv_dtype]
         Hq, Hkv, D, PS = step.num_qo_heads, step.num_kv_heads, step.head_dim, step.page_size
         tail = (PS, Hkv, D) if layout == "NHD" else (Hkv, PS, D)

@@ -194,6 +194,7 @@ class AttentionLaunch:
                 self._table_ptrs = tuple(arrays.device_pointer(b)[0] for b in page_table_buffers)
         self._bound = None
         self._strides = None
+        self._sm_scale = self._scales = None
         self.fast = None  # run()'s fast path for torch tensors (the wrapper attaches it)
         self.bind(layout, sm_scale)
         self._before = tuple(self.launch.sharing(k, grid) for k, grid in before)
@@ -232,12 +233,23 @@ class AttentionLaunch:
             L.set_array(ARG["tmp_o"], self._f32[o_off:o_off + max(o_n, 1)])
             L.set_array(ARG["tmp_lse"], self._f32[s_off:s_off + max(s_n, 1)])
         L.set_scalar(ARG["num_kv_heads"], layout.num_kv_heads)
-        L.set_scalar(ARG["sm_scale"], sm_scale)
+        self._sm_scale, self._scales = sm_scale, None
+        self.scale(1.0, 1.0)
         offsets = layout.plan_offsets
         first = len(ARG)
         for i, name in enumerate(self._sections):
             L.set_scalar(first + i, offsets[name] if name in offsets else w[name])
         self._bound = key
+
+    def scale(self, qk_scale: float, v_scale: float) -> None:
+        """This call's scales (:func:`nbinfer._checks.check_scales`): the kernel's ``sm_scale``
+        becomes the planned one times ``qk_scale`` (``q_scale * k_scale``) and its ``v_scale``
+        ``v_scale``; written only when they change. A captured CUDA graph keeps the values of
+        its capture (kernel arguments are copied into the graph)."""
+        if (qk_scale, v_scale) != self._scales:
+            self.launch.set_scalar(ARG["sm_scale"], self._sm_scale * qk_scale)
+            self.launch.set_scalar(ARG["v_scale"], v_scale)
+            self._scales = (qk_scale, v_scale)
 
     def set_strides(self, page_stride: int, kv_stride_n: int, kv_stride_h: int,
                     q_stride_n: int, q_stride_h: int) -> None:

@@ -25,6 +25,7 @@ from .._checks import (
     check_indptr,
     check_ndim,
     check_positive_int,
+    check_scales,
     check_sm_scale,
 )
 from ..formats import segment_packbits
@@ -94,7 +95,7 @@ class PrefillWrapperBase(WrapperBase):
                                 pos_encoding_mode=pos_encoding_mode, rope_scale=rope_scale,
                                 rope_theta=rope_theta)
         q_dtype = normalize_dtype("q_data_type", q_data_type)
-        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
+        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type, kv=True)
         masks = tuple(None if m is None else binding.frozen(m) for m in masks)  # snapshots
         step = StepPlan(batch, int(qo_indptr[-1]), num_qo_heads, num_kv_heads, head_dim,
                         page_size, q_dtype, kv_dtype, check_sm_scale(sm_scale, head_dim), var,
@@ -178,8 +179,13 @@ class PrefillWrapperBase(WrapperBase):
         check_q("q", q, (step.num_qo_rows, step.num_qo_heads, step.head_dim),
                 ("qo_indptr[-1]", "num_qo_heads", "head_dim"), step.q_dtype)
 
-    def _run_paged(self, q, paged_kv_cache, out, lse, return_lse, reference_fn):
+    def _run_paged(self, q, paged_kv_cache, out, lse, return_lse, reference_fn, scales):
+        """run() over a paged cache: ``scales`` as :func:`~nbinfer._checks.check_scales`
+        returns them; ``reference_fn(step, q, (k, v), want_lse, sm_scale)`` on host float64."""
         step = self._slot.get()
+        qk_scale, v_scale = scales
+        if step.launch is not None:
+            step.launch.scale(qk_scale, v_scale)
         res = run_fast(step, q, paged_kv_cache, out, lse, return_lse)
         if res is not None:
             return res
@@ -188,9 +194,10 @@ class PrefillWrapperBase(WrapperBase):
                                           self._indices_name)
         binding.same_device(q=q, paged_kv_cache=k_cache, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
-            host = arrays.to_host
-            res = reference_fn(step, host(q), (host(k_cache), host(v_cache)),
-                               return_lse or lse is not None)
+            kv = (arrays.kv_values(k_cache, step.kv_dtype),
+                  arrays.kv_values(v_cache, step.kv_dtype, v_scale))
+            res = reference_fn(step, arrays.to_host(q), kv, return_lse or lse is not None,
+                               step.sm_scale * qk_scale)
             return write_reference(res, out, lse, q, (step.num_qo_rows, step.num_qo_heads,
                                                       step.head_dim), step.q_dtype, return_lse)
         names = ("paged_kv_cache", "paged_kv_cache") if not isinstance(
@@ -241,16 +248,20 @@ class BatchPrefillWithPagedKVCacheWrapper(PrefillWrapperBase):
         return self._make_step(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk,
                                page_size, (indptr, indices, last), **flags)
 
-    def run(self, q, paged_kv_cache, *, out=None, lse=None, return_lse: bool = False):
-        """``q [qo_indptr[-1], Hq, D]``; ``paged_kv_cache`` as in decode. Returns ``out``
-        (q's kind and dtype) and, with ``return_lse``, ``lse [nnz_qo, Hq]`` (natural log)."""
-        def ref(step, q, cache, want_lse):
+    def run(self, q, paged_kv_cache, *, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None, out=None, lse=None,
+            return_lse: bool = False):
+        """``q [qo_indptr[-1], Hq, D]``; ``paged_kv_cache`` and the scales as in decode's
+        run(). Returns ``out`` (q's kind and dtype) and, with ``return_lse``,
+        ``lse [nnz_qo, Hq]`` (natural log)."""
+        def ref(step, q, cache, want_lse, sm_scale):
             return reference.batch_prefill_with_paged_kv_cache(
                 q, step.qo_indptr, cache, *step.page_table, custom_mask=step.flat_mask(),
-                kv_layout=self._kv_layout, variant=step.variant, sm_scale=step.sm_scale,
+                kv_layout=self._kv_layout, variant=step.variant, sm_scale=sm_scale,
                 return_lse=want_lse)
 
-        return self._run_paged(q, paged_kv_cache, out, lse, return_lse, ref)
+        return self._run_paged(q, paged_kv_cache, out, lse, return_lse, ref,
+                               check_scales(q_scale, k_scale, v_scale))
 
 
 class BatchPrefillWithRaggedKVCacheWrapper(PrefillWrapperBase):
@@ -282,10 +293,12 @@ class BatchPrefillWithRaggedKVCacheWrapper(PrefillWrapperBase):
         return self._make_step(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, head_dim_qk, 1,
                                (kv_ptr, empty, empty), **flags)
 
-    def run(self, q, k, v, *, out=None, lse=None, return_lse: bool = False):
+    def run(self, q, k, v, *, q_scale: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, out=None, lse=None, return_lse: bool = False):
         """``k, v``: NHD ``[nnz_kv, Hkv, D]`` or HND ``[Hkv, nnz_kv, D]`` (views with a
-        contiguous last dimension are read in place)."""
+        contiguous last dimension are read in place); the scales as in decode's run()."""
         step = self._slot.get()
+        qk_scale, v_scale = check_scales(q_scale, k_scale, v_scale)
         self._check_q(step, q)
         nnz_kv = int(step.kv_indptr[-1])
         Hkv, D = step.num_kv_heads, step.head_dim
@@ -293,13 +306,14 @@ class BatchPrefillWithRaggedKVCacheWrapper(PrefillWrapperBase):
         check_kv(k, v, want, f"{self._kv_layout} layout, planned", step.kv_dtype)
         binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
-            host = arrays.to_host
             res = reference.batch_prefill_with_ragged_kv_cache(
-                host(q), host(k), host(v), step.qo_indptr, step.kv_indptr,
+                arrays.to_host(q), arrays.kv_values(k, step.kv_dtype),
+                arrays.kv_values(v, step.kv_dtype, v_scale), step.qo_indptr, step.kv_indptr,
                 custom_mask=step.flat_mask(), kv_layout=self._kv_layout, variant=step.variant,
-                sm_scale=step.sm_scale, return_lse=return_lse or lse is not None)
+                sm_scale=step.sm_scale * qk_scale, return_lse=return_lse or lse is not None)
             return write_reference(res, out, lse, q, (step.num_qo_rows, step.num_qo_heads, D),
                                    step.q_dtype, return_lse)
+        step.launch.scale(qk_scale, v_scale)
         return self._launch(step, q, (k, v), ("k", "v"), kv_strides(self._kv_layout, False),
                             out, lse, return_lse)
 
@@ -311,27 +325,36 @@ def check_kv(k, v, want, what, kv_dtype):
         check_ndim(name, a, 3)
         for axis, n in enumerate(want):
             check_dim(name, a, axis, n, what)
-        if arrays.storage_dtype(a, name) != kv_dtype:
-            raise TypeError(f"{name} must have dtype {kv_dtype} (planned kv_data_type), "
-                            f"got {arrays.storage_dtype(a, name)}")
+        arrays.check_kv_dtype(name, a, kv_dtype)
 
 
-def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mask=None,
+def single_prefill_with_kv_cache(q, k, v, scale_q: float | None = None,
+                                 scale_k: float | None = None, scale_v: float | None = None, *,
+                                 custom_mask=None, packed_custom_mask=None,
                                  causal: bool = False, kv_layout: str = "NHD",
                                  pos_encoding_mode: str = "NONE", window_left: int = -1,
                                  logits_soft_cap: float | None = None,
                                  sm_scale: float | None = None, rope_scale: float | None = None,
                                  rope_theta: float | None = None, return_lse: bool = False,
-                                 backend: str = "auto"):
+                                 kv_data_type=None, backend: str = "auto"):
     """Prefill attention of one request: ``q [qo_len, Hq, D]``, ``k, v [kv_len, Hkv, D]`` (NHD)
     or ``[Hkv, kv_len, D]`` (HND). ``custom_mask``: bool ``[qo_len, kv_len]`` (or flattened);
     ``packed_custom_mask``: its ``packbits`` (little bit order). The workspace is allocated here
-    (of q's kind)."""
+    (of q's kind).
+
+    FP8 K and V: torch ``float8_e4m3fn`` / ``float8_e5m2`` tensors, or ``uint8`` codes with
+    ``kv_data_type`` naming their format; ``scale_q``, ``scale_k``, ``scale_v`` (FlashInfer's
+    names here; scalars, None meaning 1) as decode's ``q_scale``, ``k_scale``, ``v_scale``."""
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
-    for name, a in (("q", q), ("k", k), ("v", v)):
+    scales = dict(q_scale=scale_q, k_scale=scale_k, v_scale=scale_v)
+    check_scales(*scales.values())
+    arrays.array_kind(q, "q")
+    check_ndim("q", q, 3)
+    q_dtype = arrays.storage_dtype(q, "q")
+    for name, a in (("k", k), ("v", v)):
         arrays.array_kind(a, name)
         check_ndim(name, a, 3)
-        arrays.storage_dtype(a, name)
+    kv_dtype = arrays.single_kv_dtype(k, v, kv_data_type)
     kv_len = k.shape[0] if kv_layout == "NHD" else k.shape[1]
     hkv = k.shape[1] if kv_layout == "NHD" else k.shape[0]
     if custom_mask is not None and len(getattr(custom_mask, "shape", ())) == 2:
@@ -350,14 +373,13 @@ def single_prefill_with_kv_cache(q, k, v, *, custom_mask=None, packed_custom_mas
                    custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, causal=causal,
                    pos_encoding_mode=pos_encoding_mode, window_left=window_left,
                    logits_soft_cap=logits_soft_cap, sm_scale=sm_scale, rope_scale=rope_scale,
-                   rope_theta=rope_theta, q_data_type=arrays.storage_dtype(q, "q"),
-                   kv_data_type=arrays.storage_dtype(k, "k"))
+                   rope_theta=rope_theta, q_data_type=q_dtype, kv_data_type=kv_dtype)
             break
         except ValueError as exc:
             if "float_workspace_buffer holds" not in str(exc) or size > (1 << 34):
                 raise
             size *= 4
-    return w.run(q, k, v, return_lse=return_lse)
+    return w.run(q, k, v, **scales, return_lse=return_lse)
 
 
 def _compiled(spec):

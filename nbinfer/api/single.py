@@ -11,7 +11,15 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference, scheduler
-from .._checks import KV_LAYOUTS, check_choice, check_dim, check_heads, check_ndim, check_sm_scale
+from .._checks import (
+    KV_LAYOUTS,
+    check_choice,
+    check_dim,
+    check_heads,
+    check_ndim,
+    check_scales,
+    check_sm_scale,
+)
 from ..kernels.common import ARG
 from ..kernels.decode import NUM_THREADS, DecodeSpec, build_decode_kernel
 from ..scheduler import PlanLayout
@@ -28,6 +36,8 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
                                 logits_soft_cap: float | None = None,
                                 sm_scale: float | None = None, rope_scale: float | None = None,
                                 rope_theta: float | None = None, return_lse: bool = False,
+                                q_scale: float | None = None, k_scale: float | None = None,
+                                v_scale: float | None = None, kv_data_type=None,
                                 backend: str = "auto"):
     """Decode attention of one query token.
 
@@ -38,6 +48,9 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
         views with a contiguous last dimension (16-byte strides) are read in place
     kv_layout, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
     rope_theta : as in :class:`~nbinfer.BatchDecodeWithPagedKVCacheWrapper`
+    q_scale, k_scale, v_scale : float, optional
+        as in the wrapper's run(): FP8 K and V are torch ``float8_e4m3fn`` / ``float8_e5m2``
+        tensors, or ``uint8`` codes with ``kv_data_type`` naming their format
     return_lse : bool
     backend : {"auto", "cuda", "sim", "reference"}
 
@@ -56,9 +69,8 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     check_dim("k", k, 2, d, "head_dim of q")
     for axis in range(3):
         check_dim("v", v, axis, k.shape[axis], "k's shape")
-    q_dtype, kv_dtype = arrays.storage_dtype(q, "q"), arrays.storage_dtype(k, "k")
-    if arrays.storage_dtype(v, "v") != kv_dtype:
-        raise TypeError(f"v must have k's dtype {kv_dtype}, got {arrays.storage_dtype(v, 'v')}")
+    q_dtype, kv_dtype = arrays.storage_dtype(q, "q"), arrays.single_kv_dtype(k, v, kv_data_type)
+    qk_scale, v_scale = check_scales(q_scale, k_scale, v_scale)
     binding.same_device(q=q, k=k, v=v)
     scale = check_sm_scale(sm_scale, d)
     var = attention_variant(hq, None, window_left=window_left, logits_soft_cap=logits_soft_cap,
@@ -66,10 +78,10 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
                             rope_theta=rope_theta)
     be = arrays.resolve_backend(backend)
     if be == "reference":
-        host = arrays.to_host
         return reference.single_decode_with_kv_cache(
-            host(q), host(k), host(v), kv_layout=kv_layout, variant=var, sm_scale=scale,
-            return_lse=return_lse)
+            arrays.to_host(q), arrays.kv_values(k, kv_dtype),
+            arrays.kv_values(v, kv_dtype, v_scale), kv_layout=kv_layout, variant=var,
+            sm_scale=scale * qk_scale, return_lse=return_lse)
     spec = DecodeSpec(head_dim=d, group_size=hq // hkv, page_size=1, kv_dtype=kv_dtype,
                       q_dtype=q_dtype, kv_layout=kv_layout, variant=var, sparse=False,
                       sim=be == "sim")
@@ -81,6 +93,7 @@ def single_decode_with_kv_cache(q, k, v, *, kv_layout: str = "NHD",
     table = (np.array([0, kv_len], np.int32), np.zeros(0, np.int32), np.array([kv_len], np.int32))
     launch.upload(layout.stage(sched, item_merge_lists(sched), table), table,
                   arrays.current_stream(q))
+    launch.scale(qk_scale, v_scale)
     kind = arrays.array_kind(q)
     out_user, out_k = binding.output(None, "out", kind, q, (hq, d), q_dtype, be)
     lse_user, lse_k = binding.output(None, "lse", kind, q, (hq,), "float32", be)

@@ -28,18 +28,27 @@ from ..variants import Variant
 from .primitives import FASTMATH, LN2, device_jit, primitives
 
 HEAD_DIMS = (64, 128, 256)
-KV_DTYPES = ("float16", "bfloat16", "float32")
-# Numba storage type of each dtype: bf16 travels as its raw bits.
-STORAGE = {"float16": float16, "bfloat16": types.int16, "float32": float32}
-ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+# Queries, outputs and every float state: the float dtypes. A KV cache may also hold FP8 codes
+# (nbinfer.reference.fp8), which the kernels decode on load; the scales are run-time scalars.
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+KV_DTYPES = FLOAT_DTYPES + FP8_DTYPES
+# Numba storage type of each dtype: bf16 travels as its raw bits, FP8 as its codes.
+STORAGE = {"float16": float16, "bfloat16": types.int16, "float32": float32,
+           "float8_e4m3fn": types.uint8, "float8_e5m2": types.uint8}
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 # The scheduler's work table (nbinfer.scheduler): request, kv_head, qo_start, qo_end, kv_start,
 # kv_end, partial_row (-1: write the output directly).
 WORK_FIELDS = 7
 
 # The leading arguments of every attention kernel, in order (then the plan-section offsets).
+# The scales follow FlashInfer's folding: ``sm_scale`` already holds ``q_scale * k_scale`` (a
+# scalar on the logits is a scalar on K), and ``v_scale`` multiplies the normalised output (and
+# every partial state, which the merge combines linearly), so a quantised cache is never
+# rescaled in memory.
 ATTENTION_ARGS = ("q", "k", "v", "kv_indptr", "kv_indices", "kv_last_page_len", "plan", "o",
                   "lse", "tmp_o", "tmp_lse", "counters", "num_kv_heads", "page_stride",
-                  "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h", "sm_scale")
+                  "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h", "sm_scale", "v_scale")
 ARG = {name: i for i, name in enumerate(ATTENTION_ARGS)}
 DECODE_PLAN_SECTIONS = ("work", "cta_indptr", "cta_work", "merge_rows", "merge_indptr",
                         "merge_indices", "item_merge")
@@ -75,9 +84,9 @@ class AttentionSpec:
                              f"[1, {self.max_group}], got {self.group_size}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("kv_dtype", "q_dtype"):
-            if getattr(self, name) not in KV_DTYPES:
-                raise ValueError(f"{name} must be one of {KV_DTYPES}, got "
+        for name, allowed in (("kv_dtype", KV_DTYPES), ("q_dtype", FLOAT_DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got "
                                  f"{getattr(self, name)!r}")
         if self.kv_layout not in ("NHD", "HND"):
             raise ValueError(f"kv_layout must be 'NHD' or 'HND', got {self.kv_layout!r}")
@@ -91,7 +100,7 @@ def attention_signature(kv_dtype: str, q_dtype: str, num_offsets: int):
     i32 = types.Array(int32, 1, "C")
     f32 = types.Array(float32, 1, "C")
     return types.void(qo, kv, kv, i32, i32, i32, i32, qo, f32, f32, f32, i32,
-                      int32, int64, int64, int64, int64, int64, float32,
+                      int32, int64, int64, int64, int64, int64, float32, float32,
                       *([int32] * num_offsets))
 
 
@@ -205,6 +214,7 @@ def kept_weights(softmax: bool, sim: bool):
 
 
 __all__ = ["ARG", "ATTENTION_ARGS", "AttentionSpec", "DECODE_PLAN_SECTIONS", "F_INF", "F_LN2",
-           "FASTMATH", "HEAD_DIMS", "ITEMSIZE", "KEPT_FLOOR", "KEPT_LOGIT", "KV_DTYPES",
-           "PREFILL_PLAN_SECTIONS", "STORAGE", "VALUE_SCAN_SPLITS", "WORK_FIELDS", "attention_signature",
-           "compile_kernel", "guards_masked_values", "kept_weights", "state_finalize"]
+           "FASTMATH", "FLOAT_DTYPES", "FP8_DTYPES", "HEAD_DIMS", "ITEMSIZE", "KEPT_FLOOR",
+           "KEPT_LOGIT", "KV_DTYPES", "PREFILL_PLAN_SECTIONS", "STORAGE", "VALUE_SCAN_SPLITS",
+           "WORK_FIELDS", "attention_signature", "compile_kernel", "guards_masked_values",
+           "kept_weights", "state_finalize"]

@@ -100,10 +100,6 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _converter(prims, dtype):
-    return {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}[dtype]
-
-
 def decode_signature(spec: DecodeSpec):
     """The explicit Numba signature the kernel is compiled with (eagerly)."""
     return attention_signature(spec.kv_dtype, spec.q_dtype, len(DECODE_PLAN_SECTIONS))
@@ -123,8 +119,9 @@ def build_decode_kernel(spec: DecodeSpec):
     ``tmp_lse [P*Hq]`` (float32 partial states), ``counters [M*Hkv]`` (int32, zero between
     launches: each launch leaves them zero), then scalars ``num_kv_heads``, the element strides
     ``page_stride`` (paged only), ``kv_stride_n``, ``kv_stride_h``, ``q_stride_n``,
-    ``q_stride_h``, ``sm_scale`` and the word offsets in ``plan`` of the sections named in
-    ``DECODE_PLAN_SECTIONS``. K/V base pointers and strides must be 16-byte aligned (cp.async).
+    ``q_stride_h``, ``sm_scale`` (``k_scale`` folded in), ``v_scale`` and the word offsets in
+    ``plan`` of the sections named in ``DECODE_PLAN_SECTIONS``. K/V base pointers and strides
+    must be 16-byte aligned (cp.async).
 
     The grid is fixed (any number of CTAs): CTA ``c`` runs the work items
     ``cta_work[cta_indptr[c]:cta_indptr[c+1]]`` one after the other. An item that covers its
@@ -185,7 +182,7 @@ def decode_kernel_source(spec: DecodeSpec):
     commit = prims.commit
     wait_ready = prims.wait(S - 2)
     exp2 = prims.exp2
-    q_to_f32 = _converter(prims, spec.q_dtype)
+    q_to_f32 = prims.convert[spec.q_dtype]
     SOFTMAX = hooks.use_softmax
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
@@ -241,7 +238,7 @@ def decode_kernel_source(spec: DecodeSpec):
 
     def decode_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                       counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n, q_stride_h,
-                      sm_scale, work_off, cta_indptr_off, cta_work_off, merge_rows_off,
+                      sm_scale, v_scale, work_off, cta_indptr_off, cta_work_off, merge_rows_off,
                       merge_indptr_off, merge_indices_off, item_merge_off):
         kvs = cuda.shared.array(KV_SMEM, KV_T, alignment=SMEM_ALIGN)  # cp.async, ld.v4: 16 B
         pbuf = cuda.shared.array(P_SMEM, float32)
@@ -449,9 +446,10 @@ def decode_kernel_source(spec: DecodeSpec):
                     for w in range(NW):
                         total += msmem[w * (D + 2) + D + 1] * exp2(msmem[w * (D + 2) + D] - mref)
                     inv, lse2 = finalize(mmax, total)
+                    inv *= v_scale
                     lse_val = lse2 * F_LN2
                 else:
-                    inv = ONE
+                    inv = v_scale
                     lse_val = ZERO
                 nan_row = 0
                 for i in range(OD):

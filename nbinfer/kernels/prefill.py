@@ -150,12 +150,11 @@ def prefill_kernel_source(spec: PrefillSpec):
     kept_logit, split_weight = kept_weights(SOFTMAX, sim)
     U32 = types.uint32
     exp2 = prims.exp2
-    cvt = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}
-    kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
+    kv_f32, q_f32 = prims.convert[spec.kv_dtype], prims.convert[spec.q_dtype]
 
     def prefill_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                        counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n,
-                       q_stride_h, sm_scale, work_off,
+                       q_stride_h, sm_scale, v_scale, work_off,
                        cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                        merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                        mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
@@ -284,9 +283,10 @@ def prefill_kernel_source(spec: PrefillSpec):
             # Finish the rows: the output (whole KV seen) or a partial state (a chunk).
             if SOFTMAX:
                 inv, lse2 = finalize(row_m[r], row_l[r])
+                inv *= v_scale
                 lse_val = lse2 * F_LN2
             else:
-                inv = float32(1.0)
+                inv = v_scale
                 lse_val = ZERO
             nan_row = False
             for i in range(DPT):

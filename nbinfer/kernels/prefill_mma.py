@@ -158,8 +158,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     exp2 = prims.exp2
     shared_addr, cp_async16_to, commit, wait1 = (prims.shared_addr, prims.cp_async16_to,
                                                  prims.commit, prims.wait(1))
-    cvt = {"float16": prims.f16, "bfloat16": prims.bf16}
-    kv_f32, q_f32 = cvt[spec.kv_dtype], cvt[spec.q_dtype]
+    kv_f32, q_f32 = prims.convert[spec.kv_dtype], prims.convert[spec.q_dtype]
     jit_dev = device_jit(sim)
 
     @jit_dev
@@ -193,7 +192,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
                            tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
-                           q_stride_n, q_stride_h, sm_scale, work_off,
+                           q_stride_n, q_stride_h, sm_scale, v_scale, work_off,
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                            mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
@@ -362,10 +361,12 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 l0, l1 = quad_reduce(l0, l1, False, tid, scratch)
                 inv0, lse0 = finalize(m0, l0)
                 inv1, lse1 = finalize(m1, l1)
+                inv0 *= v_scale
+                inv1 *= v_scale
                 lse0 *= F_LN2
                 lse1 *= F_LN2
             else:
-                inv0 = inv1 = float32(1.0)
+                inv0 = inv1 = v_scale
                 lse0 = lse1 = ZERO
             split = prow >= 0
             # Output rows (or partial rows) and heads of the lane's two packed rows.

@@ -7,7 +7,8 @@ shuffles, no inline PTX, no bf16), chosen when the kernel is built, never branch
 
 Storage dtypes: fp16 KV is stored as ``float16``; bf16 as its raw bits in ``int16`` (torch bf16
 tensors have no ``__cuda_array_interface__`` typestr, so callers pass ``t.view(torch.int16)``);
-fp32 as ``float32``.
+fp32 as ``float32``; FP8 (``float8_e4m3fn``, ``float8_e5m2``) as its ``uint8`` codes, decoded to
+float32 by the loads (exactly: every FP8 value is an f16 value).
 """
 
 from __future__ import annotations
@@ -136,29 +137,56 @@ def _gpu_intrinsics():
     def make_lds(kind, n):
         # n consecutive storage elements at a shared address -> n float32, with the widest
         # loads (ld.shared.v4/v2) and one conversion per element.
-        itemsize = 4 if kind == "f32" else 2
-        words = n * itemsize // 4
+        itemsize = {"f32": 4, "f16": 2, "bf16": 2, "e4m3": 1, "e5m2": 1}[kind]
+        nbytes = n * itemsize
+        words = max(nbytes // 4, 1)
         body, w = [], 0
+        if nbytes == 2:  # two FP8 codes: a zero-extending 16-bit load into a 32-bit register
+            body.append(f"ld.shared.u16 w0, [${n}];")
+            w = 1
         while w < words:
             width = 4 if words - w >= 4 else (2 if words - w >= 2 else 1)
             regs = ",".join(f"w{w + i}" for i in range(width))
             dst = f".v{width}.b32 {{{regs}}}" if width > 1 else f".b32 {regs}"
             body.append(f"ld.shared{dst}, [${n}+{4 * w}];")
             w += width
-        for i in range(n):
-            if kind == "f32":
-                body.append(f"mov.b32 ${i}, w{i};")
-            elif kind == "f16":
-                if i % 2 == 0:
-                    body.append(f"mov.b32 {{h{i}, h{i + 1}}}, w{i // 2};")
-                body.append(f"cvt.f32.f16 ${i}, h{i};")
-            else:  # bf16: the bits are the top half of a float32
-                op = f"shl.b32 ${i}, w{i // 2}, 16;" if i % 2 == 0 else \
-                    f"and.b32 ${i}, w{i // 2}, 0xFFFF0000;"
-                body.append(op)
         decl = f".reg .b32 {','.join(f'w{i}' for i in range(words))};"
-        if kind == "f16":
-            decl += f" .reg .b16 {','.join(f'h{i}' for i in range(n))};"
+        if kind in ("e4m3", "e5m2"):
+            # Two codes -> an f16x2 pair -> two float32. e4m3: the sm_89+ conversion
+            # cvt.rn.f16x2.e4m3x2 of a 16-bit pair (exact: every e4m3 value, NaN included, is
+            # an f16 value). e5m2 is the upper byte of an f16, so one byte permute (prmt) per
+            # pair puts each code above a zero byte. The f16 -> f32 step is the same as fp16's.
+            pairs = -(-n // 2)
+            for j in range(pairs):
+                if kind == "e4m3":
+                    if j % 2 == 0:
+                        body.append(f"mov.b32 {{p{j}, p{j + 1}}}, w{j // 2};")
+                    body.append(f"cvt.rn.f16x2.e4m3x2 f{j}, p{j};")
+                else:
+                    sel = "0x1404" if j % 2 == 0 else "0x3424"
+                    body.append(f"prmt.b32 f{j}, w{j // 2}, 0, {sel};")
+                body.append(f"mov.b32 {{h{2 * j}, h{2 * j + 1}}}, f{j};")
+                for i in (2 * j, 2 * j + 1):
+                    if i < n:
+                        body.append(f"cvt.f32.f16 ${i}, h{i};")
+            decl += f" .reg .b32 {','.join(f'f{j}' for j in range(pairs))};"
+            decl += f" .reg .b16 {','.join(f'h{i}' for i in range(2 * pairs))};"
+            if kind == "e4m3":
+                decl += f" .reg .b16 {','.join(f'p{j}' for j in range(pairs + pairs % 2))};"
+        else:
+            for i in range(n):
+                if kind == "f32":
+                    body.append(f"mov.b32 ${i}, w{i};")
+                elif kind == "f16":
+                    if i % 2 == 0:
+                        body.append(f"mov.b32 {{h{i}, h{i + 1}}}, w{i // 2};")
+                    body.append(f"cvt.f32.f16 ${i}, h{i};")
+                else:  # bf16: the bits are the top half of a float32
+                    op = f"shl.b32 ${i}, w{i // 2}, 16;" if i % 2 == 0 else \
+                        f"and.b32 ${i}, w{i // 2}, 0xFFFF0000;"
+                    body.append(op)
+            if kind == "f16":
+                decl += f" .reg .b16 {','.join(f'h{i}' for i in range(n))};"
         text = "{" + decl + " " + " ".join(body) + "}"
         ret = types.UniTuple(float32, n)
 
@@ -178,6 +206,27 @@ def _gpu_intrinsics():
             return sig, codegen
 
         return lds
+
+    def make_fp8_to_f32(kind):
+        # One FP8 code (the low byte of an integer) -> float32, as make_lds converts it.
+        sig_body = {
+            "e4m3": "{.reg .b16 a, lo, hi; .reg .b32 f; cvt.u16.u32 a, $1; "
+                    "cvt.rn.f16x2.e4m3x2 f, a; mov.b32 {lo, hi}, f; cvt.f32.f16 $0, lo;}",
+            "e5m2": "{.reg .b16 a; cvt.u16.u32 a, $1; shl.b16 a, a, 8; cvt.f32.f16 $0, a;}",
+        }[kind]
+
+        @intrinsic
+        def fp8_to_f32(typingctx, code):
+            sig = types.float32(code)
+
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.uint32)
+                fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
+                return builder.call(ir.InlineAsm(fnty, sig_body, "=f,r"), [v])
+
+            return sig, codegen
+
+        return fp8_to_f32
 
     @intrinsic
     def sts_f32(typingctx, arr, addr, val):
@@ -249,7 +298,9 @@ def _gpu_intrinsics():
         load_cg=load_cg,
         load16=load16,
         shared_addr=shared_addr,
-        lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32") for n in (2, 4, 8, 16)},
+        lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32", "e4m3", "e5m2")
+             for n in (2, 4, 8, 16, 32)},
+        fp8_to_f32={k: make_fp8_to_f32(k) for k in ("e4m3", "e5m2")},
         sts_f32=sts_f32,
         cp_async16_to=cp_async16_to,
         cp_async={n: make_cp_async(n) for n in (4, 8, 16)},
@@ -264,7 +315,8 @@ def primitives(sim: bool):
 
     Returns a namespace with
 
-    converters ``f16``, ``bf16``, ``f32`` (storage element -> float32),
+    converters ``f16``, ``bf16``, ``f32`` (storage element -> float32) and ``convert`` (the
+    converter of each KV dtype by name, FP8 codes included: an element load decodes the code),
     ``from_f32_bf16`` (float32 -> bf16 bits, round to nearest even),
     ``exp2``, ``log2``, ``make_cp_async(n_elems, itemsize)``, ``commit``, ``wait(n)``;
     shared-memory access by 32-bit address: ``shared_addr(arr, idx)`` (bytes; in the simulator
@@ -296,6 +348,17 @@ def primitives(sim: bool):
             b = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
             return np.int16(np.uint16(b & 0xFFFF).view(np.int16))
 
+        def fp8_table(fmt):
+            from ..reference.fp8 import table
+
+            values = table(fmt).astype(np.float32)
+
+            def fp8_to_f32(code):
+                return values[int(code) & 0xFF]
+            return fp8_to_f32
+
+        e4m3_to_f32, e5m2_to_f32 = fp8_table("float8_e4m3fn"), fp8_table("float8_e5m2")
+
         def exp2(x):
             if x != x:  # NaN stays NaN, as on the GPU
                 return float32(x)
@@ -322,8 +385,11 @@ def primitives(sim: bool):
         def shared_addr(arr, idx):
             return idx * arr.itemsize
 
+        convert = {"float16": f16_to_f32, "bfloat16": bf16_to_f32, "float32": f32_to_f32,
+                   "float8_e4m3fn": e4m3_to_f32, "float8_e5m2": e5m2_to_f32}
+
         def make_lds(dtype, n):
-            cvt = {"float16": f16_to_f32, "bfloat16": bf16_to_f32, "float32": f32_to_f32}[dtype]
+            cvt = convert[dtype]
 
             def lds(arr, addr):
                 i = addr // arr.itemsize
@@ -347,6 +413,7 @@ def primitives(sim: bool):
                 sarr[d + e] = src[src_idx + e]
 
         ns.f16, ns.bf16, ns.f32, ns.from_f32_bf16 = f16_to_f32, bf16_to_f32, f32_to_f32, f32_to_bf16
+        ns.convert = convert
         ns.exp2, ns.log2 = exp2, log2
         ns.make_cp_async, ns.commit, ns.wait = make_cp_async, commit, wait
         ns.shared_addr, ns.make_lds, ns.sts_f32, ns.cp_async16_to = (
@@ -405,10 +472,13 @@ def primitives(sim: bool):
         return cp_async
 
     ns.f16, ns.bf16, ns.f32, ns.from_f32_bf16 = f16_to_f32, bf16_to_f32, f32_to_f32, f32_to_bf16
+    ns.convert = {"float16": f16_to_f32, "bfloat16": bf16_to_f32, "float32": f32_to_f32,
+                  "float8_e4m3fn": intr.fp8_to_f32["e4m3"], "float8_e5m2": intr.fp8_to_f32["e5m2"]}
     ns.exp2, ns.log2 = exp2, log2
     ns.make_cp_async, ns.commit = make_cp_async, intr.commit
     ns.wait = lambda n: intr.wait[n]
-    kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
+    kinds = {"float16": "f16", "bfloat16": "bf16", "float32": "f32", "float8_e4m3fn": "e4m3",
+             "float8_e5m2": "e5m2"}
     ns.shared_addr, ns.sts_f32, ns.cp_async16_to = intr.shared_addr, intr.sts_f32, intr.cp_async16_to
     ns.load_cg, ns.load16 = intr.load_cg, intr.load16
     # Shared arrays read by cp.async, ldmatrix or ld.shared.v4 must start 16-byte aligned.

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, types
 
-from .common import ITEMSIZE, KV_DTYPES, STORAGE, compile_kernel, state_finalize
+from .common import FLOAT_DTYPES, ITEMSIZE, STORAGE, compile_kernel, state_finalize
 from .primitives import LN2, LOG2E, device_jit, primitives
 
 STATE_THREADS = 128
@@ -46,8 +46,8 @@ class StateSpec:
     sim: bool = False
 
     def __post_init__(self):
-        if self.v_dtype not in KV_DTYPES:
-            raise ValueError(f"v_dtype must be one of {KV_DTYPES}, got {self.v_dtype!r}")
+        if self.v_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"v_dtype must be one of {FLOAT_DTYPES}, got {self.v_dtype!r}")
         if float(self.lse_base) not in LSE_BASES:
             raise ValueError(f"lse_base must be 2 or math.e, got {self.lse_base!r}")
         if self.head_dim < 1:
@@ -63,7 +63,7 @@ class StateSpec:
 def _codecs(spec: StateSpec):
     """(load, store, to_log2, from_log2) device functions for one spec."""
     prims = primitives(spec.sim)
-    load = {"float16": prims.f16, "bfloat16": prims.bf16, "float32": prims.f32}[spec.v_dtype]
+    load = prims.convert[spec.v_dtype]
     to_bf16 = prims.from_f32_bf16
     OUT_BF16 = spec.v_dtype == "bfloat16"
     NATURAL = float(spec.lse_base) != 2.0

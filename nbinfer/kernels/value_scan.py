@@ -106,7 +106,7 @@ def value_scan_source(spec):
 
     def value_scan(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                    counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n,
-                   q_stride_h, sm_scale, work_off, cta_indptr_off, cta_work_off,
+                   q_stride_h, sm_scale, v_scale, work_off, cta_indptr_off, cta_work_off,
                    merge_rows_off, merge_indptr_off, merge_indices_off, item_merge_off,
                    qo_indptr_off, mask_indptr_off, mask_words_off, q_pos0_off, qo_end_off,
                    value_flags_off):

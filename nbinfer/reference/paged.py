@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .._checks import (
+    FLOAT_DTYPES,
     as_index_array,
     check_dim,
     check_float,
@@ -24,6 +25,9 @@ from .._checks import (
     check_sm_scale,
 )
 from ._common import as_f64, check_layout, check_lse_base, check_q_kv
+
+# The append also takes a cache of FP8 codes (uint8), which it copies into.
+_CODES = FLOAT_DTYPES + (np.dtype(np.uint8),)
 
 __all__ = [
     "append_paged_kv_cache",
@@ -59,7 +63,7 @@ def _prepare_paged(q, paged_kv_cache, kv_layout, sm_scale, lse_base) -> _PagedIn
     return _PagedInputs(lse_base, q, k_cache, v_cache, num_pages, page_size, d, scale)
 
 
-def split_paged_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
+def split_paged_kv_cache(paged_kv_cache, kv_layout: str = "NHD", *, codes: bool = False):
     """Return ``(k_cache, v_cache)`` as NHD views ``[num_pages, page_size, Hkv, D]``.
 
     Parameters
@@ -84,14 +88,14 @@ def split_paged_kv_cache(paged_kv_cache, kv_layout: str = "NHD"):
         k_cache, v_cache = paged_kv_cache
         for name, arr in (("paged_kv_cache[0] (k_cache)", k_cache),
                           ("paged_kv_cache[1] (v_cache)", v_cache)):
-            check_float(name, arr)
+            check_float(name, arr, _CODES if codes else FLOAT_DTYPES)
             check_ndim(name, arr, 4)
         if v_cache.shape != k_cache.shape:
             raise ValueError(f"paged_kv_cache[1] (v_cache) shape must equal k_cache's "
                              f"{k_cache.shape}, got {v_cache.shape}")
         k_cache, v_cache = np.asarray(k_cache), np.asarray(v_cache)
     else:
-        check_float("paged_kv_cache", paged_kv_cache)
+        check_float("paged_kv_cache", paged_kv_cache, _CODES if codes else FLOAT_DTYPES)
         check_ndim("paged_kv_cache", paged_kv_cache, 5)
         check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
         cache = np.asarray(paged_kv_cache)
@@ -279,7 +283,8 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     Parameters
     ----------
     append_key, append_value : ndarray, float, shape [nnz, Hkv, D]
-        New keys and values (cast to the cache dtype on write).
+        New keys and values (cast to the cache dtype on write); uint8 FP8 codes for a cache of
+        codes (copied).
     batch_indices, positions : array of int, shape [nnz]
         Request and position of each token (see :func:`get_batch_indices_positions`).
     paged_kv_cache : ndarray or (ndarray, ndarray)
@@ -292,7 +297,7 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     -------
     None
     """
-    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout)
+    k_cache, v_cache = split_paged_kv_cache(paged_kv_cache, kv_layout, codes=True)
     for name, arr in (("paged_kv_cache", k_cache), ("paged_kv_cache", v_cache)):
         if not arr.flags.writeable:
             raise ValueError(f"{name} must be a writeable NumPy array (it is updated in place)")
@@ -300,7 +305,13 @@ def append_paged_kv_cache(append_key, append_value, batch_indices, positions, pa
     indptr, indices, last = check_page_table(kv_indptr, kv_indices, kv_last_page_len,
                                              num_pages, page_size)
     for name, arr in (("append_key", append_key), ("append_value", append_value)):
-        check_float(name, arr)
+        if k_cache.dtype == np.uint8:  # FP8 codes are copied, never cast from floats
+            if getattr(arr, "dtype", None) != np.uint8:
+                raise TypeError(f"{name} must be uint8 FP8 codes, as paged_kv_cache holds "
+                                f"(nbinfer.reference.fp8.encode quantises), got "
+                                f"{getattr(arr, 'dtype', type(arr).__name__)}")
+        else:
+            check_float(name, arr)
         check_ndim(name, arr, 3)
         check_dim(name, arr, 1, hkv, "num_kv_heads of paged_kv_cache")
         check_dim(name, arr, 2, d, "head_dim of paged_kv_cache")
