@@ -249,6 +249,57 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16):
     return res
 
 
+def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
+    """The same decode step over an fp16 cache and over its FP8 quantisation (``fmt``, with
+    k_scale / v_scale): GPU time back to back and per call of each, the speedup, and the FP8
+    output's error against the float64 reference on the dequantised cache (two requests)."""
+    hq = group * hkv
+    pt, cache16, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
+    ks, vs = 0.5, 0.25
+    # quantise K / ks and V / vs, as a serving system stores a scaled cache
+    scale = torch.tensor([1 / ks, 1 / vs], device="cuda").view(1, 2, 1, 1, 1)
+    cache8 = (cache16.float() * scale).to(getattr(torch, fmt))
+    base = batch * kv_len * hkv * d * 2
+    res = dict(batch=batch, kv_len=kv_len, group=group, format=fmt)
+    outs = {}
+    for name, cache, kv_dtype, run_kw in (
+            ("fp16", cache16, torch.float16, {}),
+            ("fp8", cache8, fmt, dict(k_scale=ks, v_scale=vs))):
+        w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
+                                                           device="cuda"), "NHD")
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+               q_data_type=torch.float16, kv_data_type=kv_dtype)
+        out = torch.empty_like(q)
+        lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+
+        def call(w=w, cache=cache, out=out, lse=lse, kw=run_kw):
+            return w.run(q, cache, out=out, lse=lse, **kw)
+
+        kv_bytes = base * cache.element_size()
+        t, tg = median_ms(call), gpu_ms(call)
+        res.update({f"{name}_ms": t, f"{name}_gpu_ms": tg, f"{name}_kv_bytes": kv_bytes,
+                    f"{name}_gpu_tbps": kv_bytes / tg / 1e9,
+                    f"{name}_regs": int(w.step_plan.launch.launch.kernel.regs),
+                    f"{name}_local_bytes": int(w.step_plan.launch.launch.kernel.local_bytes)})
+        outs[name] = out
+    res["speedup_gpu"] = res["fp16_gpu_ms"] / res["fp8_gpu_ms"]
+    res["speedup_call"] = res["fp16_ms"] / res["fp8_ms"]
+    # correctness of the timed FP8 output: two requests against the float64 reference
+    from nbinfer.reference import fp8 as fp8_ref
+
+    codes = cache8.view(torch.uint8).cpu().numpy()
+    rows = [0, batch - 1]
+    sub = PageTable.from_kv_lens([kv_len] * len(rows), ps)
+    pages = np.concatenate([pt.indices[pt.indptr[b]:pt.indptr[b + 1]] for b in rows])
+    kv = (fp8_ref.decode(codes[pages, 0], fmt, ks), fp8_ref.decode(codes[pages, 1], fmt, vs))
+    ref = reference.batch_decode_with_paged_kv_cache(
+        q[rows].double().cpu().numpy(), kv, sub.indptr, np.arange(pages.size), sub.last_page_len)
+    got = outs["fp8"][rows].double().cpu().numpy()
+    res["fp8_rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    torch.cuda.empty_cache()
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -259,7 +310,21 @@ def main():
                     help="GQA group of the sweep (Hkv 8, Hq 8 x group)")
     ap.add_argument("--tensor-cores", action="store_true",
                     help="only use_tensor_cores=True against the CUDA-core decode, groups 4 and 8")
+    ap.add_argument("--fp8", action="store_true",
+                    help="only FP8 (e4m3fn, e5m2) caches against fp16, the three cases")
     args = ap.parse_args()
+    if args.fp8:
+        rows = [fp8_case(b, l, fmt) for fmt in ("float8_e4m3fn", "float8_e5m2")
+                for b, l in CASES]
+        save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
+        print("format         case          fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
+              "fp8 TB/s  regs/local  rel err")
+        for r in rows:
+            print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} {r['fp16_gpu_ms']:10.3f} "
+                  f"{r['fp8_gpu_ms']:11.3f} {r['speedup_gpu']:8.2f} ({r['speedup_call']:.2f})"
+                  f"   {r['fp8_gpu_tbps']:9.2f}  {r['fp8_regs']}/{r['fp8_local_bytes']}"
+                  f"   {r['fp8_rel_err']:.1e}")
+        return
     if args.tensor_cores:
         rows = [tensor_core_case(b, l, g) for g in (4, 8) for b, l in ((64, 4096), (16, 32768))]
         save_json(args.out, tensor_cores=rows)
