@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     args = ap.parse_args()
     _offline_numba()
+    from nbinfer.kernels.common import ITEMSIZE
     from nbinfer.kernels.decode import DecodeSpec
     from nbinfer.variants import builtins
 
@@ -88,7 +89,8 @@ def main():
                "softcap": builtins.soft_cap(30.0), "sigmoid": builtins.sigmoid_attention(),
                "window": builtins.sliding_window(256)}[args.variant]
     extra = {} if args.max_registers is None else {"max_registers": args.max_registers or None}
-    spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, args.dtype,
+    q_dtype = "float16" if args.dtype.startswith("float8") else args.dtype  # FP8 is KV only
+    spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                       args.layout, variant, stages=args.stages, **extra)
     ptx = compile_spec(spec)
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,7 +108,7 @@ def main():
                                   check=True).stdout
             ops = loop_histogram(sass)
             total = sum(ops.values())
-            kv_bytes = 2 * spec.tokens_per_group * spec.head_dim * (4 if args.dtype == "float32" else 2)
+            kv_bytes = 2 * spec.tokens_per_group * spec.head_dim * ITEMSIZE[args.dtype]
             print(f"hot loop: {total} instructions per {kv_bytes}-byte group "
                   f"({total / (kv_bytes / 1024):.0f} per KiB of K+V)")
             print(", ".join(f"{k} {v}" for k, v in ops.most_common(20)))
