@@ -676,6 +676,79 @@ for c in cases:  # the bandwidth is the KV bytes over the time of one call
     assert math.isclose(c["nbinfer_tbps"], c["kv_bytes"] / c["nbinfer_ms"] / 1e9, rel_tol=1e-6)
 
 # %% [markdown]
+# ## 8. FP8 caches: half the bytes, the same instructions
+#
+# A serving system can store K and V as 8-bit floats, `float8_e4m3fn` (4 exponent bits, 3
+# mantissa bits, largest value 448) or `float8_e5m2` (5 and 2: an fp16 with its low byte cut
+# off), each with one scale per cache: attention reads `k = code_value * k_scale` and
+# `v = code_value * v_scale`. Nothing is rescaled in memory: FlashInfer folds `k_scale` into the
+# logits' scale (a scalar on every key is a scalar on every logit) and multiplies the output by
+# `v_scale` (a scalar on every value is a scalar on their weighted mean). The kernels load the
+# codes and convert them in the same shared-memory loads that fp16 uses. The conversion is exact:
+# every FP8 value is an fp16 value (fewer exponent and mantissa bits), so the only new error is
+# the quantisation the caller chose.
+
+# %%
+from nbinfer.reference import fp8  # noqa: E402
+
+for fmt in fp8.FORMATS:
+    values = fp8.table(fmt)
+    finite = values[np.isfinite(values)]
+    exact = np.array_equal(finite.astype(np.float16).astype(np.float64), finite)
+    print(f"{fmt}: {finite.size} finite codes, largest {finite.max():g}, smallest positive "
+          f"{finite[finite > 0].min():.3g}; all exact in fp16: {exact}")
+    assert exact
+
+# A paged batch stored as e4m3 codes (values quantised at a scale of 1/4: the stored code is
+# value / k_scale), decoded by the simulator's kernel with the scales passed to run().
+k_scale, v_scale = 0.25, 0.5
+fp8_pt = PageTable.from_kv_lens([37, 90], 16, rng=rng)
+values = rng.standard_normal((fp8_pt.num_pages, 2, 16, 2, 64))
+codes = np.stack([fp8.encode(values[:, 0] / k_scale, "float8_e4m3fn"),
+                  fp8.encode(values[:, 1] / v_scale, "float8_e4m3fn")], axis=1)
+q8 = rng.standard_normal((2, 8, 64)).astype(np.float32)
+w8 = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), backend="sim")
+w8.plan(fp8_pt.indptr, fp8_pt.indices, fp8_pt.last_page_len, 8, 2, 64, 16,
+        q_data_type="float32", kv_data_type="float8_e4m3fn")
+out8 = w8.run(q8, codes, k_scale=k_scale, v_scale=v_scale)
+dequant = (fp8.decode(codes[:, 0], "float8_e4m3fn", k_scale),
+           fp8.decode(codes[:, 1], "float8_e4m3fn", v_scale))
+exact_ref = reference.batch_decode_with_paged_kv_cache(
+    q8.astype(np.float64), dequant, fp8_pt.indptr, fp8_pt.indices, fp8_pt.last_page_len)
+orig_ref = reference.batch_decode_with_paged_kv_cache(
+    q8.astype(np.float64), (values[:, 0], values[:, 1]), fp8_pt.indptr, fp8_pt.indices,
+    fp8_pt.last_page_len)
+print(f"kernel vs reference on the dequantised cache: {rel_err(out8, exact_ref):.1e}; "
+      f"vs the values before quantisation: {rel_err(out8, orig_ref):.1e} (the quantisation)")
+assert rel_err(out8, exact_ref) <= TOL_F32 < rel_err(out8, orig_ref)
+
+# %% [markdown]
+# Half the bytes should mean half the time for a memory-bound kernel. But section 6's budget is
+# per *byte*, and a byte of FP8 carries twice the tokens: the FMAs per group double (a 4 KiB
+# group now holds 16 tokens at `D = 128`), and each pair of codes needs one more conversion
+# (FP8 pair -> fp16 pair) before the fp16 -> fp32 step. The floor alone takes most of the budget,
+# so the FP8 kernel is bound by instruction issue, not by HBM. The measured run says how much.
+
+# %%
+spec8 = DecodeSpec(head_dim=128, group_size=4, page_size=16, kv_dtype="float8_e4m3fn",
+                   q_dtype="float16", kv_layout="NHD", variant=standard())
+tg8 = spec8.tokens_per_group
+floor8 = (2 * spec8.group_size * 128 * tg8 // 32  # FMAs
+          + 2 * tg8 * 128 // 32  # fp16 -> fp32, one per element
+          + tg8 * 128 // 32)  # FP8 pair -> fp16 pair, one per two elements
+floor16 = min_fma + min_cvt
+print(f"4 KiB group: fp16 {tg} tokens, floor {floor16} instructions ({floor16 / budget:.0%} of "
+      f"the budget); FP8 {tg8} tokens, floor {floor8} ({floor8 / budget:.0%})")
+assert tg8 == 2 * tg and floor8 > 2 * floor16
+fp8_runs = json.loads((repo_root() / "bench" / "results" / "issue13" /
+                       "decode_fp8_h200.json").read_text())["fp8"]
+for r in fp8_runs:
+    print(f"{r['format']:14s} batch {r['batch']:3d}, KV {r['kv_len']:5d}: fp16 "
+          f"{r['fp16_gpu_ms']:.3f} ms, FP8 {r['fp8_gpu_ms']:.3f} ms -> {r['speedup_gpu']:.2f}x "
+          f"(half the bytes would allow 2x)")
+assert all(1.0 < r["speedup_gpu"] < 2.0 for r in fp8_runs)
+
+# %% [markdown]
 # ## Exercise: the gather kernel, within a read budget
 #
 # Write v2's kernel yourself in `my_gather_kernel`: one block of `num_threads` per (request, KV
@@ -713,6 +786,9 @@ print(exercises.attempt(exercises.check_gather_kernel, my_gather_kernel))
 #   long requests are split into chunks whose partial states merge with ⊕.
 # * Decode's arithmetic intensity is the GQA group size: bandwidth, not FLOPs, is its limit
 #   (lesson 07's roofline puts it beside the cascade and prefill).
+# * An FP8 cache halves the bytes and is decoded exactly on load, with the scales folded into
+#   the logits and the output; but its instructions per byte double, so on CUDA cores it is
+#   issue-bound and gains far less than 2x.
 #
 # Lesson 05 shows how the same kernel source becomes a different attention variant.
 
