@@ -61,18 +61,32 @@ def _gpu_intrinsics():
         arr = context.make_array(aryty)(context, builder, value=ary)
         return cgutils.get_item_pointer(context, builder, aryty, arr, [idx], wraparound=False)
 
-    @intrinsic
-    def f16_bits_to_f32(typingctx, bits):
-        # cvt.f32.f16 on the low 16 bits of an integer register: one instruction per element.
-        sig = types.float32(bits)
+    def make_bits_to_f32(text):
+        # An integer's low bits -> float32 through the inline PTX ``text`` ($1 the integer as
+        # a 32-bit register, $0 the float).
+        @intrinsic
+        def bits_to_f32(typingctx, bits):
+            sig = types.float32(bits)
 
-        def codegen(context, builder, sig, args):
-            v = context.cast(builder, args[0], sig.args[0], types.uint32)
-            fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
-            asm = ir.InlineAsm(fnty, "{.reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h;}", "=f,r")
-            return builder.call(asm, [v])
+            def codegen(context, builder, sig, args):
+                v = context.cast(builder, args[0], sig.args[0], types.uint32)
+                fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
+                return builder.call(ir.InlineAsm(fnty, text, "=f,r"), [v])
 
-        return sig, codegen
+            return sig, codegen
+
+        return bits_to_f32
+
+    # cvt.f32.f16 on the low 16 bits of an integer register: one instruction per element.
+    f16_bits_to_f32 = make_bits_to_f32("{.reg .b16 h; cvt.u16.u32 h, $1; cvt.f32.f16 $0, h;}")
+    # One FP8 code (the low byte) -> float32, as make_lds converts it.
+    fp8_to_f32 = {
+        "e4m3": make_bits_to_f32("{.reg .b16 a, lo, hi; .reg .b32 f; cvt.u16.u32 a, $1; "
+                                 "cvt.rn.f16x2.e4m3x2 f, a; mov.b32 {lo, hi}, f; "
+                                 "cvt.f32.f16 $0, lo;}"),
+        "e5m2": make_bits_to_f32("{.reg .b16 a; cvt.u16.u32 a, $1; shl.b16 a, a, 8; "
+                                 "cvt.f32.f16 $0, a;}"),
+    }
 
     def make_cp_async(nbytes):
         # One cp.async of nbytes (4, 8 or 16) from global memory into shared memory: the copy
@@ -207,27 +221,6 @@ def _gpu_intrinsics():
 
         return lds
 
-    def make_fp8_to_f32(kind):
-        # One FP8 code (the low byte of an integer) -> float32, as make_lds converts it.
-        sig_body = {
-            "e4m3": "{.reg .b16 a, lo, hi; .reg .b32 f; cvt.u16.u32 a, $1; "
-                    "cvt.rn.f16x2.e4m3x2 f, a; mov.b32 {lo, hi}, f; cvt.f32.f16 $0, lo;}",
-            "e5m2": "{.reg .b16 a; cvt.u16.u32 a, $1; shl.b16 a, a, 8; cvt.f32.f16 $0, a;}",
-        }[kind]
-
-        @intrinsic
-        def fp8_to_f32(typingctx, code):
-            sig = types.float32(code)
-
-            def codegen(context, builder, sig, args):
-                v = context.cast(builder, args[0], sig.args[0], types.uint32)
-                fnty = ir.FunctionType(ir.FloatType(), [ir.IntType(32)])
-                return builder.call(ir.InlineAsm(fnty, sig_body, "=f,r"), [v])
-
-            return sig, codegen
-
-        return fp8_to_f32
-
     @intrinsic
     def sts_f32(typingctx, arr, addr, val):
         sig = types.void(arr, addr, float32)
@@ -300,7 +293,7 @@ def _gpu_intrinsics():
         shared_addr=shared_addr,
         lds={(k, n): make_lds(k, n) for k in ("f16", "bf16", "f32", "e4m3", "e5m2")
              for n in (2, 4, 8, 16, 32)},
-        fp8_to_f32={k: make_fp8_to_f32(k) for k in ("e4m3", "e5m2")},
+        fp8_to_f32=fp8_to_f32,
         sts_f32=sts_f32,
         cp_async16_to=cp_async16_to,
         cp_async={n: make_cp_async(n) for n in (4, 8, 16)},
