@@ -56,7 +56,7 @@ from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
 from .primitives import LOG2E, device_jit, primitives
-from .warp import warp_collectives
+from .warp import head_maxima, warp_collectives
 
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
@@ -170,6 +170,11 @@ def decode_kernel_source(spec: DecodeSpec):
     MERGE_SMEM = NW * (D + 2)
     coll = warp_collectives(N, NW, sim, LPT)
     R, REP, SCRATCH = coll.R, coll.REP, coll.scratch_size
+    # After the reduce-scatter a lane's R logits belong to one head (GP <= LPT), and head h's
+    # logits sit in lanes u of [h * HB, (h + 1) * HB) of every key row's lane group.
+    HB = TPL * REP // R
+    hmax = head_maxima(G, HB, LPT, NW, sim)
+    head_max, HSCRATCH = hmax.maxima, hmax.scratch_size
     # Numba captures functions, not namespaces: bind every device function to a plain name.
     reduce_scatter = coll.reduce_scatter
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
@@ -244,11 +249,11 @@ def decode_kernel_source(spec: DecodeSpec):
         pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
         scratch = cuda.shared.array(SCRATCH, float32)
+        hscratch = cuda.shared.array(HSCRATCH, float32)
         part = cuda.local.array(N, float32)
         sc = cuda.local.array(R, float32)
         lpart = cuda.local.array(R, float32)
-        mref_r = cuda.local.array(R, float32)
-        alpha_r = cuda.local.array(R, float32)
+        gmax = cuda.local.array(G, float32)
         slot_h = cuda.local.array(R, int32)
         slot_t = cuda.local.array(R, int32)
         qv = cuda.local.array(GDPL, float32)
@@ -296,8 +301,6 @@ def decode_kernel_source(spec: DecodeSpec):
                 slot_h[r] = slot // TPL
                 slot_t[r] = half + NH * (slot % TPL)
                 lpart[r] = ZERO
-                mref_r[r] = ZERO
-                alpha_r[r] = ONE
 
             # Loop state is unsigned 32-bit and advanced incrementally: Numba's default int64
             # arithmetic would otherwise put 64-bit index math into every group.
@@ -368,30 +371,32 @@ def decode_kernel_source(spec: DecodeSpec):
                     sc[rr] = s if keep else MASKED
 
                 if SOFTMAX:
-                    for rr in range(R):
-                        sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
-                    syncwarp()
+                    # Every head's maximum of the group in every lane, by shuffles among the
+                    # lanes that own the head's logits (no shared-memory round trip).
+                    lm = sc[0]
+                    for rr in range(1, R):
+                        lm = max(lm, sc[rr])
+                    head_max(lm, lane, warp, hscratch, gmax)
+                    own = slot_h[0]  # the one head of this lane's logits (>= G: padding)
+                    own_mref = ZERO
+                    own_alpha = ONE
                     for h in range(G):
-                        mt = m[h]
-                        sv = lds_p(pbuf, pa + U32(4 * h * TG))
-                        for j in range(TG):
-                            mt = max(mt, sv[j])
+                        mt = max(m[h], gmax[h])
                         # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
                         mref = mt if mt > NEG_INF else ZERO
                         alpha = exp2(m[h] - mref)
                         m[h] = mt
                         for e in range(NV):
                             acc[h * NV + e] *= alpha
-                        for rr in range(R):
-                            if slot_h[rr] == h:
-                                mref_r[rr] = mref
-                                alpha_r[rr] = alpha
+                        if own == h:
+                            own_mref = mref
+                            own_alpha = alpha
                     for rr in range(R):
-                        p = exp2(sc[rr] - mref_r[rr])
+                        p = exp2(sc[rr] - own_mref)
                         p_pv = p
                         if GUARD:  # a kept key of weight 0 is still read in p.V
                             p, p_pv = split_weight(sc[rr], p)
-                        lpart[rr] = lpart[rr] * alpha_r[rr] + p
+                        lpart[rr] = lpart[rr] * own_alpha + p
                         sc[rr] = p_pv
                 for rr in range(R):
                     sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])

@@ -106,3 +106,46 @@ def _sim_collectives(N, R, REP, num_warps, width):
         cuda.syncthreads()
 
     return SimpleNamespace(reduce_scatter=reduce_scatter, scratch_size=num_warps * W, R=R, REP=REP)
+
+
+@functools.cache
+def head_maxima(num_heads: int, block: int, width: int, num_warps: int, sim: bool):
+    """Build ``maxima(x, lane, warp, scratch, out)`` for the decode's online softmax.
+
+    After :func:`reduce_scatter` the logits of head ``h`` sit in lanes ``u`` (``u = lane %
+    width``) of ``[h * block, (h + 1) * block)`` in every group of ``width`` lanes, and no lane
+    holds two heads. ``x`` is the maximum over the lane's own logits; ``out [num_heads]`` gets
+    every head's maximum in every lane: a butterfly over the lanes of one head (``log2(32 /
+    heads)`` shuffle-max steps), then one indexed shuffle per head. NaN propagates as with
+    ``max``. The simulator twin goes through shared memory (``32 * num_warps`` floats).
+    """
+    if not (_is_pow2(block) and _is_pow2(width) and block <= width <= 32):
+        raise ValueError(f"block and width must be powers of two, block <= width <= 32, got "
+                         f"{block}, {width}")
+    offsets = [o for o in (1, 2, 4, 8, 16) if o < block or (o >= width and o < 32)]
+    G = num_heads
+    if sim:
+        @cuda.jit(device=True)
+        def maxima(x, lane, warp, scratch, out):
+            scratch[warp * 32 + lane] = x
+            cuda.syncthreads()
+            for h in range(G):
+                m = scratch[warp * 32 + h * block]
+                for j in range(32):
+                    if ((j % width) // block) == h:
+                        m = max(m, scratch[warp * 32 + j])
+                out[h] = m
+            cuda.syncthreads()
+
+        return SimpleNamespace(maxima=maxima, scratch_size=32 * num_warps)
+
+    OFFS = tuple(offsets)
+
+    @device_jit(False)
+    def maxima(x, lane, warp, scratch, out):
+        for off in OFFS:
+            x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, off))
+        for h in range(G):
+            out[h] = cuda.shfl_sync(FULL_MASK, x, h * block)
+
+    return SimpleNamespace(maxima=maxima, scratch_size=1)
