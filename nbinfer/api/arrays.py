@@ -107,8 +107,8 @@ def single_kv_dtype(k, v, kv_data_type=None) -> str:
                             "or 'float8_e5m2' to name their format")
     else:
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type, kv=True)
-    check_kv_dtype("k", k, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's")
-    check_kv_dtype("v", v, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's")
+    check_kv_dtype("k", k, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's dtype")
+    check_kv_dtype("v", v, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's dtype")
     return kv_dtype
 
 
