@@ -782,3 +782,14 @@ def test_hook_key_follows_the_as_type_of_rule(monkeypatch):
 
     monkeypatch.setattr(precision, "_implementation", narrowing_half_too)
     assert stable(rope_llama(8.0, 5e5)) != before
+
+
+def test_variant_hash_is_cached_and_not_pickled():
+    """The hash is computed once (plan() and run() memos hash specs holding the variant), and an
+    unpickled variant recomputes it: str hashes differ between processes."""
+    import pickle
+
+    v = sliding_window(64)
+    assert hash(v) == hash(v._key) and "_hash" not in v.__getstate__()
+    w = pickle.loads(pickle.dumps(standard()))
+    assert w == standard() and hash(w) == hash(standard())

@@ -219,9 +219,22 @@ class Variant:
             object.__setattr__(self, kind, _check_hooks(kind, getattr(self, kind)))
         hook_keys = tuple(tuple(_function_key(f) for f in getattr(self, k)) for k in HOOK_KINDS)
         object.__setattr__(self, "_key", (self.name, params, self.use_softmax, hook_keys))
+        # computed once: specs holding the variant are dictionary keys of every plan() and
+        # run() memo, and the key is a nested tuple of the hooks' code keys
+        object.__setattr__(self, "_hash", hash(self._key))
 
     def __hash__(self):
-        return hash(self._key)
+        return self._hash
+
+    def __getstate__(self):
+        # str hashes differ between processes (PYTHONHASHSEED): an unpickled variant (warmup's
+        # worker processes) recomputes its hash instead of carrying its parent's
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+        object.__setattr__(self, "_hash", hash(self._key))
 
     def __eq__(self, other):
         return isinstance(other, Variant) and self._key == other._key
