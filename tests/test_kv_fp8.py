@@ -209,3 +209,25 @@ def test_reference_backend_and_sim_agree_with_a_variant(rng):
                variant=V.sliding_window(5))
         outs.append(w.run(q, cache, k_scale=1.5, v_scale=0.25))
     assert rel_err(outs[0], outs[1]) <= TOLERANCE["float16"]
+
+
+def test_block_sparse_reads_fp8_codes(rng):
+    """The BSR wrapper shares the CUDA-core prefill kernel: FP8 codes work there too (no scale
+    arguments: FlashInfer's block-sparse run() has none), on the kernels and the reference."""
+    fmt, hq, hkv, d, M, N, R, C = "float8_e5m2", 4, 2, 64, 6, 40, 2, 8
+    indptr, indices = np.array([0, 2, 3, 5]), np.array([0, 3, 4, 1, 2])
+    q = rng.standard_normal((M, hq, d)).astype(np.float16)
+    k, v = _codes(rng, (N, hkv, d), fmt), _codes(rng, (N, hkv, d), fmt)
+    outs = []
+    for be in ("sim", "reference"):
+        w = nbinfer.BlockSparseAttentionWrapper(np.zeros(1 << 20, np.uint8), backend=be)
+        w.plan(indptr, indices, M, N, R, C, hq, hkv, d, kv_data_type=fmt)
+        outs.append(w.run(q, k, v))
+    dense = np.zeros((M, N), bool)
+    for r in range(3):
+        for c in indices[indptr[r]:indptr[r + 1]]:
+            dense[r * R:(r + 1) * R, c * C:(c + 1) * C] = True
+    want = reference.single_prefill_with_kv_cache(q.astype(np.float64), fp8.decode(k, fmt),
+                                                  fp8.decode(v, fmt), custom_mask=dense)
+    assert rel_err(outs[0], want) <= TOLERANCE["float16"]
+    assert rel_err(outs[1], want) <= TOLERANCE["float16"]

@@ -133,9 +133,9 @@ class BlockSparseAttentionWrapper(PrefillWrapperBase):
         binding.same_device(q=q, k=k, v=v, float_workspace_buffer=self._workspace)
         if self._backend == "reference":
             bsr = step.extra["bsr"]
-            host = arrays.to_host
             res = reference.block_sparse_attention(
-                host(q), host(k), host(v), bsr.indptr, bsr.indices, *bsr.block_shape,
+                arrays.to_host(q), arrays.kv_values(k, step.kv_dtype),
+                arrays.kv_values(v, step.kv_dtype), bsr.indptr, bsr.indices, *bsr.block_shape,
                 mask=step.extra["mask"], variant=step.variant, sm_scale=step.sm_scale,
                 return_lse=return_lse or lse is not None)
             return write_reference(res, out, lse, q, (M, step.num_qo_heads, D), step.q_dtype,
