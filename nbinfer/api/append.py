@@ -264,7 +264,7 @@ def _check_kv(append_key, append_value, paged_kv_cache, kv_layout, be):
         check_dim(name, a, 1, heads, "num_kv_heads of paged_kv_cache")
         check_dim(name, a, 2, dim, "head_dim of paged_kv_cache")
         got = arrays.storage_dtype(a, name, kv=True)
-        if not _same_storage(got, kv_dtype):
+        if not arrays.same_kv_storage(got, kv_dtype):
             raise TypeError(f"{name} must have the cache's dtype {kv_dtype}, got {got}")
     nnz = int(append_key.shape[0])
     check_dim("append_value", append_value, 0, nnz, "nnz of append_key")
@@ -391,19 +391,12 @@ def _split_cache(paged_kv_cache):
                              f"got {tuple(v.shape)}")
         kd = arrays.storage_dtype(k, "k_cache", kv=True)
         vd = arrays.storage_dtype(v, "v_cache", kv=True)
-        if not _same_storage(kd, vd):
+        if not arrays.same_kv_storage(kd, vd):
             raise TypeError(f"v_cache must have k_cache's dtype {kd}, got {vd}")
         return k, v, False
     check_ndim("paged_kv_cache", paged_kv_cache, 5)
     check_dim("paged_kv_cache", paged_kv_cache, 1, 2, "K and V")
     return paged_kv_cache[:, 0], paged_kv_cache[:, 1], True
-
-
-def _same_storage(a: str, b: str) -> bool:
-    """Whether two KV dtypes hold the same bits: equal, or FP8 codes and a named FP8 format
-    (append copies codes; it never converts)."""
-    fp8 = ("uint8", "float8_e4m3fn", "float8_e5m2")
-    return a == b or ("uint8" in (a, b) and a in fp8 and b in fp8)
 
 
 def _check_indices(batch_indices, positions, kv_indices, kv_indptr, kv_last_page_len, nnz,

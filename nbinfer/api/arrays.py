@@ -14,6 +14,7 @@ import numpy as np
 from numba import cuda
 
 from .._checks import as_index_array, dtype_name
+from .dtypes import FP8_DTYPES, normalize_dtype
 
 BACKENDS = ("auto", "cuda", "sim", "reference")
 _SAID = []  # the one-time note of backend="auto" falling back to the reference engine
@@ -74,7 +75,7 @@ def storage_dtype(x, name: str = "array", *, kv: bool = False) -> str:
     ``"uint8"``: raw FP8 codes, whose format the plan's ``kv_data_type`` names
     (:func:`check_kv_dtype`)."""
     dt = dtype_name(x)
-    if kv and dt in ("float8_e4m3fn", "float8_e5m2", "uint8"):
+    if kv and (dt in FP8_DTYPES or dt == "uint8"):
         return dt
     if dt in ("float16", "bfloat16", "float32"):
         if isinstance(x, np.ndarray) and dt == "bfloat16":
@@ -87,19 +88,23 @@ def storage_dtype(x, name: str = "array", *, kv: bool = False) -> str:
     raise TypeError(f"{name} must have dtype {allowed}, got {dt}")
 
 
+def same_kv_storage(a: str, b: str) -> bool:
+    """Whether two KV dtypes (:func:`storage_dtype` with ``kv``) hold the same bits: equal, or
+    ``uint8`` codes beside a named FP8 format."""
+    return a == b or (a == "uint8" and b in FP8_DTYPES) or (b == "uint8" and a in FP8_DTYPES)
+
+
 def check_kv_dtype(name: str, x, kv_dtype: str, what: str = "planned kv_data_type") -> None:
     """Require a KV array of dtype ``kv_dtype``; an FP8 plan also takes ``uint8`` codes."""
     dt = storage_dtype(x, name, kv=True)
-    if dt != kv_dtype and not (dt == "uint8" and kv_dtype.startswith("float8")):
-        codes = " (or uint8 codes)" if kv_dtype.startswith("float8") else ""
+    if not same_kv_storage(dt, kv_dtype):
+        codes = " (or uint8 codes)" if kv_dtype in FP8_DTYPES else ""
         raise TypeError(f"{name} must have dtype {kv_dtype}{codes} ({what}), got {dt}")
 
 
 def single_kv_dtype(k, v, kv_data_type=None) -> str:
     """The KV dtype of a single-request call's ``k`` and ``v``: ``kv_data_type`` when given
     (``uint8`` codes need it to name their FP8 format), else ``k``'s own; ``v`` must match."""
-    from .dtypes import normalize_dtype
-
     if kv_data_type is None:
         kv_dtype = storage_dtype(k, "k", kv=True)
         if kv_dtype == "uint8":
@@ -107,8 +112,9 @@ def single_kv_dtype(k, v, kv_data_type=None) -> str:
                             "or 'float8_e5m2' to name their format")
     else:
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type, kv=True)
-    check_kv_dtype("k", k, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's dtype")
-    check_kv_dtype("v", v, kv_dtype, "kv_data_type" if kv_data_type is not None else "k's dtype")
+    what = "k's dtype" if kv_data_type is None else "kv_data_type"
+    for name, x in (("k", k), ("v", v)):
+        check_kv_dtype(name, x, kv_dtype, what)
     return kv_dtype
 
 
@@ -352,7 +358,7 @@ def kv_values(x, kv_dtype: str, scale: float = 1.0) -> np.ndarray:
     """A KV array of any kind as the float64 values attention reads: FP8 codes decoded
     (:func:`nbinfer.reference.fp8.decode`), times ``scale`` (the per-call ``k_scale`` or
     ``v_scale``). What the reference backend computes with."""
-    if kv_dtype.startswith("float8"):
+    if kv_dtype in FP8_DTYPES:
         from ..reference import fp8
 
         return fp8.decode(np.asarray(to_host_exact(x)).view(np.uint8), kv_dtype, scale)

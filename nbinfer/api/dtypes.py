@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..reference.fp8 import FORMATS as FP8_DTYPES  # a KV cache may also hold FP8 codes
+
 DTYPES = ("float16", "bfloat16", "float32")
-# A KV cache may also hold FP8 codes (nbinfer.reference.fp8 defines them).
-FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 KV_DTYPES = DTYPES + FP8_DTYPES
 _ALIASES = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32",
             "fp32": "float32", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
