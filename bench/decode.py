@@ -31,6 +31,11 @@ COPY_CEILING = 4.22e12
 CASES = [(64, 4096), (256, 1024), (16, 32768)]
 
 
+def kv_bytes_of(batch, kv_len, hkv, d, itemsize=2) -> int:
+    """Bytes of K and V a decode step reads: every token of every request and KV head, once."""
+    return batch * kv_len * hkv * d * 2 * itemsize
+
+
 def save_json(path, **payload) -> None:
     """Write ``payload`` with the device's name to ``path`` (nothing when ``path`` is None)."""
     if path:
@@ -112,7 +117,7 @@ def bench_case(batch, kv_len, sdpa=True, group=4):
     w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=torch.float16)
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
-    kv_bytes = batch * kv_len * hkv * d * 2 * 2
+    kv_bytes = kv_bytes_of(batch, kv_len, hkv, d)
     t = median_ms(lambda: w.run(q, cache, out=out, lse=lse))
     tg = gpu_ms(lambda: w.run(q, cache, out=out, lse=lse))
     res = dict(batch=batch, kv_len=kv_len, group=group, kv_bytes=kv_bytes, nbinfer_ms=t,
@@ -228,7 +233,7 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16):
     fp16, and their largest difference."""
     hq = group * hkv
     pt, cache, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
-    kv_bytes = batch * kv_len * hkv * d * 2 * 2
+    kv_bytes = kv_bytes_of(batch, kv_len, hkv, d)
     res = dict(batch=batch, kv_len=kv_len, group=group, hq=hq, hkv=hkv, kv_bytes=kv_bytes)
     outs = {}
     for name, tc in (("cuda_cores", False), ("tensor_cores", True)):
@@ -259,7 +264,6 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
     # quantise K / ks and V / vs, as a serving system stores a scaled cache
     scale = torch.tensor([1 / ks, 1 / vs], device="cuda").view(1, 2, 1, 1, 1)
     cache8 = (cache16.float() * scale).to(getattr(torch, fmt))
-    base = batch * kv_len * hkv * d * 2
     res = dict(batch=batch, kv_len=kv_len, group=group, format=fmt)
     outs = {}
     for name, cache, kv_dtype, run_kw in (
@@ -275,7 +279,7 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
         def call(w=w, cache=cache, out=out, lse=lse, kw=run_kw):
             return w.run(q, cache, out=out, lse=lse, **kw)
 
-        kv_bytes = base * cache.element_size()
+        kv_bytes = kv_bytes_of(batch, kv_len, hkv, d, cache.element_size())
         t, tg = median_ms(call), gpu_ms(call)
         res.update({f"{name}_ms": t, f"{name}_gpu_ms": tg, f"{name}_kv_bytes": kv_bytes,
                     f"{name}_gpu_tbps": kv_bytes / tg / 1e9,

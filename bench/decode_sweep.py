@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from decode import CASES, kernel_resources, launch_ms, paged_case  # noqa: E402
+from decode import CASES, kernel_resources, kv_bytes_of, launch_ms, paged_case  # noqa: E402
 
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 from nbinfer.kernels.decode import build_decode_kernel  # noqa: E402
@@ -46,7 +46,7 @@ def main():
         base = w.step_plan.launch.launch
         torch.cuda.synchronize()
         ref = out.clone()
-        kv_bytes = batch * kv_len * 8 * 128 * 2 * 2
+        kv_bytes = kv_bytes_of(batch, kv_len, 8, 128)
         for stages, regs in itertools.product(args.stages, args.max_registers):
             spec = dataclasses.replace(w.step_plan.spec, stages=stages, max_registers=regs or None)
             try:
