@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -11,6 +13,7 @@ from nbinfer.api.workspace import item_merge_lists
 from nbinfer.formats.paged import check_page_table
 from nbinfer.scheduler import PlanLayout, plan
 from nbinfer.scheduler.compiled import (
+    PendingPlan,
     check_and_plan,
     check_page_table_fast,
     pack_compiled,
@@ -121,9 +124,13 @@ def test_check_and_plan_is_the_check_then_the_planner(lens, rng):
     table = tuple(np.array(a, dtype=np.int32) for a in (pt.indptr, pt.indices, pt.last_page_len))
     qo = np.arange(len(lens) + 1, dtype=np.int32)
     for split in (None, 64):
-        *got_table, sched, item_merge, packed = check_and_plan(
+        *got_table, pending, packed = check_and_plan(
             *table, 16, NAMES, qo, 32, 8, 528, granule=16, fixed_split_size=split)
         assert not packed  # nothing to pack into without ``speculate``
+        sched, item_merge = pending.get()
+        assert (pending.num_ctas, pending.num_work, pending.num_merge_rows,
+                pending.num_merge_nnz) == (sched.num_ctas, sched.num_work,
+                                           sched.num_merge_rows, sched.num_merge_nnz)
         *want_table, pages = check_page_table_fast(*table, 16, NAMES)
         assert got_table[4] == pages
         for g, w in zip(got_table[:4], want_table, strict=True):
@@ -236,3 +243,26 @@ def test_speculative_pack_writes_what_staging_writes(rng, monkeypatch):
                                    step.page_table)
         np.testing.assert_array_equal(launch.ints[:want.size], want)
     assert staged_steps <= 4, staged_steps  # three or more steps took the speculative words
+
+
+def test_decode_step_builds_its_schedule_on_first_read(rng):
+    # A steady-state decode plan() packs the step in the compiled call and keeps the schedule
+    # as the loops' one buffer (compiled.PendingPlan); reading step.schedule builds the Plan,
+    # which is the NumPy planner's.
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+    from nbinfer.api.step import DeferredStepPlan, StepPlan
+    from nbinfer.formats import PageTable
+
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(8 << 20, dtype=np.uint8), backend="sim")
+    pt = PageTable.from_kv_lens([900, 33, 4000], 16, rng=rng)
+    for _ in range(3):
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, 8, 2, 64, 16)
+    step = w.step_plan
+    assert type(step) is DeferredStepPlan
+    assert isinstance(step.__dict__["schedule"], PendingPlan)  # not built yet
+    want = plan(np.arange(4, dtype=np.int32), step.kv_lens, 8, 2, step.schedule.num_ctas,
+                granule=step.schedule.granule)
+    assert step.schedule == want and w.schedule is step.schedule  # built once, then kept
+    assert not step.schedule.work.flags.writeable
+    assert StepPlan(**{f.name: getattr(step, f.name) for f in dataclasses.fields(StepPlan)}) \
+        == step

@@ -30,7 +30,7 @@ from .base import WrapperBase, kv_strides, write_reference
 from .dtypes import normalize_dtype
 from .fast_path import TorchFastPath
 from .launch import AttentionLaunch, TableReader
-from .step import StepPlan
+from .step import DeferredStepPlan, StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
 
 __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "kernel_ctas", "persistent_ctas",
@@ -134,7 +134,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         # layouts, decode's qo_indptr per batch size, the stream getter (the grid is the
         # config's: it follows the kernel's registers).
         self._configs, self._launches, self._layouts, self._aranges = {}, {}, {}, {}
-        self._last_layouts = {}  # per prepared launch: its last step's layout
         self._planned = False
         self._stream = arrays.stream_getter(self._workspace)
         self._table_reader = TableReader()  # page tables given as CUDA tensors
@@ -213,7 +212,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         # cost Numba's CPU start-up (~0.3-0.6 s) once per process (compiled.load's docstring).
         fast = self._planned or compiled.loaded()
         sched, packed, guess, speculate = None, False, None, None
-        launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
+        # The prepared launch of (spec, heads), found once per config (heads are statics):
+        # no tuple of the spec hashed per step.
+        launch = cfg.launch
         if fast and self._backend != "reference":
             # the page-table check and the schedule in one compiled call
             compiled.load()
@@ -225,12 +226,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             qo_indptr = self._qo_arange(max(table[0].size - 1, 0))
             # Consecutive steps mostly keep their layout: the same call packs the step into
             # the staging buffer for the last step's layout, used if this step keeps it.
-            guess = self._last_layouts.get(launch_key)
-            if guess is not None and launch_key in self._launches:
-                speculate = (self._launches[launch_key].staging(guess.words["end"]),
+            guess = launch.last_layout if launch is not None else None
+            if guess is not None:
+                speculate = (launch.staging(guess.words["end"]),
                              *guess.pack_args(num_qo_heads, num_kv_heads, cfg.granule,
                                               fixed_split_size))
-            indptr, indices, last, kv_lens, min_pages, sched, item_merge, packed = \
+            indptr, indices, last, kv_lens, min_pages, sched, packed = \
                 compiled.check_and_plan(*table, cfg.page_size, _TABLE_NAMES, qo_indptr,
                                         num_qo_heads, num_kv_heads, self._grid(cfg),
                                         granule=cfg.granule, fixed_split_size=fixed_split_size,
@@ -252,6 +253,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                       kv_indices=indices, kv_last_page_len=last, kv_lens=kv_lens)
         if self._backend == "reference":
             return StepPlan(**fields)
+        item_merge = None
         if sched is None and fast:  # (the compiled path scheduled with the check)
             sched, item_merge = compiled.plan_compiled(
                 qo_indptr, kv_lens, num_qo_heads, num_kv_heads, self._grid(cfg),
@@ -263,24 +265,28 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             item_merge = item_merge_lists(sched)
         layout = self._layout_for(sched, batch, indices.size, num_qo_heads, num_kv_heads,
                                   cfg.head_dim, cfg.page_size, fixed_split_size)
-        # The spec fixes the group size, not the head counts, which the fast path's shape
-        # checks and strides depend on: one prepared launch per (spec, heads).
-        launch = self._launches.get(launch_key)
         if launch is None:
-            launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
-                                     self._grid(cfg), cfg.sm_scale, self._memory,
-                                     self._graph_buffers)
-            self._launches[launch_key] = launch
-        else:
-            launch.bind(layout, cfg.sm_scale)
+            # The spec fixes the group size, not the head counts, which the fast path's shape
+            # checks and strides depend on: one prepared launch per (spec, heads).
+            launch_key = (cfg.spec, num_qo_heads, num_kv_heads)
+            launch = self._launches.get(launch_key)
+            if launch is None:
+                launch = AttentionLaunch(cfg.spec, self._workspace, layout, self._backend,
+                                         self._grid(cfg), cfg.sm_scale, self._memory,
+                                         self._graph_buffers)
+                self._launches[launch_key] = launch
+            cfg.launch = launch
+        launch.bind(layout, cfg.sm_scale)
         table = (indptr, indices, last)
         if packed and (layout is guess or layout == guess):  # (an exact layout is not memoised)
             staged = speculate[0]  # packed there by check_and_plan
         else:
+            if item_merge is None:  # a PendingPlan: this step needs its arrays
+                sched, item_merge = sched.get()
             staged = layout.stage(sched, item_merge, None if self._graph_buffers else table,
                                   out=launch.staging(layout.words["end"]), compiled=fast)
         if self._graph_buffers is None and fast:
-            self._last_layouts[launch_key] = layout
+            launch.last_layout = layout
         launch.upload(staged, table, self._stream())
         torch_fast = launch.fast
         if torch_fast is not None:
@@ -291,8 +297,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         if self._graph_buffers is not None:
             self._graph_layout = layout
         self._planned = True
-        return StepPlan._trusted(**fields, schedule=sched, spec=cfg.spec, launch=launch,
-                                 fast=torch_fast)
+        step = DeferredStepPlan if isinstance(sched, compiled.PendingPlan) else StepPlan
+        return step._trusted(**fields, schedule=sched, spec=cfg.spec, launch=launch,
+                             fast=torch_fast)
 
     def _qo_arange(self, batch: int) -> np.ndarray:
         """Decode's ``qo_indptr``: ``0..batch`` (int32, read-only, one per batch size)."""
@@ -340,7 +347,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,
-                               granule=granule, num_ctas=None)
+                               granule=granule, num_ctas=None, launch=None)
 
     def _grid(self, cfg) -> int:
         """The config's persistent grid. It follows the kernel's occupancy (its registers and

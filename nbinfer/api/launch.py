@@ -173,6 +173,7 @@ class AttentionLaunch:
                  sm_scale: float, memory: PlanMemory, page_table_buffers=None, *, kernel=None,
                  num_threads: int = NUM_THREADS, before=(), after=()):
         self.backend, self.memory = backend, memory
+        self.last_layout = None  # the layout of the last step planned for it (decode's guess)
         compiled, signature, self._sections = kernel or (
             build_decode_kernel(spec), decode_signature(spec), DECODE_PLAN_SECTIONS)
         self.launch = PreparedLaunch(compiled, signature, num_ctas, num_threads,

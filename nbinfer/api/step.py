@@ -12,9 +12,10 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import numpy as np
 
+from ..scheduler.schedule import Plan
 from ..variants import Variant
 
-__all__ = ["StepPlan", "PlanSlot"]
+__all__ = ["DeferredStepPlan", "StepPlan", "PlanSlot"]
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,36 @@ class StepPlan:
         return np.concatenate([m.ravel() for m in self.masks]) if self.custom_mask else None
 
 
+class DeferredStepPlan(StepPlan):
+    """A :class:`StepPlan` whose ``schedule`` field holds a
+    :class:`~nbinfer.scheduler.compiled.PendingPlan`: the :class:`~nbinfer.scheduler.Plan` is
+    built from the compiled planner's buffer on first read (decode's per-step ``plan()`` never
+    reads it), and is then the same as an eager one's."""
+
+    @property
+    def schedule(self):
+        pending = self.__dict__["schedule"]
+        if pending is None or isinstance(pending, Plan):
+            return pending
+        plan = pending.plan()
+        self.__dict__["schedule"] = plan
+        return plan
+
+    def __eq__(self, other):
+        # equal to a StepPlan of the same fields (the dataclass __eq__ wants the same class)
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        return (tuple(getattr(self, f) for f in _ALL_ORDERED)
+                == tuple(getattr(other, f) for f in _ALL_ORDERED))
+
+    __hash__ = StepPlan.__hash__
+
+
 _DEFAULTS = {f.name: f.default for f in fields(StepPlan) if f.default is not MISSING}
 _REQUIRED = frozenset(f.name for f in fields(StepPlan)
                       if f.default is MISSING and f.default_factory is MISSING)
 _ALL = frozenset(f.name for f in fields(StepPlan))
+_ALL_ORDERED = tuple(f.name for f in fields(StepPlan))
 
 
 class PlanSlot:

@@ -30,6 +30,34 @@ def sift_down(heap, i, n):
     heap[i] = key
 
 @jit
+def blob_size(num_work, num_ctas, merge_rows, num_partials):
+    # schedule()'s buffer: work [W, 7], cta_indptr [C + 1], cta_work [W], merge_rows [M],
+    # merge_indptr [M + 1], merge_indices [P], item_merge [W], in that order
+    return num_work * 9 + num_ctas + 1 + merge_rows * 2 + 1 + num_partials
+
+
+@jit
+def sched_views(blob, num_work, num_ctas, merge_rows, num_partials):
+    # the seven arrays of schedule()'s result, as views of its buffer (compiled.sched_views is
+    # the same carving in Python)
+    o = num_work * 7
+    work = blob[:o].reshape((num_work, 7))
+    sizes = (num_ctas + 1, num_work, merge_rows, merge_rows + 1, num_partials, num_work)
+    cta_indptr = blob[o:o + sizes[0]]
+    o += sizes[0]
+    cta_work = blob[o:o + sizes[1]]
+    o += sizes[1]
+    merge_rows_ = blob[o:o + sizes[2]]
+    o += sizes[2]
+    merge_indptr = blob[o:o + sizes[3]]
+    o += sizes[3]
+    merge_indices = blob[o:o + sizes[4]]
+    o += sizes[4]
+    item_merge = blob[o:o + sizes[5]]
+    return work, cta_indptr, cta_work, merge_rows_, merge_indptr, merge_indices, item_merge
+
+
+@jit
 def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causal, tile_q):
     batch = qo_indptr.size - 1
     num_rows = qo_indptr[batch]
@@ -96,10 +124,12 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
         nchunks += n
     num_work = nchunks * hkv
     if max(num_work, num_partials, num_rows) > 2147483647:
-        return (_FALLBACK, np.empty((0, 7), np.int32), np.empty(0, np.int32),
-                np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32),
-                np.empty(0, np.int32), np.empty(0, np.int32), 0, tile_q, tile_rows, kv_chunk)
-    work = np.empty((num_work, 7), np.int32)
+        return (_FALLBACK, np.empty(0, np.int32), 0, 0, 0, tile_q, tile_rows, kv_chunk)
+    # every array of the result is a view of one buffer: the caller boxes one array, not seven
+    # (boxing costs ~1.5 us per array on a serving host, more than this whole loop at batch 1)
+    blob = np.empty(blob_size(num_work, num_ctas, merge_rows_n, num_partials), np.int32)
+    work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices, item_merge = \
+        sched_views(blob, num_work, num_ctas, merge_rows_n, num_partials)
     costs = np.empty(num_work, np.int64)
     w = 0
     for t in range(ntiles):
@@ -120,12 +150,25 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
                 w += 1
     # 3. LPT: largest first (stable), each to the least-loaded CTA (key load * n + cta)
     # The hkv items of a chunk are adjacent and cost the same, so sorting the chunks (stably)
-    # and expanding each to its heads gives the items' stable order at 1/hkv of the sort.
-    chunk_order = np.argsort(-costs[::hkv], kind="mergesort")
+    # and expanding each to its heads gives the items' stable order at 1/hkv of the sort. The
+    # stable sort is a sort of unique keys, (largest cost - cost) * nchunks + chunk: values sort
+    # faster than an argsort, and need no stable one. Keys of the heap below reach
+    # cost * num_work * num_ctas: past 2**61 the NumPy planner takes the step (it never does
+    # for a real one), which also keeps these keys in range.
+    max_cost = 0
+    for c in range(nchunks):
+        max_cost = max(max_cost, costs[c * hkv])
+    if max_cost * 1.0 * num_work * num_ctas >= 2.0**61:
+        return (_FALLBACK, blob[:0], 0, 0, 0, tile_q, tile_rows, kv_chunk)
+    keys = np.empty(nchunks, np.int64)
+    for c in range(nchunks):
+        keys[c] = (max_cost - costs[c * hkv]) * nchunks + c
+    keys.sort()
     order = np.empty(num_work, np.int64)
-    for k in range(chunk_order.size):
+    for k in range(nchunks):
+        c = keys[k] % nchunks
         for h in range(hkv):
-            order[k * hkv + h] = chunk_order[k] * hkv + h
+            order[k * hkv + h] = c * hkv + h
     owner = np.empty(num_work, np.int64)
     positive = 0
     for k in range(num_work):
@@ -135,10 +178,6 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
     for k in range(first):
         owner[k] = k
     if first < num_work:
-        if costs[order[0]] * 1.0 * num_work * num_ctas >= 2.0**61:
-            return (_FALLBACK, work, np.empty(0, np.int32), np.empty(0, np.int32),
-                    np.empty(0, np.int32), np.empty(0, np.int32), np.empty(0, np.int32),
-                    np.empty(0, np.int32), 0, tile_q, tile_rows, kv_chunk)
         heap = np.empty(num_ctas, np.int64)
         for k in range(num_ctas):
             heap[k] = (costs[order[k]] * num_ctas + k) if k < first else k
@@ -149,20 +188,17 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
             owner[k] = top % num_ctas
             heap[0] = top + costs[order[k]] * num_ctas
             sift_down(heap, 0, num_ctas)
-    cta_indptr = np.zeros(num_ctas + 1, np.int32)
+    cta_indptr[:] = 0
     for k in range(num_work):
         cta_indptr[owner[k] + 1] += 1
     for c in range(num_ctas):
         cta_indptr[c + 1] += cta_indptr[c]
     fill = cta_indptr[:-1].copy()
-    cta_work = np.empty(num_work, np.int32)
     for k in range(num_work):
         cta_work[fill[owner[k]]] = order[k]
         fill[owner[k]] += 1
     # 4b. reduction map, and the merge list of every item's partial rows
-    merge_rows = np.empty(merge_rows_n, np.int32)
-    merge_indptr = np.zeros(merge_rows_n + 1, np.int32)
-    merge_indices = np.empty(num_partials, np.int32)
+    merge_indptr[0] = 0
     list_of = np.full(max(num_partials, 1), -1, np.int32)
     m = 0
     e = 0
@@ -179,12 +215,25 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
                 e += 1
             merge_indptr[m + 1] = e
             m += 1
-    item_merge = np.empty(num_work, np.int32)
     for w in range(num_work):
         p = work[w, 6]
         item_merge[w] = list_of[p] if p >= 0 else -1
-    return (_OK, work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices,
-            item_merge, num_partials, tile_q, tile_rows, kv_chunk)
+    return (_OK, blob, num_work, merge_rows_n, num_partials, tile_q, tile_rows, kv_chunk)
+
+
+@jit
+def copy_into(dst, src):
+    # dst[:src.size] = src as a loop over a view from index 0: LLVM vectorises it (a slice
+    # assignment, or an index with an offset added, gets a wraparound check per element and a
+    # temporary copy: 4-6x slower on 38k pages)
+    for i in range(src.size):
+        dst[i] = src[i]
+
+
+@jit
+def fill(dst, value):
+    for i in range(dst.size):
+        dst[i] = value
 
 
 @jit
@@ -194,34 +243,32 @@ def pack(out, plan_words, off, head, work, cta_indptr, cta_work, merge_rows, mer
     # the plan in PlanLayout.pack's format, zeros up to zero_end, the work items' merge lists
     # at item_merge_off, then the page table's three arrays at table_off[0..2] (empty arrays:
     # nothing copied)
-    out[:plan_words] = -1
-    out[:head.size] = head
-    flat = work.reshape(-1)
-    out[off[0]:off[0] + flat.size] = flat
-    out[off[1]:off[1] + cta_indptr.size] = cta_indptr
-    out[off[2]:off[2] + cta_work.size] = cta_work
-    out[off[3]:off[3] + merge_rows.size] = merge_rows
-    out[off[4]:off[4] + merge_indptr.size] = merge_indptr
-    out[off[5]:off[5] + merge_indices.size] = merge_indices
+    fill(out[:plan_words], -1)
+    copy_into(out, head)
+    copy_into(out[off[0]:], work.reshape(-1))
+    copy_into(out[off[1]:], cta_indptr)
+    copy_into(out[off[2]:], cta_work)
+    copy_into(out[off[3]:], merge_rows)
+    copy_into(out[off[4]:], merge_indptr)
+    copy_into(out[off[5]:], merge_indices)
     last = merge_indptr[merge_indptr.size - 1]
-    for i in range(merge_indptr.size, max_merge_rows + 1):
-        out[off[4] + i] = last
-    out[plan_words:zero_end] = 0
-    out[item_merge_off:item_merge_off + item_merge.size] = item_merge
-    out[table_off[0]:table_off[0] + kv_indptr.size] = kv_indptr
-    out[table_off[1]:table_off[1] + kv_indices.size] = kv_indices
-    out[table_off[2]:table_off[2] + kv_last.size] = kv_last
+    fill(out[off[4] + merge_indptr.size:off[4] + max_merge_rows + 1], last)
+    fill(out[plan_words:zero_end], 0)
+    copy_into(out[item_merge_off:], item_merge)
+    copy_into(out[table_off[0]:], kv_indptr)
+    copy_into(out[table_off[1]:], kv_indices)
+    copy_into(out[table_off[2]:], kv_last)
 
 
 @jit
 def check_table(indptr, indices, last, page_size):
-    # (0, snapshots of the table, every request's KV length, largest page id + 1) when the
-    # table is valid (FlashInfer's rules, as check_page_table states them); (1, ...) if not
+    # (0, snapshot, every request's KV length, largest page id + 1) when the table is valid
+    # (FlashInfer's rules, as check_page_table states them), (1, ...) if not; the snapshot is
+    # one buffer holding indptr [B + 1], indices [nnz], last_page_len [B] (one array to box)
     batch = indptr.size - 1
-    ptr = indptr.copy()
     kv_lens = np.zeros(max(batch, 0), np.int64)
     nnz = indptr[batch] if batch >= 0 else 0
-    bad = (1, ptr, indices[:0].copy(), last[:0].copy(), kv_lens, 0)
+    bad = (1, indptr[:0].copy(), kv_lens, 0)
     if batch < 0 or indptr[0] != 0 or last.size != batch:
         return bad
     for b in range(batch):
@@ -229,24 +276,29 @@ def check_table(indptr, indices, last, page_size):
             return bad
     if indices.size < nnz:
         return bad
-    idx = indices[:nnz].copy()
-    # min and max without an early exit: a reduction LLVM vectorises (10k pages: ~1 us)
+    snap = np.empty(2 * batch + 1 + nnz, np.int32)
+    copy_into(snap, indptr)
+    # the copy with its min and max, no early exit: one loop LLVM vectorises (10k pages: ~1 us)
+    idx = snap[batch + 1:batch + 1 + nnz]
     lo, hi = 0, -1
     if nnz:
-        lo, hi = idx[0], idx[0]
+        lo, hi = indices[0], indices[0]
     for i in range(nnz):
-        lo = min(lo, idx[i])
-        hi = max(hi, idx[i])
+        x = indices[i]
+        idx[i] = x
+        lo = min(lo, x)
+        hi = max(hi, x)
     if lo < 0:
         return bad
-    pages = hi + 1
-    lst = last.copy()
+    lst = snap[batch + 1 + nnz:]
     for b in range(batch):
         n = indptr[b + 1] - indptr[b]
-        if lst[b] < (1 if n > 0 else 0) or lst[b] > page_size:
+        x = last[b]
+        lst[b] = x
+        if x < (1 if n > 0 else 0) or x > page_size:
             return bad
-        kv_lens[b] = (n - 1) * page_size + lst[b] if n > 0 else 0
-    return (0, ptr, idx, lst, kv_lens, pages)
+        kv_lens[b] = (n - 1) * page_size + x if n > 0 else 0
+    return (0, snap, kv_lens, hi + 1)
 
 
 @jit
@@ -256,10 +308,10 @@ def check_and_schedule(indptr, indices, last, page_size, qo_indptr, hkv, group, 
     # (a dispatch and the boxing of its results cost more than the check itself)
     # (a rejected table schedules an empty batch: the caller re-checks it and raises)
     table = check_table(indptr, indices, last, page_size)
-    if table[0] != _OK or table[4].size != qo_indptr.size - 1:
-        return table, schedule(qo_indptr[:1], table[4][:0], hkv, group, num_ctas, granule, wq,
+    if table[0] != _OK or table[2].size != qo_indptr.size - 1:
+        return table, schedule(qo_indptr[:1], table[2][:0], hkv, group, num_ctas, granule, wq,
                                wkv, fixed, causal, tile_q)
-    return table, schedule(qo_indptr, table[4], hkv, group, num_ctas, granule, wq, wkv, fixed,
+    return table, schedule(qo_indptr, table[2], hkv, group, num_ctas, granule, wq, wkv, fixed,
                            causal, tile_q)
 
 
@@ -275,20 +327,25 @@ def check_schedule_pack(indptr, indices, last, page_size, qo_indptr, hkv, group,
     table, res = check_and_schedule(indptr, indices, last, page_size, qo_indptr, hkv, group,
                                     num_ctas, granule, wq, wkv, fixed, causal, tile_q)
     batch = qo_indptr.size - 1
-    if (table[0] != _OK or res[0] != _OK or res[1].shape[0] > caps[0]
-            or res[4].size > caps[1] or res[6].size > caps[2] or batch > caps[3]
-            or table[2].size > caps[4] or res[2].size != num_ctas + 1):
+    num_work, merge_rows_n, num_partials = res[2], res[3], res[4]
+    nnz = table[1].size - 2 * batch - 1
+    if (table[0] != _OK or res[0] != _OK or num_work > caps[0] or merge_rows_n > caps[1]
+            or num_partials > caps[2] or batch > caps[3] or nnz > caps[4]):
         return table, res, False
+    work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices, item_merge = \
+        sched_views(res[1], num_work, num_ctas, merge_rows_n, num_partials)
     h = head.copy()
-    h[step_at[0]] = res[1].shape[0]  # num_work
-    h[step_at[1]] = res[4].size  # num_merge_rows
-    h[step_at[2]] = res[6].size  # num_merge_nnz
-    h[step_at[3]] = res[8]  # num_partials
+    h[step_at[0]] = num_work
+    h[step_at[1]] = merge_rows_n
+    h[step_at[2]] = num_partials  # num_merge_nnz: every partial row is in one merge list
+    h[step_at[3]] = num_partials
     h[step_at[4]] = batch
     h[step_at[5]] = qo_indptr[batch]  # num_qo_rows
-    h[step_at[6]] = res[9]  # tile_q
-    h[step_at[7]] = res[10]  # tile_rows
-    h[step_at[8]] = res[11]  # kv_chunk
-    pack(out, caps[5], off, h, res[1], res[2], res[3], res[4], res[5], res[6], caps[1],
-         caps[6], res[7], item_merge_off, table[1], table[2], table[3], table_off)
+    h[step_at[6]] = res[5]  # tile_q
+    h[step_at[7]] = res[6]  # tile_rows
+    h[step_at[8]] = res[7]  # kv_chunk
+    snap = table[1]
+    pack(out, caps[5], off, h, work, cta_indptr, cta_work, merge_rows, merge_indptr,
+         merge_indices, caps[1], caps[6], item_merge, item_merge_off, snap[:batch + 1],
+         snap[batch + 1:batch + 1 + nnz], snap[batch + 1 + nnz:], table_off)
     return table, res, True
