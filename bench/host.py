@@ -8,7 +8,8 @@ What is timed (CPU wall time; nothing here waits for the GPU except where stated
   page table given as pinned host int32 tensors and as CUDA int32 tensors (FlashInfer's plan
   takes host arrays; device ones cost a device-to-host copy and so a synchronisation). KV
   lengths are drawn uniformly from [512, 4096] with a fixed seed (mixed lengths: the scheduler
-  splits some requests and not others). Median of ``--calls`` calls, each timed alone.
+  splits some requests and not others). Median of ``--calls`` calls, each timed alone, in ten
+  rounds that take every case in turn (the host's speed drifts).
 - a wrapper's first ``plan()`` (the NumPy planner: the compiled one loads on the second), on
   fresh wrappers;
 - ``run()`` at batch 1 (KV 512, split in two and merged inside the kernel): median per call over
@@ -18,7 +19,7 @@ What is timed (CPU wall time; nothing here waits for the GPU except where stated
   few us, faster than the host issues them, so the queue never fills and the host time is what
   is measured.
 
-``--profile`` adds cProfile listings of plan() (batch 1 and 256, pinned inputs) to the output.
+``--profile`` adds cProfile listings of plan() (batch 1, 64 and 256, pinned inputs) to the output.
 The last lines are a table.
 """
 
@@ -84,17 +85,38 @@ def interleaved_us(fns: dict, rounds=30, calls=200) -> dict:
     return {name: float(np.median(m)) for name, m in means.items()}
 
 
-def plan_costs(ws, calls, profile):
-    rows, listings = [], {}
-    w = BatchDecodeWithPagedKVCacheWrapper(ws)
+def plan_costs(ws, calls, profile, rounds=10):
+    """plan() per batch size and table kind: ``rounds`` rounds, each timing ``calls / rounds``
+    calls of every (batch, kind) in turn, the median over all of them. The host's speed drifts
+    by tens of per cent over seconds; timing one batch size after another put that drift
+    between batch sizes (session 7: batch 16 slower than 32, CUDA tables at 64 slower than at
+    128), taking turns spreads it over all of them. One wrapper per batch size, as a serving
+    loop's consecutive steps keep theirs."""
+    cases, listings = {}, {}
     for batch in BATCHES:
         pt, host, dev = page_tables(batch)
-        row = {"batch": batch, "pages": int(pt.indices.size)}
+        w = BatchDecodeWithPagedKVCacheWrapper(ws)
         for kind, table in (("pinned", host), ("device", dev)):
-            def plan(table=table):
+            def plan(w=w, table=table):
                 w.plan(*table, HQ, HKV, D, PS, q_data_type=torch.float16)
-            plan()  # first call compiles or loads the kernel
-            row[f"plan_{kind}_us"] = per_call_us(plan, calls)
+            plan()  # the first call compiles or loads the kernel
+            plan()  # the second loads the compiled planner
+            cases[batch, kind] = (int(pt.indices.size), plan, [])
+    per_round = max(calls // rounds, 1)
+    for _ in range(rounds):
+        for _, fn, samples in cases.values():
+            t = np.empty(per_round)
+            for i in range(per_round):
+                t0 = time.perf_counter_ns()
+                fn()
+                t[i] = time.perf_counter_ns() - t0
+            samples.extend(t / 1e3)
+    rows = []
+    for batch in BATCHES:
+        pt, host, _ = page_tables(batch)
+        pages, _, pinned = cases[batch, "pinned"]
+        row = {"batch": batch, "pages": pages, "plan_pinned_us": float(np.median(pinned)),
+               "plan_device_us": float(np.median(cases[batch, "device"][2]))}
         # a wrapper's first plan(): the NumPy planner (the compiled one is loaded on the second)
         fresh = [BatchDecodeWithPagedKVCacheWrapper(ws) for _ in range(30)]
         it = iter(fresh)
@@ -102,7 +124,10 @@ def plan_costs(ws, calls, profile):
             lambda it=it, host=host: next(it).plan(*host, HQ, HKV, D, PS,
                                                    q_data_type=torch.float16), 30)
         rows.append(row)
-        if profile and batch in (1, 256):
+        if profile and batch in (1, 64, 256):
+            w = BatchDecodeWithPagedKVCacheWrapper(ws)
+            for _ in range(3):
+                w.plan(*host, HQ, HKV, D, PS, q_data_type=torch.float16)
             prof = cProfile.Profile()
             prof.enable()
             for _ in range(calls):
