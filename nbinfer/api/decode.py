@@ -439,11 +439,19 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                           v_scale=v_scale, out=out, lse=lse,
                                           return_lse=return_lse)
         step = self._slot.get()
-        qk_scale, v_scale = check_scales(q_scale, k_scale, v_scale)
-        if step.launch is not None:
-            step.launch.scale(qk_scale, v_scale)
-        if step.fast is not None:  # torch tensors matching the plan: a few comparisons
-            res = step.fast(q, paged_kv_cache, out, lse, return_lse)
+        L = step.launch
+        # check_scales inlined for the common call (a batch-1 run() is host-bound)
+        if q_scale is None and k_scale is None and v_scale is None:
+            qk_scale = v_scale = 1.0
+            if L is not None and not L.unit_scales:
+                L.scale(1.0, 1.0)
+        else:
+            qk_scale, v_scale = check_scales(q_scale, k_scale, v_scale)
+            if L is not None:
+                L.scale(qk_scale, v_scale)
+        fast = step.fast
+        if fast is not None:  # torch tensors matching the plan: a few comparisons
+            res = fast(q, paged_kv_cache, out, lse, return_lse)
             if res is not None:
                 return res if return_lse else res[0]
         B, Hq, D = step.batch_size, step.num_qo_heads, step.head_dim

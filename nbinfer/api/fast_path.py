@@ -36,6 +36,7 @@ class TorchFastPath:
         if device.index is None:  # "cuda" and "cuda:0" must compare equal below
             device = torch.device("cuda", torch.cuda.current_device())
         self.torch, self.Tensor, self.launch, self.device = torch, torch.Tensor, launch, device
+        self._empty_like = torch.empty_like
         self.index = device.index
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -132,7 +133,7 @@ class TorchFastPath:
         if kp % 16 or vp % 16:
             return None
         if out is None:
-            out = self.torch.empty_like(q)  # q is contiguous: same shape, dtype and device
+            out = self._empty_like(q)  # q is contiguous: same shape, dtype and device
         elif not (self._ok(out, self.q_dtype) and out.shape == self.q_shape):
             return None
         if lse is None:

@@ -196,6 +196,7 @@ class AttentionLaunch:
         self._bound = None
         self._strides = None
         self._sm_scale = self._scales = None
+        self.unit_scales = False  # the kernel's scales are the plan's own (run() checks this)
         self.fast = None  # run()'s fast path for torch tensors (the wrapper attaches it)
         self.bind(layout, sm_scale)
         self._before = tuple(self.launch.sharing(k, grid) for k, grid in before)
@@ -251,6 +252,7 @@ class AttentionLaunch:
             self.launch.set_scalar(ARG["sm_scale"], self._sm_scale * qk_scale)
             self.launch.set_scalar(ARG["v_scale"], v_scale)
             self._scales = (qk_scale, v_scale)
+            self.unit_scales = qk_scale == 1.0 and v_scale == 1.0
 
     def set_strides(self, page_stride: int, kv_stride_n: int, kv_stride_h: int,
                     q_stride_n: int, q_stride_h: int) -> None:
