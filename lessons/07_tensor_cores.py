@@ -19,8 +19,9 @@
 #    instruction would;
 # 4. why the query tile must be at least 16 rows, and what that means for decode (a GQA group
 #    of 4 fills a quarter of the tile) against prefill;
-# 5. where decode, a shared-prefix cascade and causal prefill land on one roofline, from the
-#    H200 benchmark JSON (with a GPU present, a live sweep of causal prefill against torch SDPA).
+# 5. where decode (from an fp16 and from an FP8 cache), a shared-prefix cascade and causal
+#    prefill land on one roofline, from the H200 benchmark JSON (with a GPU present, a live
+#    sweep of causal prefill against torch SDPA).
 #
 # The first cell picks Numba's CUDA simulator: the lesson runs anywhere.
 
@@ -302,6 +303,8 @@ show(fig)
 # * **decode**: `4 * Hq * D` FLOP per token (a multiply and an add for `q.k` and for `p v`, per
 #   query head) over `2 * Hkv * D * 2` bytes (K and V, fp16): intensity `Hq / Hkv = G`,
 #   whatever the batch or length;
+# * **decode from an FP8 cache** (e4m3, lesson 04 section 8): the same FLOPs over one byte per
+#   element, so intensity `2 G` and, where bandwidth is the roof, twice the attainable FLOP/s;
 # * **shared-prefix decode as a cascade** (lesson 03): the same FLOPs, but the 8192-token prefix
 #   is read once per query tile instead of once per request, so the bytes shrink and the
 #   intensity grows by the same factor;
@@ -312,7 +315,8 @@ show(fig)
 # tensor cores (989 TFLOP/s dense) and fp32 CUDA cores (67 TFLOP/s). Times are GPU times:
 # kernel-only for decode, CUDA-graph replay for the shared prefix, events around the call for
 # prefill. The prefill and shared-prefix figures come from the newest `prefill_h200*.json`
-# (`python3 bench/prefill.py`), decode from the newest `decode_h200*.json`.
+# (`python3 bench/prefill.py`), decode from the newest `decode_h200*.json`, FP8 decode from the
+# newest `issue13/decode_fp8_h200*.json` (`python3 bench/decode.py --fp8`, GPU time).
 
 # %%
 results = sorted((ROOT / "bench" / "results").glob("decode_h200*.json"),
@@ -330,6 +334,10 @@ pre_results = sorted((ROOT / "bench" / "results").glob("prefill_h200*.json"),
 assert pre_results, "no bench/results/prefill_h200*.json"
 pre_path = pre_results[-1]
 pre = json.loads(pre_path.read_text())
+fp8_results = sorted((ROOT / "bench" / "results" / "issue13").glob("decode_fp8_h200*.json"))
+assert fp8_results, "no bench/results/issue13/decode_fp8_h200*.json"
+fp8_path = fp8_results[-1]
+fp8_bench = json.loads(fp8_path.read_text())
 
 
 def roof(ai):
@@ -359,6 +367,15 @@ for case in bench["decode"]:
             note=f" ({case['batch']} x {case['kv_len']})")
 G_B = HQ_B // hkv_b
 
+# FP8 decode (e4m3): the same FLOPs as fp16 decode of the case, over its one-byte codes.
+for case in fp8_bench["fp8"]:
+    if case["format"] != "float8_e4m3fn" or case["group"] != G_B:
+        continue
+    flops = 4 * HQ_B * D_B * case["batch"] * case["kv_len"]
+    assert case["fp8_kv_bytes"] * 2 == case["fp16_kv_bytes"] == flops // G_B
+    add("decode, FP8 KV", "decode from FP8 (e4m3), nbinfer kernel", flops, case["fp8_kv_bytes"],
+        case["fp8_gpu_ms"] * 1e-3, "C6", "o", note=f" ({case['batch']} x {case['kv_len']})")
+
 # Shared prefix, 64 x (8192 + 256): lesson 03's byte model. The prefix level's work items say
 # how often the prefix is read: items = reads x (prefix / kv_chunk) chunks x Hkv heads.
 sp = pre["shared_prefix"]
@@ -387,8 +404,8 @@ for label, key, marker in (("causal prefill, nbinfer tensor cores", "nbinfer", "
     add("causal prefill", label, flops_p, bytes_p, cp[f"{key}_ms"] * 1e-3, "C3", marker)
 
 ridge_tc, ridge_fp32 = PEAK_TC / COPY_BW, PEAK_FP32 / COPY_BW
-print(f"{bench_path.name} + {pre_path.name}; ridge points: fp16 tensor cores {ridge_tc:.0f}, "
-      f"fp32 CUDA cores {ridge_fp32:.1f} FLOP/B")
+print(f"{bench_path.name} + {pre_path.name} + {fp8_path.name}; ridge points: fp16 tensor "
+      f"cores {ridge_tc:.0f}, fp32 CUDA cores {ridge_fp32:.1f} FLOP/B")
 print(f"{'':52s} {'FLOP/B':>7} {'TFLOP/s':>8} {'roof':>7} {'of roof':>8}")
 for p in points:
     p["of_roof"] = p["flops"] / roof(p["ai"])
@@ -396,11 +413,15 @@ for p in points:
           f"{roof(p['ai']) / 1e12:7.1f} {p['of_roof']:8.0%}")
 
 ai_of = {w: {p["ai"] for p in points if p["workload"] == w} for w in
-         ("decode", "shared prefix", "causal prefill")}
+         ("decode", "decode, FP8 KV", "shared prefix", "causal prefill")}
 # Where each workload sits follows from shapes and bytes (asserted); how close each measured
 # point comes to its roof is the recorded run's (printed above, not asserted).
 # Decode sits at G, left of both ridges: bandwidth-bound on any unit.
 assert ai_of["decode"] == {G_B} and G_B < ridge_fp32
+# FP8 halves the bytes of the same work: intensity 2 G, still left of both ridges, so its roof
+# is twice fp16's (bandwidth is still the limit; how near the kernel comes is printed above).
+assert ai_of["decode, FP8 KV"] == {2 * G_B} and 2 * G_B < ridge_fp32
+assert roof(2 * G_B) == 2 * roof(G_B)
 # The cascade reads the prefix `reads` times instead of 64: its intensity passes the CUDA-core
 # ridge (on CUDA cores it would be compute-bound) but not the tensor-core one.
 ai_cascade = flops_s / cascade_bytes
@@ -414,9 +435,10 @@ fig, (ax_r, ax_b) = subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios
 plot_roofline(points, memory_ceilings=[("HBM copy, measured", COPY_BW)],
               compute_ceilings=[("fp16 tensor cores", PEAK_TC), ("fp32 CUDA cores", PEAK_FP32)],
               ax=ax_r, ai_range=(1, 4096),
-              title=f"H200 roofline: three workloads of one model (Hq {HQ_B}, Hkv {hkv_b}, "
+              title=f"H200 roofline: four workloads of one model (Hq {HQ_B}, Hkv {hkv_b}, "
                     f"D {D_B}, fp16)")
-for text, ai_w, dx, dy in (("decode (= GQA group)", G_B, 12, -34),
+for text, ai_w, dx, dy in (("decode (= GQA group)", G_B, -30, -48),
+                          ("decode from FP8 (= 2 G)", 2 * G_B, 20, -22),
                           ("shared prefix as a cascade", ai_cascade, -40, -50),
                           ("causal prefill", min(ai_of["causal prefill"]), -170, 10)):
     lowest = min(p["flops"] for p in points if p["ai"] == ai_w)  # arrow to the lowest point
@@ -449,8 +471,13 @@ for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
 # Read the chart from left to right. Decode sits at the GQA group size, far left of both
 # ridges: memory-bound, so tensor cores would not help it (the production kernel uses CUDA
 # cores) and the whole story is the distance to the slanted roof, which nbinfer's kernel and
-# cuDNN have all but closed. The cascade does the *same arithmetic* as plain decode on the
-# shared-prefix batch but reads the prefix a few times instead of 64, so the point moves right
+# cuDNN have all but closed. An FP8 cache moves the same work twice as far right: half the
+# bytes, a roof twice as high. The FP8 points sit well under that roof, and the roofline says
+# why only by elimination: not bandwidth (they would be at the roof), not the fp32 CUDA-core
+# peak (far above them); it is the instruction issue of converting every code before its FMA
+# (lesson 04 section 8 counts the instructions), a limit this chart has no ceiling for. The
+# cascade does the *same arithmetic* as plain decode on the shared-prefix batch but reads the
+# prefix a few times instead of 64, so the point moves right
 # by the byte ratio: past the CUDA-core ridge, which is why it runs on the tensor-core kernel.
 # At its intensity the roof is several times higher than what it reaches: a 0.15 ms step is too
 # short to fill the machine, the headroom a faster prefix level would use. (Plain decode of that
