@@ -114,8 +114,10 @@ class TorchFastPath:
             if len(cache) != 2:
                 return None
             k, v = cache
-            if not (self._ok(k, self.kv_dtype) and self._ok(v, self.kv_dtype)
-                    and k.shape[1:] == self.tuple_tail and v.shape == k.shape):
+            if not (self._ok(k, self.kv_dtype) and self._ok(v, self.kv_dtype)):
+                return None
+            shape = k.shape
+            if not (shape[1:] == self.tuple_tail and v.shape == shape):
                 return None
             kp, vp, combined = k.data_ptr(), v.data_ptr(), False
         else:
@@ -124,17 +126,20 @@ class TorchFastPath:
             if not (type(k) is self.Tensor and k.dtype is self.kv_dtype and k.is_contiguous()
                     and k.get_device() == self.index):
                 return None
-            if k.shape != self._combined_shape:
-                if k.shape[1:] != self.combined_tail:
+            shape = k.shape
+            if shape != self._combined_shape:
+                if shape[1:] != self.combined_tail:
                     return None
-                self._combined_shape = k.shape
+                self._combined_shape = shape
             kp, combined = k.data_ptr(), True
             vp = kp + self.v_off
         if kp % 16 or vp % 16:
             return None
         if out is None:
             out = self._empty_like(q)  # q is contiguous: same shape, dtype and device
-        elif not (self._ok(out, self.q_dtype) and out.shape == self.q_shape):
+        elif not (type(out) is self.Tensor and out.dtype is self.q_dtype
+                  and out.shape == self.q_shape and out.is_contiguous()
+                  and out.get_device() == self.index):
             return None
         if lse is None:
             # The kernels always write an LSE; when nobody reads it, a scratch one is reused.
@@ -142,7 +147,7 @@ class TorchFastPath:
                                    device=self.device) if want_lse else self.scratch_lse
         elif not (self._ok(lse, self.torch.float32) and lse.shape == self.lse_shape):
             return None
-        if (self.dirty or self._kv_key != (combined, k.shape)) and \
+        if (self.dirty or self._kv_key != (combined, shape)) and \
                 not self._bind_all(q, k, combined, out, lse):
             return None
         P = self.prepared

@@ -84,7 +84,7 @@ class PlanMemory:
         self._buf = None
         self.address = 0
         self.generation = 0
-        self._staging = None
+        self._staging = self._last_view = None
         self.staging_address = 0
         self.event = None  # recorded after each upload; the staging buffer is free once it fires
 
@@ -105,11 +105,14 @@ class PlanMemory:
 
                 self._staging = cuda.pinned_array(max(2 * words, 1024), dtype=np.int32)
             self.staging_address = self._staging.ctypes.data
-        return self._staging[:words]
+        self._last_view = self._staging[:words]
+        return self._last_view
 
     def is_staged(self, words: np.ndarray) -> bool:
         """Whether ``words`` is the buffer :meth:`staging` last returned (filled in place):
         a view of the staging buffer from its first word."""
+        if words is self._last_view:  # (the common case: no ``ndarray.ctypes`` object built)
+            return True
         return (words.base is not None and words.base is self._staging
                 and words.ctypes.data == self.staging_address)
 
