@@ -101,10 +101,10 @@ def plan_costs(ws, calls, profile, rounds=10):
                 w.plan(*table, HQ, HKV, D, PS, q_data_type=torch.float16)
             plan()  # the first call compiles or loads the kernel
             plan()  # the second loads the compiled planner
-            cases[batch, kind] = (int(pt.indices.size), plan, [])
+            cases[batch, kind] = (int(pt.indices.size), plan, [], table)
     per_round = max(calls // rounds, 1)
     for _ in range(rounds):
-        for _, fn, samples in cases.values():
+        for _, fn, samples, _ in cases.values():
             t = np.empty(per_round)
             for i in range(per_round):
                 t0 = time.perf_counter_ns()
@@ -113,8 +113,7 @@ def plan_costs(ws, calls, profile, rounds=10):
             samples.extend(t / 1e3)
     rows = []
     for batch in BATCHES:
-        pt, host, _ = page_tables(batch)
-        pages, _, pinned = cases[batch, "pinned"]
+        pages, _, pinned, host = cases[batch, "pinned"]
         row = {"batch": batch, "pages": pages, "plan_pinned_us": float(np.median(pinned)),
                "plan_device_us": float(np.median(cases[batch, "device"][2]))}
         # a wrapper's first plan(): the NumPy planner (the compiled one is loaded on the second)

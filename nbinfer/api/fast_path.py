@@ -137,7 +137,7 @@ class TorchFastPath:
             return None
         if out is None:
             out = self._empty_like(q)  # q is contiguous: same shape, dtype and device
-        elif not (type(out) is self.Tensor and out.dtype is self.q_dtype
+        elif not (type(out) is self.Tensor and out.dtype is self.q_dtype  # _ok(), inlined
                   and out.shape == self.q_shape and out.is_contiguous()
                   and out.get_device() == self.index):
             return None

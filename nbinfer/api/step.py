@@ -111,7 +111,7 @@ class DeferredStepPlan(StepPlan):
     @property
     def schedule(self):
         pending = self.__dict__["schedule"]
-        if pending is None or isinstance(pending, Plan):
+        if isinstance(pending, Plan):  # built by an earlier read
             return pending
         plan = pending.plan()
         self.__dict__["schedule"] = plan

@@ -40,21 +40,21 @@ def blob_size(num_work, num_ctas, merge_rows, num_partials):
 def sched_views(blob, num_work, num_ctas, merge_rows, num_partials):
     # the seven arrays of schedule()'s result, as views of its buffer (compiled.sched_views is
     # the same carving in Python)
-    o = num_work * 7
-    work = blob[:o].reshape((num_work, 7))
-    sizes = (num_ctas + 1, num_work, merge_rows, merge_rows + 1, num_partials, num_work)
-    cta_indptr = blob[o:o + sizes[0]]
-    o += sizes[0]
-    cta_work = blob[o:o + sizes[1]]
-    o += sizes[1]
-    merge_rows_ = blob[o:o + sizes[2]]
-    o += sizes[2]
-    merge_indptr = blob[o:o + sizes[3]]
-    o += sizes[3]
-    merge_indices = blob[o:o + sizes[4]]
-    o += sizes[4]
-    item_merge = blob[o:o + sizes[5]]
-    return work, cta_indptr, cta_work, merge_rows_, merge_indptr, merge_indices, item_merge
+    a = num_work * 7
+    b = a + num_ctas + 1
+    c = b + num_work
+    d = c + merge_rows
+    e = d + merge_rows + 1
+    f = e + num_partials
+    return (blob[:a].reshape((num_work, 7)), blob[a:b], blob[b:c], blob[c:d], blob[d:e],
+            blob[e:f], blob[f:f + num_work])
+
+
+@jit
+def table_views(snap, batch):
+    # check_table()'s snapshot as (indptr [B + 1], indices [nnz], last_page_len [B]) views
+    # (compiled._table_of is the same carving in Python)
+    return snap[:batch + 1], snap[batch + 1:snap.size - batch], snap[snap.size - batch:]
 
 
 @jit
@@ -231,7 +231,7 @@ def copy_into(dst, src):
 
 
 @jit
-def fill(dst, value):
+def fill_with(dst, value):
     for i in range(dst.size):
         dst[i] = value
 
@@ -243,7 +243,7 @@ def pack(out, plan_words, off, head, work, cta_indptr, cta_work, merge_rows, mer
     # the plan in PlanLayout.pack's format, zeros up to zero_end, the work items' merge lists
     # at item_merge_off, then the page table's three arrays at table_off[0..2] (empty arrays:
     # nothing copied)
-    fill(out[:plan_words], -1)
+    fill_with(out[:plan_words], -1)
     copy_into(out, head)
     copy_into(out[off[0]:], work.reshape(-1))
     copy_into(out[off[1]:], cta_indptr)
@@ -252,8 +252,8 @@ def pack(out, plan_words, off, head, work, cta_indptr, cta_work, merge_rows, mer
     copy_into(out[off[4]:], merge_indptr)
     copy_into(out[off[5]:], merge_indices)
     last = merge_indptr[merge_indptr.size - 1]
-    fill(out[off[4] + merge_indptr.size:off[4] + max_merge_rows + 1], last)
-    fill(out[plan_words:zero_end], 0)
+    fill_with(out[off[4] + merge_indptr.size:off[4] + max_merge_rows + 1], last)
+    fill_with(out[plan_words:zero_end], 0)
     copy_into(out[item_merge_off:], item_merge)
     copy_into(out[table_off[0]:], kv_indptr)
     copy_into(out[table_off[1]:], kv_indices)
@@ -277,9 +277,9 @@ def check_table(indptr, indices, last, page_size):
     if indices.size < nnz:
         return bad
     snap = np.empty(2 * batch + 1 + nnz, np.int32)
-    copy_into(snap, indptr)
+    ptr, idx, lst = table_views(snap, batch)
+    copy_into(ptr, indptr)
     # the copy with its min and max, no early exit: one loop LLVM vectorises (10k pages: ~1 us)
-    idx = snap[batch + 1:batch + 1 + nnz]
     lo, hi = 0, -1
     if nnz:
         lo, hi = indices[0], indices[0]
@@ -290,7 +290,6 @@ def check_table(indptr, indices, last, page_size):
         hi = max(hi, x)
     if lo < 0:
         return bad
-    lst = snap[batch + 1 + nnz:]
     for b in range(batch):
         n = indptr[b + 1] - indptr[b]
         x = last[b]
@@ -328,9 +327,9 @@ def check_schedule_pack(indptr, indices, last, page_size, qo_indptr, hkv, group,
                                     num_ctas, granule, wq, wkv, fixed, causal, tile_q)
     batch = qo_indptr.size - 1
     num_work, merge_rows_n, num_partials = res[2], res[3], res[4]
-    nnz = table[1].size - 2 * batch - 1
+    ptr, idx, lst = table_views(table[1], batch)
     if (table[0] != _OK or res[0] != _OK or num_work > caps[0] or merge_rows_n > caps[1]
-            or num_partials > caps[2] or batch > caps[3] or nnz > caps[4]):
+            or num_partials > caps[2] or batch > caps[3] or idx.size > caps[4]):
         return table, res, False
     work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices, item_merge = \
         sched_views(res[1], num_work, num_ctas, merge_rows_n, num_partials)
@@ -344,8 +343,6 @@ def check_schedule_pack(indptr, indices, last, page_size, qo_indptr, hkv, group,
     h[step_at[6]] = res[5]  # tile_q
     h[step_at[7]] = res[6]  # tile_rows
     h[step_at[8]] = res[7]  # kv_chunk
-    snap = table[1]
     pack(out, caps[5], off, h, work, cta_indptr, cta_work, merge_rows, merge_indptr,
-         merge_indices, caps[1], caps[6], item_merge, item_merge_off, snap[:batch + 1],
-         snap[batch + 1:batch + 1 + nnz], snap[batch + 1 + nnz:], table_off)
+         merge_indices, caps[1], caps[6], item_merge, item_merge_off, ptr, idx, lst, table_off)
     return table, res, True

@@ -119,7 +119,7 @@ def check_page_table_fast(indptr, indices, last_page_len, page_size: int, names)
         indptr, indices, last_page_len, page_size, names=names))
     for a in (ptr, idx, last, kv_lens):
         a.flags.writeable = False
-    return ptr, idx, last, kv_lens, int(idx.max()) + 1 if idx.size else 0
+    return ptr, idx, last, kv_lens, (int(idx.max()) + 1 if idx.size else 0)
 
 
 def _table_of(table) -> tuple:
@@ -160,13 +160,18 @@ def plan_compiled(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_qo_heads: int,
     ``item_merge [W]`` int32 is the merge list each work item's partial rows belong to (-1: the
     item writes its output directly), as :func:`nbinfer.api.workspace.item_merge_lists` gives.
     """
-    group = num_qo_heads // num_kv_heads
+    args = (qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha, beta,
+            fixed_split_size, causal, tile_q)
+    return _plan_of(_schedule(*args), *args)
+
+
+def _schedule(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha, beta,
+              fixed_split_size, causal, tile_q) -> tuple:
+    """``_loops.schedule``'s raw result for :func:`plan_compiled`'s arguments."""
     wq, wkv = _weights(alpha, beta)
-    res = _kernels()[0](qo_indptr, kv_lens,
-                        num_kv_heads, group, num_ctas, granule, wq, wkv, fixed_split_size or 0,
-                        bool(causal), tile_q or 0)
-    return _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule,
-                    alpha, beta, fixed_split_size, causal, tile_q)
+    return _kernels()[0](qo_indptr, kv_lens, num_kv_heads, num_qo_heads // num_kv_heads,
+                         num_ctas, granule, wq, wkv, fixed_split_size or 0, bool(causal),
+                         tile_q or 0)
 
 
 class PendingPlan:
@@ -183,6 +188,7 @@ class PendingPlan:
     __slots__ = ("num_ctas", "num_work", "num_merge_rows", "num_merge_nnz", "_args", "_built")
 
     def __init__(self, res, args):
+        """``res``: ``_loops.schedule``'s result for ``args``, :func:`_schedule`'s arguments."""
         self.num_ctas = args[4]
         self._args, self._built = (res, *args), None
         if res[0] == _OK:
@@ -260,19 +266,19 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
                                  f"words does not take a {num_ctas}-CTA plan ending at word "
                                  f"{table_off[2] + caps[3]}")
             table, res, packed = _kernels()[4](*args, *speculate)
-    if table is None or table[0] != _OK:
+    checked = table is not None and table[0] == _OK
+    if checked:
+        ptr, idx, last, kv_lens, pages = _table_of(table)
+    else:
         # other dtypes or kinds, or a table the loops reject: the validator (which raises the
         # descriptive error), then the planner
         ptr, idx, last, kv_lens, pages = check_page_table_fast(indptr, indices, last_page_len,
                                                                page_size, names)
-        wq, wkv = _weights(1.0, 1.0)
-        res = _kernels()[0](qo_indptr, kv_lens, num_kv_heads, num_qo_heads // num_kv_heads,
-                            num_ctas, granule, wq, wkv, fixed_split_size or 0, False, 0)
-    else:
-        ptr, idx, last, kv_lens, pages = _table_of(table)
-    pending = PendingPlan(res, (qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas,
-                                granule, 1.0, 1.0, fixed_split_size, False, None))
-    return ptr, idx, last, kv_lens, pages, pending, bool(packed)
+    args = (qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, 1.0, 1.0,
+            fixed_split_size, False, None)
+    if not checked:
+        res = _schedule(*args)
+    return ptr, idx, last, kv_lens, pages, PendingPlan(res, args), bool(packed)
 
 
 _EMPTY = np.empty(0, dtype=np.int32)
