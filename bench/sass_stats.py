@@ -1,6 +1,8 @@
-"""Compile a decode kernel for sm_90 without a GPU and count what its main loop costs.
+"""Compile a decode or tensor-core prefill kernel for sm_90 without a GPU and count what its main
+loop costs.
 
     python bench/sass_stats.py [--group 4] [--head-dim 128] [--dtype float16] [--variant standard]
+    python bench/sass_stats.py --kernel prefill --group 1 --variant causal [--ragged]
 
 Needs the CUDA toolkit's ``ptxas`` (registers, spills, shared memory) and, for the instruction
 histogram of the hot loop, ``nvdisasm`` (``pip install nvidia-cuda-nvdisasm``; pass its path with
@@ -9,7 +11,10 @@ histogram of the hot loop, ``nvdisasm`` (``pip install nvidia-cuda-nvdisasm``; p
 Why: decode is HBM-bound only if a warp spends few instructions per byte. At 4.2 TB/s an H200 SM
 receives about 16 bytes per cycle and issues at most 4 warp-instructions per cycle, so a group of
 ``TG`` tokens (``2 * TG * D * itemsize`` bytes of K and V) may cost at most ~``bytes / 4``
-warp-instructions in total before the issue rate, not HBM, is the limit.
+warp-instructions in total before the issue rate, not HBM, is the limit. The prefill kernel's
+tile loop is bound by the tensor cores only if its mma instructions (HMMA) are a large share of
+what each warp issues: an H200 SM sub-partition issues one warp-instruction per cycle and, through
+``mma.sync``, finishes an m16n8k16 fp16 mma every ~2 cycles (about 660 TFLOP/s over 132 SMs).
 """
 
 from __future__ import annotations
@@ -36,16 +41,22 @@ def compile_spec(spec):
     from numba import cuda
 
     from nbinfer.kernels.common import FASTMATH
-    from nbinfer.kernels.decode import decode_kernel_source, decode_signature
+    from nbinfer.kernels.decode import DecodeSpec, decode_kernel_source, decode_signature
+    from nbinfer.kernels.prefill import prefill_signature
+    from nbinfer.kernels.prefill_mma import prefill_mma_kernel_source
 
-    ptx, _ = cuda.compile_ptx(decode_kernel_source(spec), decode_signature(spec), cc=(9, 0),
-                              fastmath=set(FASTMATH))
+    if isinstance(spec, DecodeSpec):
+        source, sig = decode_kernel_source(spec), decode_signature(spec)
+    else:
+        source, sig = prefill_mma_kernel_source(spec), prefill_signature(spec)
+    ptx, _ = cuda.compile_ptx(source, sig, cc=(9, 0), fastmath=set(FASTMATH))
     return ptx
 
 
-def loop_histogram(sass: str):
-    """Histogram of the SASS opcodes of the per-group loop: the smallest loop (head label to
-    backward branch) that waits on cp.async (DEPBAR), i.e. one round of the gather pipeline."""
+def hot_loop(sass: str, marks=("DEPBAR",)) -> list[str]:
+    """Histogram of the SASS opcodes of the per-group (per-tile) loop: the smallest loop (head
+    label to backward branch) that waits on cp.async (DEPBAR), i.e. one round of the gather
+    pipeline; ``marks``: opcodes the loop must contain (the prefill tile loop also has HMMA)."""
     lines = sass.splitlines()
     addr = {}
     for i, line in enumerate(lines):
@@ -57,10 +68,16 @@ def loop_histogram(sass: str):
         m = re.search(r"BRA\s+`?\(?\.?(L_x_\d+)", line)
         if m and m.group(1) in addr and addr[m.group(1)] < i:
             lo = addr[m.group(1)]
-            if any("DEPBAR" in x for x in lines[lo:i]) and (best is None or i - lo < best[1] - best[0]):
+            body = lines[lo:i]
+            if all(any(mk in x for x in body) for mk in marks) and (best is None or i - lo < best[1] - best[0]):
                 best = (lo, i)
+    return lines[best[0]:best[1] + 1] if best else []
+
+
+def loop_histogram(loop: list[str]):
+    """Opcode counts of the SASS lines ``loop``."""
     ops = collections.Counter()
-    for line in lines[best[0]:best[1] + 1] if best else []:
+    for line in loop:
         m = re.search(r"\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
         if m:
             ops[m.group(2)] += 1
@@ -69,6 +86,9 @@ def loop_histogram(sass: str):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode",
+                    help="prefill: the tensor-core prefill kernel (fp16/bf16, D 64/128)")
+    ap.add_argument("--ragged", action="store_true", help="prefill: ragged (affine) KV")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
@@ -79,6 +99,7 @@ def main():
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
+    ap.add_argument("--dump", default=None, help="write the hot loop's SASS to this file")
     args = ap.parse_args()
     _offline_numba()
     from nbinfer.kernels.common import ITEMSIZE
@@ -87,18 +108,25 @@ def main():
 
     variant = {"standard": builtins.standard(), "rope": builtins.rope_llama(),
                "softcap": builtins.soft_cap(30.0), "sigmoid": builtins.sigmoid_attention(),
-               "window": builtins.sliding_window(256)}[args.variant]
+               "window": builtins.sliding_window(256), "causal": builtins.causal()}[args.variant]
     extra = {} if args.max_registers is None else {"max_registers": args.max_registers or None}
     q_dtype = "float16" if args.dtype.startswith("float8") else args.dtype  # FP8 is KV only
-    spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
-                      args.layout, variant, stages=args.stages, **extra)
+    if args.kernel == "prefill":
+        from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+
+        spec = MmaPrefillSpec(args.head_dim, args.group, 1 if args.ragged else args.page_size,
+                              args.dtype, args.dtype, args.layout, variant,
+                              sparse=not args.ragged)
+    else:
+        spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
+                          args.layout, variant, stages=args.stages, **extra)
     ptx = compile_spec(spec)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
         cmd = ["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", cubin]
-        if spec.max_registers:
+        if getattr(spec, "max_registers", None):
             cmd.insert(1, f"--maxrregcount={spec.max_registers}")
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         print(" ".join(line.split("info    : ")[-1] for line in info.splitlines()
@@ -106,8 +134,18 @@ def main():
         if args.nvdisasm:
             sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout
-            ops = loop_histogram(sass)
+            loop = hot_loop(sass, ("DEPBAR", "HMMA") if args.kernel == "prefill" else ("DEPBAR",))
+            if args.dump:
+                with open(args.dump, "w") as f:
+                    f.write("\n".join(loop) + "\n")
+            ops = loop_histogram(loop)
             total = sum(ops.values())
+            if args.kernel == "prefill":
+                hmma = ops.get("HMMA", 0)
+                print(f"tile loop: {total} instructions per warp per {spec.tile_kv}-key tile, "
+                      f"{hmma} of them HMMA ({100 * hmma / max(total, 1):.0f} %)")
+                print(", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
+                return
             kv_bytes = 2 * spec.tokens_per_group * spec.head_dim * ITEMSIZE[args.dtype]
             print(f"hot loop: {total} instructions per {kv_bytes}-byte group "
                   f"({total / (kv_bytes / 1024):.0f} per KiB of K+V)")

@@ -122,3 +122,34 @@ def test_tile_merge_stage_batches_and_long_lists(rng):
                                                                 return_lse=True)
     assert rel_err(out, ref) <= TOLERANCE["float16"]
     np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_clear_tiles_take_the_short_path_exactly(rng, causal):
+    # Query positions 60-99 and 63-69 (G 2: 8 query rows per 16-row warp): the 32-key tiles
+    # 0-31 and 32-63 are kept whole by every warp's rows (a causal mask's last key is before the
+    # warp's first row; without a mask every full tile is clear), so they skip the per-score
+    # masks; the diagonal and the ragged last tile take the masked path. Request 1 leaves rows
+    # of its tile empty (7 query rows). An infinite K element in a clear tile must still poison
+    # the rows that keep its key (nbinfer's non-finite rule).
+    hq, hkv, d = 4, 2, 64
+    qo_indptr, kv_indptr = np.array([0, 40, 47]), np.array([0, 100, 170])
+    q = rng.standard_normal((47, hq, d)).astype(np.float16)
+    k = rng.standard_normal((170, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((170, hkv, d)).astype(np.float16)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=causal)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=causal, return_lse=True)
+    _check(w, out, lse, ref, ref_lse)
+    k[105, 1, 3] = np.inf  # request 1's key 5, kv head 1 (query heads 2 and 3)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=causal, return_lse=True)
+    poisoned = np.isnan(ref).any(axis=-1)
+    assert poisoned[40:, 2:].all() and not poisoned[:40].any() and not poisoned[:, :2].any()
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), poisoned)
+    np.testing.assert_array_equal(np.isnan(lse), poisoned)
+    fine = ~poisoned
+    assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]

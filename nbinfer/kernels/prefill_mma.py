@@ -42,11 +42,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, int64, types
 
+from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
-from .mma import tile_ops
+from .mma import FULL_MASK, tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, compile_prefill
 from .primitives import LOG2E, device_jit, primitives
@@ -131,6 +132,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM
+    ROWS_PER_PASS = NT // CHUNKS  # token rows one pass of the CTA's 16-byte copies covers
+    COPIES = BC // ROWS_PER_PASS  # copies per thread per K (or V) tile
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
@@ -154,6 +157,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     finalize = state_finalize(sim)
     MASKED = NEG_INF if SOFTMAX else ZERO
     SKIP_IDLE_WARPS = not sim  # the simulator twins meet at barriers: every warp computes
+    # Tiles whose every score is kept take a short path (see the tile loop): possible when no
+    # hook reads a score's positions, or the only mask is causal over affine key positions.
+    CLEAR_TILES = not (HAS_LOGITS or CUSTOM or GUARD) and (
+        not HAS_MASK or (all(is_causal_mask(f) for f in spec.variant.logits_mask)
+                         and not spec.block_positions))
     U32 = types.uint32
     exp2 = prims.exp2
     shared_addr, cp_async16_to, commit, wait1 = (prims.shared_addr, prims.cp_async16_to,
@@ -166,16 +174,22 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                      page_stride, t0, end, hk, tid):
         # BC token rows of K and V, D * 2 bytes each, in 16-byte cp.async copies; rows past the
         # range re-read the last token (masked later), so no copy is conditional.
+        # A fixed number of copies per thread, each at a fixed (row, chunk) of the tile: a
+        # thread's chunk and first row are the same for every tile, so per copy only the token's
+        # offset is computed (a runtime-bounded loop here cost ~300 instructions per tile).
         vb = kb + U32(TILE_BYTES)
-        for e in range(tid, BC * CHUNKS, NT):
-            j = e // CHUNKS
-            c = e % CHUNKS
-            pos = min(t0 + j, end - 1)
+        tu = U32(tid)
+        c = tu % U32(CHUNKS)
+        j0 = tu // U32(CHUNKS)
+        last = end - 1
+        for r in range(COPIES):
+            j = j0 + U32(r * ROWS_PER_PASS)
+            pos = min(t0 + int64(j), last)
             off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
-            dst = U32(j * RS + c * CHUNK_BYTES)
-            cp_async16_to(smem, vb + dst, v, off + 8 * c)
+            dst = j * U32(RS) + c * U32(CHUNK_BYTES)
+            cp_async16_to(smem, vb + dst, v, off + int64(8 * c))
             if not HAS_K:
-                cp_async16_to(smem, kb + dst, k, off + 8 * c)
+                cp_async16_to(smem, kb + dst, k, off + int64(8 * c))
         if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
             for e in range(tid, BC * HALF, NT):
                 j = e // HALF
@@ -295,6 +309,19 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     bad = bad_keys[0]
                 if active:
                     qk(smem, kb, lane, qf, s)
+                clear = CLEAR_TILES and t0 + BC <= end and (
+                    not HAS_MASK or t0 + BC - 1 <= pos0 + (16 * warp) // G)
+                if active and clear:
+                    # Every key of the tile is kept for every row of this warp (no hook reads
+                    # positions; a causal mask's last key is at or before the warp's first row):
+                    # no per-score positions or masks. Rows past nrows are computed on zero
+                    # queries and never stored.
+                    for idx in range(NS):
+                        x = s[idx] * scale
+                        if x == NEG_INF:
+                            x = NAN
+                        s[idx] = x
+                elif active:
                     for idx in range(NS):
                         h = (idx % 4) // 2
                         pr = pr1 if h else pr0
@@ -347,8 +374,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         s[idx] = pexp
                     l0 = l0 * a0 + sum0  # lane-partial sums: reduced over the quad at the end
                     l1 = l1 * a1 + sum1
-                    for idx in range(NO):
-                        acc[idx] *= a1 if (idx % 4) // 2 else a0
+                    # Past the first tiles a row's maximum rarely moves: skip the 2 x D / 4
+                    # multiplications by exactly 1 when no lane of the warp needs them.
+                    if sim or cuda.any_sync(FULL_MASK, a0 != ONE or a1 != ONE):
+                        for idx in range(NO):
+                            acc[idx] *= a1 if (idx % 4) // 2 else a0
                 if active:
                     pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
                 cuda.syncthreads()  # done with stage it % 2 before tile it + 2 lands there

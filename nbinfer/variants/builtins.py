@@ -27,17 +27,23 @@ def standard() -> Variant:
     return Variant("standard")
 
 
+def _causal_mask(q_pos, kv_pos, qo_head):
+    return kv_pos <= q_pos
+
+
 def causal() -> Variant:
     """Causal mask: a query at absolute position ``p`` sees keys at positions ``<= p``.
 
     With absolute query positions ``qo_idx + kv_len - qo_len`` this is FlashInfer's bottom-right
     aligned causal mask.
     """
+    return Variant("causal", logits_mask=_causal_mask)
 
-    def logits_mask(q_pos, kv_pos, qo_head):
-        return kv_pos <= q_pos
 
-    return Variant("causal", logits_mask=logits_mask)
+def is_causal_mask(hook) -> bool:
+    """Whether ``hook`` is :func:`causal`'s mask: kernels that know it keep a key tile whose last
+    key is at or before a row's position without evaluating the mask per score."""
+    return hook is _causal_mask
 
 
 _causal_variant = causal  # from_flashinfer_args takes a flag of the same name
