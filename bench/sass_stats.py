@@ -69,7 +69,8 @@ def hot_loop(sass: str, marks=("DEPBAR",)) -> list[str]:
         if m and m.group(1) in addr and addr[m.group(1)] < i:
             lo = addr[m.group(1)]
             body = lines[lo:i]
-            if all(any(mk in x for x in body) for mk in marks) and (best is None or i - lo < best[1] - best[0]):
+            shorter = best is None or i - lo < best[1] - best[0]
+            if shorter and all(any(mk in x for x in body) for mk in marks):
                 best = (lo, i)
     return lines[best[0]:best[1] + 1] if best else []
 
