@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from decode import gpu_ms, median_ms, save_json  # noqa: E402
 
+from nbinfer.api import prefill as prefill_api  # noqa: E402
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
@@ -123,15 +124,27 @@ def graph_ms(fn, n=20):
     return median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 
 
-def causal_prefill(B=4, L=4096, H=32, d=128):
-    flops = 4 * B * H * d * L * (L + 1) / 2
-    q = torch.randn(B * L, H, d, device="cuda").half()
+def causal_prefill(B=4, L=4096, H=32, d=128, causal=True, dtype="float16", kv_tiles=()):
+    """Prefill TFLOP/s of nbinfer (and, for each of ``kv_tiles``, the tensor-core kernel with
+    that many keys per tile, keys ``kv_tile_<n>``) against SDPA flash and cuDNN, same inputs."""
+    flops = 4 * B * H * d * L * ((L + 1) / 2 if causal else L)
+    q = torch.randn(B * L, H, d, device="cuda").to(getattr(torch, dtype))
     k, v = torch.randn_like(q), torch.randn_like(q)
     ptr = np.arange(B + 1) * L
     w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8,
                                                          device="cuda"))
-    w.plan(ptr, ptr, H, H, d, causal=True, q_data_type="float16")
-    res = dict(B=B, L=L, H=H, D=d, flops=flops)
+    res = dict(B=B, L=L, H=H, D=d, causal=causal, dtype=dtype, flops=flops)
+    default = prefill_api.MMA_KV_TILE
+    try:
+        for tile in kv_tiles:
+            prefill_api.MMA_KV_TILE = tile
+            w.plan(ptr, ptr, H, H, d, causal=causal, q_data_type=dtype)
+            ms = median_ms(lambda: w.run(q, k, v), warmup=2, iters=10)
+            res[f"kv_tile_{tile}_ms"], res[f"kv_tile_{tile}_tflops"] = ms, flops / ms / 1e9
+    finally:
+        prefill_api.MMA_KV_TILE = default
+    w.plan(ptr, ptr, H, H, d, causal=causal, q_data_type=dtype)
+    res["kv_tile"] = getattr(w.step_plan.spec, "kv_tile", None)
     ms = median_ms(lambda: w.run(q, k, v), warmup=2, iters=10)
     res["nbinfer_ms"], res["nbinfer_tflops"] = ms, flops / ms / 1e9
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -141,7 +154,7 @@ def causal_prefill(B=4, L=4096, H=32, d=128):
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(be):
-                t = median_ms(lambda: sdpa_fn(q4, k4, v4, is_causal=True))
+                t = median_ms(lambda: sdpa_fn(q4, k4, v4, is_causal=causal))
             res[f"sdpa_{name}_ms"], res[f"sdpa_{name}_tflops"] = t, flops / t / 1e9
         except Exception as exc:  # noqa: BLE001 - report, keep benchmarking
             res[f"sdpa_{name}_error"] = str(exc)[:200]
@@ -153,7 +166,20 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", default=None, metavar="L,L,...",
                     help="only the causal prefill, B 1, at these lengths (lesson 07's sweep)")
+    ap.add_argument("--kv-tiles", default=None, metavar="N,N",
+                    help="only prefill (causal and not, B4 L4096 D128 fp16), the tensor-core "
+                         "kernel's KV tile sizes side by side")
     args = ap.parse_args()
+    if args.kv_tiles:
+        tiles = [int(x) for x in args.kv_tiles.split(",")]
+        rows = [causal_prefill(causal=c, kv_tiles=tiles) for c in (True, False)]
+        save_json(args.out, kv_tile_ab=rows)
+        for r in rows:
+            ab = ", ".join(f"tile {t}: {r[f'kv_tile_{t}_tflops']:.1f}" for t in tiles)
+            print(f"{'causal' if r['causal'] else 'non-causal'} prefill B4 L4096 D128 fp16: "
+                  f"{ab} TFLOP/s; SDPA flash {r.get('sdpa_flash_tflops', float('nan')):.1f}, "
+                  f"cuDNN {r.get('sdpa_cudnn_tflops', float('nan')):.1f}")
+        return
     if args.sweep:
         rows = [causal_prefill(B=1, L=int(x)) for x in args.sweep.split(",")]
         save_json(args.out, causal_sweep=rows)

@@ -19,6 +19,7 @@ os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from nbinfer.api import prefill as prefill_api  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
 
 
@@ -29,7 +30,10 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--non-causal", action="store_true")
+    ap.add_argument("--kv-tile", type=int, default=None, help="the kernel's keys per KV tile")
     args = ap.parse_args()
+    if args.kv_tile:
+        prefill_api.MMA_KV_TILE = args.kv_tile
     B, L, H, D = args.batch, args.length, args.heads, args.head_dim
     q = torch.randn(B * L, H, D, device="cuda").half()
     k, v = torch.randn_like(q), torch.randn_like(q)
@@ -40,7 +44,8 @@ def main():
     w.run(q, k, v)
     torch.cuda.synchronize()
     print(f"profiled: B {B} L {L} H {H} D {D}, {'non-causal' if args.non_causal else 'causal'}, "
-          f"{w.schedule.num_ctas} CTAs, {w.schedule.num_work} work items")
+          f"kv_tile {w.step_plan.spec.kv_tile}, {w.schedule.num_ctas} CTAs, "
+          f"{w.schedule.num_work} work items")
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ def main():
     ap.add_argument("--kernel", choices=("decode", "prefill"), default="decode",
                     help="prefill: the tensor-core prefill kernel (fp16/bf16, D 64/128)")
     ap.add_argument("--ragged", action="store_true", help="prefill: ragged (affine) KV")
+    ap.add_argument("--kv-tile", type=int, default=32, help="prefill: keys per KV tile")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
@@ -117,7 +118,7 @@ def main():
 
         spec = MmaPrefillSpec(args.head_dim, args.group, 1 if args.ragged else args.page_size,
                               args.dtype, args.dtype, args.layout, variant,
-                              sparse=not args.ragged)
+                              sparse=not args.ragged, kv_tile=args.kv_tile)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages, **extra)

@@ -7,6 +7,7 @@ import pytest
 from conftest import TOLERANCE, rel_err
 
 from nbinfer import reference
+from nbinfer.api import prefill as prefill_api
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper
 from nbinfer.api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
@@ -32,21 +33,37 @@ def _np(t):
     return t.float().cpu().numpy()
 
 
-@pytest.mark.parametrize(
-    "qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw",
-    [
-        ([1, 37, 512], [100, 700, 2048], 32, 8, 128, 16, "float16", "NHD", dict(causal=True)),
-        ([64, 3], [64, 4000], 32, 4, 64, 1, "bfloat16", "HND", dict(causal=True, window_left=100)),
-        ([16], [3000], 16, 16, 256, 7, "float32", "NHD", dict(pos_encoding_mode="ROPE_LLAMA")),
-        ([100, 20], [5000, 300], 32, 8, 128, 16, "float16", "NHD",
-         dict(logits_soft_cap=30.0, fixed_split_size=512)),
-        ([33, 1], [2000, 17], 32, 8, 128, 16, "float16", "HND",
-         dict(pos_encoding_mode="ROPE_LLAMA", causal=True)),
-        ([40, 7], [900, 77], 32, 32, 64, 5, "bfloat16", "NHD", dict(pos_encoding_mode="ALIBI")),
-        ([300], [300], 64, 8, 128, 16, "bfloat16", "NHD", dict(causal=True)),
-    ],
-)
+PAGED_CASES = [
+    ([1, 37, 512], [100, 700, 2048], 32, 8, 128, 16, "float16", "NHD", dict(causal=True)),
+    ([64, 3], [64, 4000], 32, 4, 64, 1, "bfloat16", "HND", dict(causal=True, window_left=100)),
+    ([16], [3000], 16, 16, 256, 7, "float32", "NHD", dict(pos_encoding_mode="ROPE_LLAMA")),
+    ([100, 20], [5000, 300], 32, 8, 128, 16, "float16", "NHD",
+     dict(logits_soft_cap=30.0, fixed_split_size=512)),
+    ([33, 1], [2000, 17], 32, 8, 128, 16, "float16", "HND",
+     dict(pos_encoding_mode="ROPE_LLAMA", causal=True)),
+    ([40, 7], [900, 77], 32, 32, 64, 5, "bfloat16", "NHD", dict(pos_encoding_mode="ALIBI")),
+    ([300], [300], 64, 8, 128, 16, "bfloat16", "NHD", dict(causal=True)),
+]
+
+
+@pytest.mark.parametrize("qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw", PAGED_CASES)
 def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
+    _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+
+
+@pytest.mark.parametrize("qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw",
+                         [c for c in PAGED_CASES if c[6] != "float32"])
+def test_paged_prefill_gpu_64_key_tiles(rng, monkeypatch, qo_lens, kv_lens, hq, hkv, d, ps,
+                                        dtype, layout, kw):
+    # The tensor-core kernel with 64-key tiles: Q read from shared memory per k-step, and at
+    # D 128 its 87 KiB of shared memory allocated at launch (past the static 48 KiB).
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", 64)
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    assert w.step_plan.spec.kv_tile == 64
+    assert (w.step_plan.launch.launch.shared > 48 * 1024) == (d == 128)
+
+
+def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
     cache = rng.standard_normal(shape).astype(np.float32)
@@ -66,6 +83,7 @@ def test_paged_prefill_gpu(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout,
         pt.last_page_len, kv_layout=layout, return_lse=True, **kw)
     assert rel_err(_np(out), ref) <= TOLERANCE[dtype]
     np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
+    return w
 
 
 def test_ragged_and_single_prefill_gpu(rng):

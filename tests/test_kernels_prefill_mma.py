@@ -13,6 +13,7 @@ from conftest import TOLERANCE, rel_err
 
 from nbinfer import reference
 from nbinfer import variants as V
+from nbinfer.api import prefill as prefill_api
 from nbinfer.api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -124,8 +125,8 @@ def test_tile_merge_stage_batches_and_long_lists(rng):
     np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_clear_tiles_take_the_short_path_exactly(rng, causal):
+@pytest.mark.parametrize("causal, kv_tile", [(True, 32), (False, 32), (True, 64)])
+def test_clear_tiles_take_the_short_path_exactly(rng, monkeypatch, causal, kv_tile):
     # Query positions 60-99 and 63-69 (G 2: 8 query rows per 16-row warp): the 32-key tiles
     # 0-31 and 32-63 are kept whole by every warp's rows (a causal mask's last key is before the
     # warp's first row; without a mask every full tile is clear), so they skip the per-score
@@ -137,8 +138,12 @@ def test_clear_tiles_take_the_short_path_exactly(rng, causal):
     q = rng.standard_normal((47, hq, d)).astype(np.float16)
     k = rng.standard_normal((170, hkv, d)).astype(np.float16)
     v = rng.standard_normal((170, hkv, d)).astype(np.float16)
+    # 64-key tiles: Q read from shared memory (a 64-key tile at D 64 is clear for both
+    # requests' first tile only)
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=causal)
+    assert w.step_plan.spec.kv_tile == kv_tile
     out, lse = w.run(q, k, v, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, causal=causal, return_lse=True)
@@ -153,3 +158,21 @@ def test_clear_tiles_take_the_short_path_exactly(rng, causal):
     np.testing.assert_array_equal(np.isnan(lse), poisoned)
     fine = ~poisoned
     assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]
+
+
+def test_kv_tile_64_at_head_dim_128_takes_dynamic_shared_memory(rng, monkeypatch):
+    # D 128 with 64-key tiles needs more than the 48 KiB of static shared memory a kernel may
+    # declare (two stages of K and V plus Q: 78 KiB at the simulator's two warps, 87 KiB on
+    # the GPU's four): the kernel allocates it at launch.
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", 64)
+    qo_indptr, kv_indptr = np.array([0, 9]), np.array([0, 140])
+    q = rng.standard_normal((9, 2, 128)).astype(np.float16)
+    k = rng.standard_normal((140, 2, 128)).astype(np.float16)
+    v = rng.standard_normal((140, 2, 128)).astype(np.float16)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, 2, 2, 128, q_data_type="float16", causal=True)
+    assert w.step_plan.launch.launch.shared > 48 * 1024
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
+    _check(w, out, lse, ref, ref_lse)

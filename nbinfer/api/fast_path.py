@@ -162,7 +162,8 @@ class TorchFastPath:
             self.launch(stream)
             return out, lse
         if stream != self._stream_bound:
-            self._bound = self._driver.bind_launch(P._func, P.grid, P.block, stream, P._params)
+            self._bound = self._driver.bind_launch(P._func, P.grid, P.block, stream, P._params,
+                                                   P.shared)
             self._stream_bound = stream
         fn, args, _ = self._bound
         err = fn(*args)

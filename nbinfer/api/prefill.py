@@ -55,6 +55,9 @@ from .workspace import WorkspaceLayout, item_merge_lists
 
 # The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
 MMA_CTAS_PER_SM = 2
+# Keys per KV tile of the tensor-core kernel (:class:`MmaPrefillSpec`'s ``kv_tile``: 32, or 64
+# with Q read from shared memory); bench/NOTES.md ("Issue 13, session 8") has the A/B.
+MMA_KV_TILE = 32
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -120,7 +123,8 @@ class PrefillWrapperBase(WrapperBase):
                      block_positions=step.q_pos0 is not None, sim=sim)
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
-            spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4)
+            spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4,
+                                  kv_tile=MMA_KV_TILE)
             most = MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

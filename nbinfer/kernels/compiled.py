@@ -59,6 +59,7 @@ class CompiledKernel:
         self.regs, self.local_bytes, self.shared_bytes = attrs.regs, attrs.local, attrs.shared
         self.from_cache, self.key, self.timings = from_cache, key, timings
         self.max_registers = None
+        self.dynamic_shared = 0  # bytes each launch asks for (:meth:`use_dynamic_shared`)
         self._prepared = {}  # (grid, block) -> the PreparedLaunch one-off launches reuse
         self._lock = threading.Lock()
 
@@ -104,14 +105,24 @@ class CompiledKernel:
 
         return launch
 
+    def use_dynamic_shared(self, nbytes: int) -> None:
+        """Launch with ``nbytes`` of dynamic shared memory (the kernel declares
+        ``cuda.shared.array(0, ...)``); above 48 KiB the function is opted in once here."""
+        from .launch import _driver
+
+        if nbytes > 48 * 1024:
+            _driver().allow_dynamic_shared(self.handle, nbytes)
+        self.dynamic_shared = int(nbytes)
+
     def resident_ctas(self, threads: int) -> int:
-        """CTAs of ``threads`` threads one SM runs at once (the driver's occupancy calculator)."""
+        """CTAs of ``threads`` threads one SM runs at once (the driver's occupancy calculator,
+        counting the dynamic shared memory each launch asks for)."""
         from numba import cuda
 
         from .launch import _driver
 
         cuda.current_context()  # the calling thread may have none current yet (kernel cached)
-        return _driver().resident_blocks(self.handle, threads)
+        return _driver().resident_blocks(self.handle, threads, self.dynamic_shared)
 
     def __repr__(self):
         src = "cache" if self.from_cache else "compiled"

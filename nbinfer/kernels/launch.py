@@ -33,11 +33,16 @@ class PreparedLaunch:
         Launch configuration.
     sim : bool
         Simulator: keep arrays and launch through Numba.
+
+    The kernel's dynamic shared memory (bytes) is its ``dynamic_shared`` attribute (0 if it has
+    none): a kernel whose tiles outgrow the 48 KiB of static shared memory declares
+    ``cuda.shared.array(0, ...)`` and its builder sets the attribute.
     """
 
     def __init__(self, kernel, signature, grid: int, block: int, *, sim: bool):
         self.kernel, self.sim = kernel, sim
         self.grid, self.block = _dim3(grid), _dim3(block)
+        self.shared = dynamic_shared(kernel)
         self._types = tuple(signature.args)
         self._slot = []
         n = 0
@@ -75,6 +80,7 @@ class PreparedLaunch:
             return twin
         twin._vals = self._vals.copy()
         twin._func = kernel.handle
+        twin.shared = dynamic_shared(kernel)
         twin._bind_cells()
         twin._keep = dict(self._keep)
         return twin
@@ -98,6 +104,7 @@ class PreparedLaunch:
         twin = object.__new__(PreparedLaunch)
         twin.__dict__.update(self.__dict__)  # the same _vals / _args objects, not copies
         twin.kernel = kernel
+        twin.shared = dynamic_shared(kernel)
         if grid is not None:
             twin.grid = _dim3(grid)
         if not self.sim:
@@ -154,16 +161,22 @@ class PreparedLaunch:
     def __call__(self, stream: int = 0) -> None:
         """Launch on the CUDA stream with handle ``stream`` (0: the legacy default stream)."""
         if self.sim:
-            self.kernel[self.grid, self.block](*self._args)
+            self.kernel[self.grid, self.block, 0, self.shared](*self._args)
             return
         if stream != self._stream:
             self._bound = _driver().bind_launch(self._func, self.grid, self.block, stream,
-                                                self._params)
+                                                self._params, self.shared)
             self._stream = stream
         fn, args, _ = self._bound
         err = fn(*args)
         if err:
             raise RuntimeError(f"kernel launch failed with CUresult {err}")
+
+
+def dynamic_shared(kernel) -> int:
+    """Bytes of dynamic shared memory ``kernel`` is launched with (its ``dynamic_shared``
+    attribute; 0 when it declares none)."""
+    return int(getattr(kernel, "dynamic_shared", 0))
 
 
 def _dim3(dims) -> tuple[int, int, int]:
@@ -189,7 +202,8 @@ class _Driver:
                "cuStreamSynchronize": [ptr],
                "cuEventCreate": [ptr, u32], "cuEventRecord": [ptr, ptr],
                "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr],
-               "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ptr, ptr, ctypes.c_int, size]}
+               "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ptr, ptr, ctypes.c_int, size],
+               "cuFuncSetAttribute": [ptr, ctypes.c_int, ctypes.c_int]}
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -214,14 +228,16 @@ class _Driver:
         self._event_create, self.event_record = lib.cuEventCreate, lib.cuEventRecord
         self.event_synchronize, self.event_destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
         self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
+        self._set_attribute = lib.cuFuncSetAttribute
 
-    def bind_launch(self, func: int, grid, block, stream: int, params: int):
+    def bind_launch(self, func: int, grid, block, stream: int, params: int, shared: int = 0):
         """``(fn, args, keep)``: ``fn(*args)`` launches ``func`` (grid and block as 3-tuples)
-        on ``stream`` with the kernel-parameter pointer array at address ``params``; ``keep``
-        is what must stay alive while the tuple is used (the launch configuration)."""
+        on ``stream`` with the kernel-parameter pointer array at address ``params`` and
+        ``shared`` bytes of dynamic shared memory; ``keep`` is what must stay alive while the
+        tuple is used (the launch configuration)."""
         if self.launch_ex is None:
-            return self.launch, (func, *grid, *block, 0, stream, params, None), None
-        cfg = self._config(*grid, *block, 0, stream or None, None, 0)
+            return self.launch, (func, *grid, *block, shared, stream, params, None), None
+        cfg = self._config(*grid, *block, shared, stream or None, None, 0)
         return self.launch_ex, (self.ctypes.addressof(cfg), func, params, None), cfg
 
     def resident_blocks(self, func: int, threads: int, dynamic_shared: int = 0) -> int:
@@ -231,6 +247,11 @@ class _Driver:
         check(self._occupancy(self.ctypes.byref(n), func, threads, dynamic_shared),
               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return n.value
+
+    def allow_dynamic_shared(self, func: int, nbytes: int) -> None:
+        """Let ``func`` launch with ``nbytes`` of dynamic shared memory: past 48 KiB a kernel
+        must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
+        check(self._set_attribute(func, 8, int(nbytes)), "cuFuncSetAttribute")
 
     def event(self) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""
@@ -249,4 +270,4 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-__all__ = ["PreparedLaunch", "ARRAY_FIELDS"]
+__all__ = ["PreparedLaunch", "ARRAY_FIELDS", "dynamic_shared"]

@@ -127,6 +127,13 @@ def _gpu_mma_intrinsics():
                            sts_u32=sts_u32)
 
 
+def smem_row_bytes(head_dim: int, sim: bool) -> int:
+    """Bytes between consecutive rows of a Q, K or V tile in shared memory: ``D`` elements
+    plus 8 of padding (16 bytes on the GPU, so that the 8 rows one ``ldmatrix`` reads fall in
+    distinct banks); the simulator's twins keep each element in a 4-byte slot."""
+    return (head_dim + 8) * (4 if sim else 2)
+
+
 @functools.cache
 def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool):
     """The warp tile operations of one tensor-core kernel, as a namespace.
@@ -155,6 +162,9 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
         The warp's 16 Q rows (tile rows ``16 warp ...``) from ``qbase`` into fragments ``qf``.
     ``qk(smem, kbase, lane, qf, s)``
         ``s[4 * (BC / 8)] = Q K^T`` for the ``BC`` keys at ``kbase``.
+    ``qk_smem(smem, kbase, qbase, warp, lane, s)``
+        The same with Q read from shared memory (the tile rows ``16 warp ...`` at ``qbase``),
+        one A fragment per k-step: for tiles whose scores need the registers Q would hold.
     ``pv(smem, vbase, tid, lane, p, o, scratch)``
         ``o[4 * (D / 8)] += P V`` with ``p`` (float32 in accumulator layout, rounded to the
         operand type here) and the ``BC x D`` V tile at ``vbase``.
@@ -181,7 +191,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     lds2 = primitives(False).make_lds(dtype, 2)
     F_INF = float32(np.inf)
     ELEM = 2
-    RS = (D + 8) * ELEM
+    RS = smem_row_bytes(D, False)
     jit_dev = device_jit(False)
 
     @jit_dev
@@ -220,6 +230,25 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
                 s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
                     qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3], b2, b3,
                     s[j + 4], s[j + 5], s[j + 6], s[j + 7])
+
+    @jit_dev
+    def qk_smem(smem, kbase, qbase, warp, lane, s):
+        for i in range(NS):
+            s[i] = float32(0.0)
+        qa = (U32(qbase) + U32(16 * warp + (lane % 8) + 8 * ((lane // 8) % 2)) * U32(RS)
+              + U32(8 * (lane // 16)) * U32(ELEM))  # as load_q's addresses
+        row = U32((lane % 8) + 8 * (lane // 16))
+        col = U32(8 * ((lane // 8) % 2))
+        a = U32(kbase) + row * U32(RS) + col * U32(ELEM)
+        for ks in range(KSTEPS):
+            q0, q1, q2, q3 = ldmatrix(qa + U32(32 * ks))
+            for npair in range(NPAIRS):
+                b0, b1, b2, b3 = ldmatrix(a + U32(16 * RS * npair + 32 * ks))
+                j = 8 * npair
+                s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
+                    q0, q1, q2, q3, b0, b1, s[j], s[j + 1], s[j + 2], s[j + 3])
+                s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
+                    q0, q1, q2, q3, b2, b3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
 
     @jit_dev
     def pv(smem, vbase, tid, lane, p, o, scratch):
@@ -264,15 +293,15 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
         return True
 
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=D // 4, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
-                           store_pair=store_pair, load_q=load_q, qk=qk, pv=pv,
+                           store_pair=store_pair, load_q=load_q, qk=qk, qk_smem=qk_smem, pv=pv,
                            quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 
 def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
     prims = primitives(True)
     ELEM = 4
-    RSE = D + 8  # row stride in float32 slots
-    RS = RSE * ELEM
+    RS = smem_row_bytes(D, True)
+    RSE = RS // ELEM  # row stride in float32 slots
     NT = 32 * num_warps
     bf16 = dtype == "bfloat16"
     to_f32, to_bf16 = prims.bf16, prims.from_f32_bf16
@@ -310,6 +339,17 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
             acc = float32(0.0)
             for d in range(D):
                 acc += qf[h * D + d] * read(smem, r + d)
+            s[idx] = acc
+
+    def qk_smem(smem, kbase, qbase, warp, lane, s):
+        g, t = lane // 4, lane % 4
+        for idx in range(NS):
+            h, col = (idx % 4) // 2, (idx // 4) * 8 + 2 * t + idx % 2
+            qr = qbase // ELEM + (16 * warp + g + 8 * h) * RSE
+            r = kbase // ELEM + col * RSE
+            acc = float32(0.0)
+            for d in range(D):
+                acc += read(smem, qr + d) * read(smem, r + d)
             s[idx] = acc
 
     @cuda.jit(device=True)  # binds the simulator's syncthreads
@@ -354,8 +394,9 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
         return True
 
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=2 * D, QF_T=float32, SCRATCH=NT * (NS + 2),
-                           NS=NS, NO=NO, store_pair=store_pair, load_q=load_q, qk=qk, pv=pv,
+                           NS=NS, NO=NO, store_pair=store_pair, load_q=load_q, qk=qk,
+                           qk_smem=qk_smem, pv=pv,
                            quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 
-__all__ = ["tile_ops"]
+__all__ = ["smem_row_bytes", "tile_ops"]

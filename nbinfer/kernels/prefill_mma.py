@@ -47,21 +47,26 @@ from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
-from .mma import FULL_MASK, tile_ops
+from .mma import FULL_MASK, smem_row_bytes, tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, compile_prefill
 from .primitives import LOG2E, device_jit, primitives
 
 TILE_KV = 32
+KV_TILES = (32, 64)
 MMA_HEAD_DIMS = (64, 128)
+STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
 
 
 @dataclass(frozen=True)
 class MmaPrefillSpec(PrefillSpec):
     """A :class:`~.prefill.PrefillSpec` for the tensor-core kernel: q and kv of one 16-bit type,
-    head_dim 64 or 128; ``num_warps`` warps of 16 packed rows each."""
+    head_dim 64 or 128; ``num_warps`` warps of 16 packed rows each; KV tiles of ``kv_tile``
+    keys (32, or 64 with Q's fragments read from shared memory per k-step, since the tile's
+    scores take the registers Q would hold)."""
 
     num_warps: int = 4
+    kv_tile: int = TILE_KV
     # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
@@ -76,6 +81,8 @@ class MmaPrefillSpec(PrefillSpec):
                              f"type, got q {self.q_dtype}, kv {self.kv_dtype}")
         if self.num_warps not in (1, 2, 4):
             raise ValueError(f"num_warps must be 1, 2 or 4, got {self.num_warps}")
+        if self.kv_tile not in KV_TILES:
+            raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
 
     @property
     def tile_q(self) -> int:
@@ -83,7 +90,12 @@ class MmaPrefillSpec(PrefillSpec):
 
     @property
     def tile_kv(self) -> int:
-        return TILE_KV
+        return self.kv_tile
+
+    @property
+    def q_in_shared(self) -> bool:
+        """Whether Q stays in shared memory (read per k-step) instead of registers."""
+        return self.kv_tile > TILE_KV
 
     @property
     def num_threads(self) -> int:
@@ -100,7 +112,36 @@ def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
 def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     """Compile (once per spec) the tensor-core prefill kernel; arguments as
     :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
-    return compile_prefill("prefill_mma", spec, prefill_mma_kernel_source)
+    kernel = compile_prefill("prefill_mma", spec, prefill_mma_kernel_source)
+    nbytes = shared_layout(spec)["dynamic"]
+    if nbytes:
+        if spec.sim:
+            kernel.dynamic_shared = nbytes  # the simulator's launch sizes cuda.shared.array(0)
+        else:
+            kernel.use_dynamic_shared(nbytes)
+    return kernel
+
+
+def shared_layout(spec: MmaPrefillSpec) -> dict:
+    """Byte sizes of the kernel's main shared buffer: ``stage`` (one K and V tile), ``kv`` (two
+    stages), ``q_base`` (where Q is staged: aliasing stage 1, or after both stages when Q stays
+    in shared memory), ``total`` and ``dynamic`` (``total`` when it is allocated at launch,
+    past the static limit; else 0)."""
+    def sizes(row_bytes):
+        stage = 2 * spec.tile_kv * row_bytes
+        q_bytes = spec.tile_q * row_bytes
+        if spec.q_in_shared:
+            return stage, 2 * stage, 2 * stage + q_bytes
+        if q_bytes > stage:
+            raise ValueError(f"{spec.tile_q} Q rows do not fit in one KV stage")
+        return stage, stage, 2 * stage
+
+    # The GPU's sizes decide static or dynamic (1 KiB is left for the row flags); the
+    # simulator's twins keep 4-byte slots but take the same path as the GPU would.
+    gpu = sizes(smem_row_bytes(spec.head_dim, False))
+    stage, q_base, total = sizes(smem_row_bytes(spec.head_dim, spec.sim))
+    dynamic = total if gpu[2] > STATIC_SHARED_LIMIT - 1024 else 0
+    return dict(stage=stage, kv=2 * stage, q_base=q_base, total=total, dynamic=dynamic)
 
 
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):
@@ -119,15 +160,15 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
     store_pair, load_q, qk, pv, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.pv, \
         ops.quad_reduce
-    scrub_pair = ops.scrub_pair
+    scrub_pair, qk_smem = ops.scrub_pair, ops.qk_smem
     GUARD = spec.value_guard
+    Q_SMEM = spec.q_in_shared
     TILE_BYTES = BC * RS  # one K (or V) tile
-    STAGE_BYTES = 2 * TILE_BYTES
-    KV_BYTES = 2 * STAGE_BYTES
-    Q_BASE = STAGE_BYTES  # Q staging aliases stage 1: TQ rows must fit in it
-    if TQ * RS > STAGE_BYTES:
-        raise ValueError(f"{TQ} Q rows do not fit in one KV stage")
-    SMEM_FLOATS = KV_BYTES // 4
+    shared = shared_layout(spec)
+    STAGE_BYTES = shared["stage"]
+    Q_BASE = shared["q_base"]  # aliasing stage 1 (Q moves to registers), or its own area
+    SMEM_FLOATS = shared["total"] // 4
+    SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
     SMEM_ALIGN = prims.SMEM_ALIGN
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
@@ -212,11 +253,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                            mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
         # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. 16-byte aligned: cp.async
         # destinations and ldmatrix rows must be.
-        smem = cuda.shared.array(SMEM_FLOATS, float32, alignment=SMEM_ALIGN)
+        smem = cuda.shared.array(SMEM_DECL, float32, alignment=SMEM_ALIGN)
         bad_keys = cuda.shared.array(1, U32)  # guarded twin: the tile's keys with bad V
         scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
         flags = cuda.shared.array(FLAG_WORDS, int32)
-        qf = cuda.local.array(QF, QF_T)
+        qf = cuda.local.array(1 if Q_SMEM else QF, QF_T)
         s = cuda.local.array(NS, float32)
         acc = cuda.local.array(NO, float32)
         mnum = cuda.local.array(OUTS, float32)
@@ -268,8 +309,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 load_kv_tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride,
                              head_off, page_stride, start, end, hk, tid)
             cuda.syncthreads()
-            load_q(smem, base + U32(Q_BASE), warp, lane, qf)
-            cuda.syncthreads()  # stage 1 is free for KV
+            if not Q_SMEM:
+                load_q(smem, base + U32(Q_BASE), warp, lane, qf)
+                cuda.syncthreads()  # stage 1 is free for KV
 
             # This lane's two rows: packed rows 16 warp + g (h = 0) and + 8 (h = 1).
             pr0 = 16 * warp + g
@@ -308,7 +350,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     cuda.syncthreads()
                     bad = bad_keys[0]
                 if active:
-                    qk(smem, kb, lane, qf, s)
+                    if Q_SMEM:
+                        qk_smem(smem, kb, base + U32(Q_BASE), warp, lane, s)
+                    else:
+                        qk(smem, kb, lane, qf, s)
                 clear = CLEAR_TILES and t0 + BC <= end and (
                     not HAS_MASK or t0 + BC - 1 <= pos0 + (16 * warp) // G)
                 if active and clear:
