@@ -111,7 +111,7 @@ class CompiledKernel:
         from .launch import _driver
 
         if nbytes > 48 * 1024:
-            _driver().allow_dynamic_shared(self.handle, nbytes)
+            _driver().allow_dynamic_shared(self.handle, nbytes, self.function.device.id)
         self.dynamic_shared = int(nbytes)
 
     def resident_ctas(self, threads: int) -> int:

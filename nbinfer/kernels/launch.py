@@ -203,7 +203,7 @@ class _Driver:
                "cuEventCreate": [ptr, u32], "cuEventRecord": [ptr, ptr],
                "cuEventSynchronize": [ptr], "cuEventDestroy_v2": [ptr],
                "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ptr, ptr, ctypes.c_int, size],
-               "cuFuncSetAttribute": [ptr, ctypes.c_int, ctypes.c_int]}
+               "cuKernelSetAttribute": [ctypes.c_int, ctypes.c_int, ptr, ctypes.c_int]}
         for name, argtypes in sig.items():
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, ctypes.c_int
@@ -228,7 +228,7 @@ class _Driver:
         self._event_create, self.event_record = lib.cuEventCreate, lib.cuEventRecord
         self.event_synchronize, self.event_destroy = lib.cuEventSynchronize, lib.cuEventDestroy_v2
         self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
-        self._set_attribute = lib.cuFuncSetAttribute
+        self._set_attribute = lib.cuKernelSetAttribute
 
     def bind_launch(self, func: int, grid, block, stream: int, params: int, shared: int = 0):
         """``(fn, args, keep)``: ``fn(*args)`` launches ``func`` (grid and block as 3-tuples)
@@ -248,10 +248,12 @@ class _Driver:
               "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return n.value
 
-    def allow_dynamic_shared(self, func: int, nbytes: int) -> None:
-        """Let ``func`` launch with ``nbytes`` of dynamic shared memory: past 48 KiB a kernel
-        must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)."""
-        check(self._set_attribute(func, 8, int(nbytes)), "cuFuncSetAttribute")
+    def allow_dynamic_shared(self, kernel: int, nbytes: int, device: int) -> None:
+        """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory on ``device``: past
+        48 KiB a kernel must opt in (CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES). Kernels
+        are loaded as libraries, so the handle is a ``CUkernel``: ``cuFuncSetAttribute``
+        rejects it (CUDA_ERROR_INVALID_HANDLE), ``cuKernelSetAttribute`` takes it."""
+        check(self._set_attribute(8, int(nbytes), kernel, int(device)), "cuKernelSetAttribute")
 
     def event(self) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""
