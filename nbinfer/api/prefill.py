@@ -55,9 +55,18 @@ from .workspace import WorkspaceLayout, item_merge_lists
 
 # The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
 MMA_CTAS_PER_SM = 2
-# Keys per KV tile of the tensor-core kernel (:class:`MmaPrefillSpec`'s ``kv_tile``: 32, or 64
-# with Q read from shared memory); bench/NOTES.md ("Issue 13, session 8") has the A/B.
-MMA_KV_TILE = 32
+# Keys per KV tile of the tensor-core kernel (:class:`MmaPrefillSpec`'s ``kv_tile``): 64 at
+# head_dim 128, where 64-key tiles (Q read from shared memory) measured 9-12 % faster on the
+# H200 (bench/NOTES.md, "Issue 13, session 8"); 32 at head_dim 64, not yet measured. An int
+# here overrides the rule (tests and bench/prefill.py --kv-tiles).
+MMA_KV_TILE = None
+
+
+def mma_kv_tile(head_dim: int) -> int:
+    """The tensor-core kernel's keys per KV tile for ``head_dim`` (see :data:`MMA_KV_TILE`)."""
+    if MMA_KV_TILE is not None:
+        return MMA_KV_TILE
+    return 64 if head_dim == 128 else 32
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -124,7 +133,7 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4,
-                                  kv_tile=MMA_KV_TILE)
+                                  kv_tile=mma_kv_tile(step.head_dim))
             most = MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

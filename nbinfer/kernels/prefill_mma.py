@@ -175,6 +175,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     CHUNK_BYTES = 8 * ELEM
     ROWS_PER_PASS = NT // CHUNKS  # token rows one pass of the CTA's 16-byte copies covers
     COPIES = BC // ROWS_PER_PASS  # copies per thread per K (or V) tile
+    Q_PAIRS = TQ * HALF // NT  # Q element pairs each thread stages per item
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
@@ -286,25 +287,32 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     continue  # finite V: the fast kernel's result stands
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
-            # Q tile -> stage 1 (rounded to the operand type, after the query hook).
-            for e in range(tid, TQ * HALF, NT):
-                p = e // HALF
-                d = 2 * (e % HALF)
-                x0 = ZERO
-                x1 = ZERO
-                if p // G < nrows:
-                    qb = (int64(q0 + qs + p // G) * q_stride_n
-                          + int64(hk * G + p % G) * q_stride_h)
-                    x0 = q_f32(q[qb + d])
-                    x1 = q_f32(q[qb + d + 1])
-                    if HAS_Q:
-                        qp = pos0 + p // G
-                        qh = hk * G + p % G
-                        y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
-                        x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
-                                                qp, qh))
-                        x0 = y0
-                store_pair(smem, base + U32(Q_BASE + p * RS + d * ELEM), x0, x1)
+            # Q tile -> its staging area (rounded to the operand type, after the query hook).
+            # A fixed count of element pairs per thread, every load unconditional (rows past
+            # nrows read the last row and store zeros): the loads of a thread are independent
+            # and issue back to back, where a guarded runtime loop waited on each in turn.
+            tu = U32(tid)
+            last_row = nrows - 1
+            for r in range(Q_PAIRS):
+                e = tu + U32(r * NT)
+                p = e // U32(HALF)
+                d = U32(2) * (e % U32(HALF))
+                row = p // U32(G)
+                qb = (int64(q0 + qs + min(row, last_row)) * q_stride_n
+                      + int64(hk * G + p % U32(G)) * q_stride_h)
+                x0 = q_f32(q[qb + d])
+                x1 = q_f32(q[qb + d + 1])
+                if HAS_Q:
+                    qp = pos0 + row
+                    qh = hk * G + p % U32(G)
+                    y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
+                    x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
+                                            qp, qh))
+                    x0 = y0
+                if row >= nrows:
+                    x0 = ZERO
+                    x1 = ZERO
+                store_pair(smem, base + U32(Q_BASE) + p * U32(RS) + d * U32(ELEM), x0, x1)
             if n_tiles > 0:
                 load_kv_tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride,
                              head_off, page_stride, start, end, hk, tid)
