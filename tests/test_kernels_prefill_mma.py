@@ -176,3 +176,27 @@ def test_kv_tile_64_at_head_dim_128_takes_dynamic_shared_memory(rng, monkeypatch
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
     _check(w, out, lse, ref, ref_lse)
+
+
+@pytest.mark.parametrize("kv_tile", [32, 64])
+def test_guarded_twin_marks_keys_past_32_in_a_tile(rng, monkeypatch, kv_tile):
+    # The guarded twin keeps one bit per key of its KV tile: a 64-key tile needs two words.
+    # An infinite V at key 39, which only the last causal row keeps, must make that row NaN
+    # (the H200 caught the one-word mask dropping it) and no other row.
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    ptr = np.array([0, 40])
+    q = rng.standard_normal((40, 4, 64)).astype(np.float16)
+    k = rng.standard_normal((40, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((40, 2, 64)).astype(np.float16)
+    v[39, 0, 7] = np.inf
+    v[12, 1, 3] = np.nan
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(ptr, ptr, 4, 2, 64, q_data_type="float16", causal=True)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(q, k, v, ptr, ptr, causal=True,
+                                                                return_lse=True)
+    assert np.isnan(ref_lse).sum() == 2 + 28 * 2  # row 39 heads 0-1; rows 12-39 heads 2-3
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    fine = ~np.isnan(ref)
+    assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]

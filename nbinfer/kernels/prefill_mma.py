@@ -176,6 +176,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     ROWS_PER_PASS = NT // CHUNKS  # token rows one pass of the CTA's 16-byte copies covers
     COPIES = BC // ROWS_PER_PASS  # copies per thread per K (or V) tile
     Q_PAIRS = TQ * HALF // NT  # Q element pairs each thread stages per item
+    BAD_WORDS = BC // 32  # the guarded twin's bit per key of a tile (a 64-key tile: two words)
     FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
     fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
     finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
@@ -255,7 +256,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. 16-byte aligned: cp.async
         # destinations and ldmatrix rows must be.
         smem = cuda.shared.array(SMEM_DECL, float32, alignment=SMEM_ALIGN)
-        bad_keys = cuda.shared.array(1, U32)  # guarded twin: the tile's keys with bad V
+        # guarded twin: the tile's keys with bad V, one bit per key in 32-bit words
+        bad_keys = cuda.shared.array(BAD_WORDS, U32)
         scratch = cuda.shared.array(SCRATCH, float32)  # simulator twins only
         flags = cuda.shared.array(FLAG_WORDS, int32)
         qf = cuda.local.array(1 if Q_SMEM else QF, QF_T)
@@ -334,7 +336,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             for i in range(NO):
                 acc[i] = ZERO
             if GUARD and tid == 0:
-                bad_keys[0] = U32(0)  # the first tile's barrier orders this before its atomics
+                for i in range(BAD_WORDS):  # the first tile's barrier orders this before its
+                    bad_keys[i] = U32(0)  # atomics
             for it in range(n_tiles):
                 t0 = start + it * BC
                 if it + 1 < n_tiles:
@@ -346,7 +349,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 wait1()
                 cuda.syncthreads()  # tile it is in shared memory for every warp
                 kb = base + U32((it % 2) * STAGE_BYTES)
-                bad = U32(0)
+                bad_lo = U32(0)
+                bad_hi = U32(0)
                 if GUARD:
                     # Clean V: a key whose V row holds NaN/inf gets a zero row (so 0 * V is 0
                     # for the rows that do not keep it) and a bit (so the rows that keep it get
@@ -354,9 +358,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     for e in range(tid, BC * HALF, NT):
                         j = e // HALF
                         if scrub_pair(smem, kb + U32(TILE_BYTES + j * RS + 2 * (e % HALF) * ELEM)):
-                            cuda.atomic.or_(bad_keys, 0, U32(1) << U32(j))
+                            cuda.atomic.or_(bad_keys, j // 32, U32(1) << U32(j % 32))
                     cuda.syncthreads()
-                    bad = bad_keys[0]
+                    bad_lo = bad_keys[0]
+                    bad_hi = bad_keys[BAD_WORDS - 1]  # keys 32-63 of a 64-key tile
                 if active:
                     if Q_SMEM:
                         qk_smem(smem, kb, base + U32(Q_BASE), warp, lane, s)
@@ -394,7 +399,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         if CUSTOM and keep:
                             keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
                                             qs + qrow, kv_len, pos) != 0
-                        if GUARD and keep and (bad >> U32(pos - t0)) & U32(1):
+                        jt = pos - t0
+                        bad = bad_hi if jt >= 32 else bad_lo
+                        if GUARD and keep and (bad >> U32(jt % 32)) & U32(1):
                             x = NAN
                         s[idx] = x if keep else MASKED
                 if SOFTMAX:
@@ -436,7 +443,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
                 cuda.syncthreads()  # done with stage it % 2 before tile it + 2 lands there
                 if GUARD and tid == 0:
-                    bad_keys[0] = U32(0)  # every thread has read it; the next tile sets it
+                    for i in range(BAD_WORDS):  # every thread has read them; the next
+                        bad_keys[i] = U32(0)  # tile sets them
 
             # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
             # over the accumulators (constant indices: they stay in registers), rows by h.
