@@ -1,6 +1,7 @@
 """Causal prefill and shared-prefix (cascade) decode on the H200.
 
-    python bench/prefill.py --out bench/results/prefill_h200_v3.json
+    python bench/prefill.py --out bench/results/prefill_h200_v4.json
+    python bench/prefill.py --grid [--kv-tiles 32,64] --out bench/results/issue13/prefill_grid_h200.json
 
 a) Shared-prefix decode: 64 requests sharing an 8192-token prefix, 256 unique tokens each (fp16,
    Hq 32, Hkv 8, D 128, page 16): MultiLevelCascadeAttentionWrapper (2 levels) vs plain
@@ -8,9 +9,9 @@ a) Shared-prefix decode: 64 requests sharing an 8192-token prefix, 256 unique to
    Byte model: plain reads 64 x 8448 tokens per KV head; cascade reads the prefix once per query
    tile of 64 packed rows (64 x 4 / 64 = 4 times) plus 64 x 256 own tokens; both levels run as
    one launch of the tensor-core prefill kernel.
-b) Causal prefill B=4, L=4096, H=32 (Hkv 32), D=128, fp16: TFLOP/s of the tensor-core prefill
-   kernel (ragged KV) and torch SDPA flash / cuDNN on the same shapes, same run.
-   FLOPs (causal) = 4 * B * H * D * L * (L + 1) / 2.
+b) Causal and non-causal prefill B=4, L=4096, H=32 (Hkv 32), D=128, fp16: TFLOP/s of the
+   tensor-core prefill kernel (ragged KV) and torch SDPA flash / cuDNN on the same shapes, same
+   run. FLOPs (causal) = 4 * B * H * D * L * (L + 1) / 2, non-causal 4 * B * H * D * L * L.
 Timing: CUDA events, warm-up, median of 10 (b) / 30 (a) single calls (host time included);
 (a) also 20 calls back to back per event pair (GPU time) and each path captured once in a CUDA
 graph and replayed (``graph_speedup``: decode as a serving engine runs it).
@@ -169,9 +170,30 @@ def main():
     ap.add_argument("--kv-tiles", default=None, metavar="N,N",
                     help="only prefill (causal and not, B4 L4096 D128 fp16), the tensor-core "
                          "kernel's KV tile sizes side by side")
+    ap.add_argument("--grid", action="store_true",
+                    help="only prefill, issue 13's grid: causal and not, fp16 and bf16, D 64 "
+                         "and 128, L 1024 / 4096 / 16384 at 16384 tokens per batch (with "
+                         "--kv-tiles: each tile size too)")
     args = ap.parse_args()
+    tiles = [int(x) for x in args.kv_tiles.split(",")] if args.kv_tiles else []
+    if args.grid:
+        rows = []
+        for dtype in ("float16", "bfloat16"):
+            for d in (128, 64):
+                for causal in (True, False):
+                    for L in (1024, 4096, 16384):
+                        r = causal_prefill(B=16384 // L, L=L, H=32 * 128 // d, d=d,
+                                           causal=causal, dtype=dtype, kv_tiles=tiles)
+                        rows.append(r)
+                        print(f"{dtype} D{d} {'causal' if causal else 'full'} B{r['B']} L{L} "
+                              f"H{r['H']}: nbinfer {r['nbinfer_tflops']:.1f} TFLOP/s (tile "
+                              f"{r['kv_tile']}), flash {r.get('sdpa_flash_tflops', 0):.1f} "
+                              f"({r['nbinfer_tflops'] / r.get('sdpa_flash_tflops', 1e-9):.2f}x)"
+                              + "".join(f", tile {t}: {r[f'kv_tile_{t}_tflops']:.1f}"
+                                        for t in tiles), flush=True)
+        save_json(args.out, prefill_grid=rows)
+        return
     if args.kv_tiles:
-        tiles = [int(x) for x in args.kv_tiles.split(",")]
         rows = [causal_prefill(causal=c, kv_tiles=tiles) for c in (True, False)]
         save_json(args.out, kv_tile_ab=rows)
         for r in rows:
