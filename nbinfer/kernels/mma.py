@@ -199,6 +199,14 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
         sts_u32(smem, addr, pack(lo, hi))
 
     @jit_dev
+    def mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, acc, c):
+        # One A fragment times two B fragments (n-tiles): acc[c .. c + 3] and acc[c + 4 ..]
+        acc[c], acc[c + 1], acc[c + 2], acc[c + 3] = mma(
+            a0, a1, a2, a3, b0, b1, acc[c], acc[c + 1], acc[c + 2], acc[c + 3])
+        acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7] = mma(
+            a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7])
+
+    @jit_dev
     def load_q(smem, qbase, warp, lane, qf):
         # Matrix m of ldmatrix.x4 takes its 8 row addresses from lanes 8m..8m+7: rows 0-7 / 8-15
         # (m odd: +8) of columns k0 / k0+8 (m >= 2): registers a0..a3 of the A fragment.
@@ -223,13 +231,8 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
         for ks in range(KSTEPS):
             for npair in range(NPAIRS):
                 b0, b1, b2, b3 = ldmatrix(a + U32(16 * RS * npair + 32 * ks))
-                j = 8 * npair
-                s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
-                    qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3], b0, b1,
-                    s[j], s[j + 1], s[j + 2], s[j + 3])
-                s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
-                    qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3], b2, b3,
-                    s[j + 4], s[j + 5], s[j + 6], s[j + 7])
+                mma_pair(qf[4 * ks], qf[4 * ks + 1], qf[4 * ks + 2], qf[4 * ks + 3], b0, b1,
+                         b2, b3, s, 8 * npair)
 
     @jit_dev
     def qk_smem(smem, kbase, qbase, warp, lane, s):
@@ -244,11 +247,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
             q0, q1, q2, q3 = ldmatrix(qa + U32(32 * ks))
             for npair in range(NPAIRS):
                 b0, b1, b2, b3 = ldmatrix(a + U32(16 * RS * npair + 32 * ks))
-                j = 8 * npair
-                s[j], s[j + 1], s[j + 2], s[j + 3] = mma(
-                    q0, q1, q2, q3, b0, b1, s[j], s[j + 1], s[j + 2], s[j + 3])
-                s[j + 4], s[j + 5], s[j + 6], s[j + 7] = mma(
-                    q0, q1, q2, q3, b2, b3, s[j + 4], s[j + 5], s[j + 6], s[j + 7])
+                mma_pair(q0, q1, q2, q3, b0, b1, b2, b3, s, 8 * npair)
 
     @jit_dev
     def pv(smem, vbase, tid, lane, p, o, scratch):
@@ -265,11 +264,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
             a3 = pack(p[j + 6], p[j + 7])
             for dp in range(DPAIRS):
                 b0, b1, b2, b3 = ldmatrix_t(a + U32(16 * RS * kk + 32 * dp))
-                c = 8 * dp
-                o[c], o[c + 1], o[c + 2], o[c + 3] = mma(
-                    a0, a1, a2, a3, b0, b1, o[c], o[c + 1], o[c + 2], o[c + 3])
-                o[c + 4], o[c + 5], o[c + 6], o[c + 7] = mma(
-                    a0, a1, a2, a3, b2, b3, o[c + 4], o[c + 5], o[c + 6], o[c + 7])
+                mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, o, 8 * dp)
 
     @jit_dev
     def quad_reduce(a, b, is_max, tid, scratch):
