@@ -5,23 +5,31 @@ Same work items, arguments, masks, variants and fused merge as the CUDA-core til
 rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole item:
 
 1. Q (transformed by the variant's query hook, rounded to fp16/bf16) is staged through shared
-   memory once per item, then held in registers as ``mma`` A fragments (``D / 4`` words).
-2. KV tiles of ``BC = 32`` tokens are gathered through the loading rule (page table or affine)
-   by ``cp.async`` into two alternating shared-memory stages: tile ``i + 1`` is in flight while
-   tile ``i`` is computed.
+   memory once per item; with 32-key tiles it is then held in registers as ``mma`` A fragments
+   (``D / 4`` words), with 64-key tiles (the default at D = 128) it stays in shared memory and
+   each k-step reads its A fragment (the tile's scores need those registers).
+2. KV tiles of ``BC`` (32 or 64) tokens are gathered through the loading rule (page table or
+   affine) by ``cp.async`` into two alternating shared-memory stages: tile ``i + 1`` is in
+   flight while tile ``i`` is computed.
 3. ``S = Q K^T``: ``D / 16 x BC / 8`` mma per warp; scores stay in accumulator registers, where
    every element knows its (packed row, key): the variant's logits hook and masks run there.
+   A *clear* tile, every key kept for every row of the warp (no hook reads positions, or the
+   only mask is causal and the tile ends at or before the warp's first row), skips that
+   per-score work: only the scale and the non-finite poison remain.
 4. Online softmax per row: max and sum over the 4 lanes sharing a row (two shuffles), ``O`` and
-   ``l`` rescaled, ``P = exp2(S - m)`` converted in registers into the A operand of
+   ``l`` rescaled (skipped when no row of the warp changed its maximum),
+   ``P = exp2(S - m)`` converted in registers into the A operand of
 5. ``O += P V``: ``BC / 16 x D / 8`` mma per warp, V^T fragments by ``ldmatrix.trans``.
    P is rounded to the operand type, as in FlashAttention; for a variant without softmax
    (sigmoid: P in [0, 1]) a custom logits transform must keep P within fp16/bf16 range.
 
-Arithmetic per tile and warp (D = 128, BC = 32): 2 x 32 mma (2 x 131 kFLOP), 32 ldmatrix.x4,
-16 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 16 KiB
-of KV for ``4 x 16 W x BC x D`` = 1 MFLOP (W = 4): 64 FLOP/byte, so a tile streamed from HBM at
-4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~134 TFLOP/s
-(bench/NOTES.md): it is bound by issue and latency inside the tile loop, not by bytes.
+Arithmetic per tile and warp (D = 128, BC = 64): 2 x 64 mma (2 x 262 kFLOP), 72 ldmatrix.x4,
+32 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 32
+KiB of KV for ``4 x 16 W x BC x D`` = 2 MFLOP (W = 4): 64 FLOP/byte, so a tile streamed from HBM
+at 4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~183 TFLOP/s
+(bench/NOTES.md, "Issue 13, session 8"): it waits on its own dependencies (mma accumulator
+chains, the softmax between the two GEMMs, loads) with only one other warp per scheduler to
+hide them, not on bytes (``python3 bench/sass_stats.py --kernel prefill`` counts the loop).
 
 Masked specs and non-finite V: an unkept key's ``P = 0`` meets its V in the tile's ``P V`` mma,
 and ``0 x NaN`` is NaN. The kernel stays unguarded; its twin compiled with ``value_guard=True``
@@ -29,9 +37,11 @@ runs after it, only on the (request, kv head) pairs a scan flagged (:mod:`.value
 tile zeroes V rows holding NaN/inf in shared memory and gives the rows that keep such a key a
 NaN logit: exactly nbinfer's rule, at the cost of a scan and an empty launch when V is finite.
 
-Shared memory: two stages of K and V, ``2 x 2 x BC x (D + 8) x 2`` bytes (34 KiB at D = 128);
-the Q staging area aliases stage 1 (Q lives in registers before stage 1 is first loaded), and
-the fused merge reuses all of it after the item's loop.
+Shared memory (:func:`shared_layout`): two stages of K and V, ``2 x 2 x BC x (D + 8) x 2``
+bytes; with 32-key tiles (34 KiB at D = 128) the Q staging area aliases stage 1 (Q moves to
+registers before stage 1 is first loaded), with 64-key tiles Q has its own area after them
+(87 KiB at D = 128: more than a kernel may declare statically, so it is allocated at launch).
+The fused merge reuses all of it after the item's loop.
 """
 
 from __future__ import annotations
