@@ -3,7 +3,7 @@
 # parallel, so the kernel specs compile on seven cores at once), then the decode benchmark alone
 # on the GPU (nothing else running while it times), then the optional benchmarks named, each
 # alone too. JSON goes to $OUT, the logs into $OUT/logs.tgz.
-#   [SKIP_DECODE=1] [CACHE_BACK=1] bash bench/gpu_check.sh [prefill] [grid] [sched] [host] [fp8]
+#   [SKIP_DECODE=1] [CACHE_BACK=1] bash bench/gpu_check.sh [prefill] [grid] [order] [sched] [host] [fp8]
 # CACHE_BACK=1 also returns the kernel cache as $OUT/cache.tgz (a few MiB): unpacked into the
 # checkout, it lets the next session's first device call start warm instead of compiling.
 set -uo pipefail
@@ -45,18 +45,19 @@ for extra in "$@"; do
   case $extra in
     prefill) python3 bench/prefill.py --out "$OUT/prefill_h200.json" >"$OUT/prefill.log" 2>&1 || status=1 ;;
     grid) python3 bench/prefill.py --grid --kv-tiles 32,64 --out "$OUT/prefill_grid_h200.json" >"$OUT/grid.log" 2>&1 || status=1 ;;
+    order) python3 bench/order_probe.py --out "$OUT/order_probe_h200.json" >"$OUT/order.log" 2>&1 || status=1 ;;
     sched) python3 bench/scheduler.py --out "$OUT/scheduler_h200.json" >"$OUT/scheduler.log" 2>&1 || status=1 ;;
     fp8) python3 bench/decode.py --fp8 --out "$OUT/decode_fp8_h200.json" >"$OUT/fp8.log" 2>&1 || status=1 ;;
     host) { python3 bench/host.py --profile --out "$OUT/host_h200.json" &&
             python3 bench/launch_cost.py --out "$OUT/launch_cost.json"; } >"$OUT/host.log" 2>&1 || status=1 ;;
-    *) echo "unknown benchmark: $extra (prefill, grid, sched, host, fp8)"; status=1 ;;
+    *) echo "unknown benchmark: $extra (prefill, grid, order, sched, host, fp8)"; status=1 ;;
   esac
 done
 for f in gpu_a gpu_b gpu_b2 gpu_b3 gpu_c gpu_d gpu_e; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
 cat "$OUT/gpu_time.log"
 for f in "$@"; do
   case $f in sched) tail -4 "$OUT/scheduler.log" ;; host) tail -32 "$OUT/host.log" ;;
-    fp8) tail -8 "$OUT/fp8.log" ;; grid) tail -24 "$OUT/grid.log" ;;
+    fp8) tail -8 "$OUT/fp8.log" ;; grid) tail -24 "$OUT/grid.log" ;; order) tail -3 "$OUT/order.log" ;;
     *) tail -4 "$OUT/$f.log" ;; esac 2>/dev/null
 done
 tail -6 "$OUT/decode.log" 2>/dev/null
