@@ -20,7 +20,9 @@ graph and replayed (``graph_speedup``: decode as a serving engine runs it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
 import sys
 
 import numpy as np
@@ -125,6 +127,25 @@ def graph_ms(fn, n=20):
     return median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 
 
+@contextlib.contextmanager
+def tile_config(token: str):
+    """The tensor-core kernel's tiles from ``token``: keys per KV tile, then ``s`` for Q kept in
+    shared memory, then a register cap (``"64"``, ``"32"``, ``"32s168"``)."""
+    m = re.fullmatch(r"(\d+)(s(\d+)?)?", str(token))
+    if m is None:
+        raise ValueError(f"tile config must look like 64, 32 or 32s168, got {token!r}")
+    names = ("MMA_KV_TILE", "MMA_Q_SHARED", "MMA_MAX_REGISTERS")
+    saved = [getattr(prefill_api, n) for n in names]
+    values = (int(m.group(1)), bool(m.group(2)), int(m.group(3)) if m.group(3) else None)
+    try:
+        for n, x in zip(names, values, strict=True):
+            setattr(prefill_api, n, x)
+        yield
+    finally:
+        for n, x in zip(names, saved, strict=True):
+            setattr(prefill_api, n, x)
+
+
 def causal_prefill(B=4, L=4096, H=32, d=128, causal=True, dtype="float16", kv_tiles=()):
     """Prefill TFLOP/s of nbinfer (and, for each of ``kv_tiles``, the tensor-core kernel with
     that many keys per tile, keys ``kv_tile_<n>``) against SDPA flash and cuDNN, same inputs."""
@@ -135,15 +156,11 @@ def causal_prefill(B=4, L=4096, H=32, d=128, causal=True, dtype="float16", kv_ti
     w = BatchPrefillWithRaggedKVCacheWrapper(torch.empty(512 << 20, dtype=torch.uint8,
                                                          device="cuda"))
     res = dict(B=B, L=L, H=H, D=d, causal=causal, dtype=dtype, flops=flops)
-    default = prefill_api.MMA_KV_TILE
-    try:
-        for tile in kv_tiles:
-            prefill_api.MMA_KV_TILE = tile
+    for tile in kv_tiles:
+        with tile_config(tile):
             w.plan(ptr, ptr, H, H, d, causal=causal, q_data_type=dtype)
             ms = median_ms(lambda: w.run(q, k, v), warmup=2, iters=10)
-            res[f"kv_tile_{tile}_ms"], res[f"kv_tile_{tile}_tflops"] = ms, flops / ms / 1e9
-    finally:
-        prefill_api.MMA_KV_TILE = default
+        res[f"kv_tile_{tile}_ms"], res[f"kv_tile_{tile}_tflops"] = ms, flops / ms / 1e9
     w.plan(ptr, ptr, H, H, d, causal=causal, q_data_type=dtype)
     res["kv_tile"] = getattr(w.step_plan.spec, "kv_tile", None)
     ms = median_ms(lambda: w.run(q, k, v), warmup=2, iters=10)
@@ -167,15 +184,16 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", default=None, metavar="L,L,...",
                     help="only the causal prefill, B 1, at these lengths (lesson 07's sweep)")
-    ap.add_argument("--kv-tiles", default=None, metavar="N,N",
+    ap.add_argument("--kv-tiles", default=None, metavar="T,T",
                     help="only prefill (causal and not, B4 L4096 D128 fp16), the tensor-core "
-                         "kernel's KV tile sizes side by side")
+                         "kernel's tile configs side by side: keys per KV tile, 's' for Q in "
+                         "shared memory, a register cap (64,32,32s168)")
     ap.add_argument("--grid", action="store_true",
                     help="only prefill, issue 13's grid: causal and not, fp16 and bf16, D 64 "
                          "and 128, L 1024 / 4096 / 16384 at 16384 tokens per batch (with "
                          "--kv-tiles: each tile size too)")
     args = ap.parse_args()
-    tiles = [int(x) for x in args.kv_tiles.split(",")] if args.kv_tiles else []
+    tiles = args.kv_tiles.split(",") if args.kv_tiles else []
     if args.grid:
         rows = []
         for dtype in ("float16", "bfloat16"):

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The tensor-core prefill's KV tile A/B and its Nsight Compute profile, in one device call:
-#   bash bench/prefill_ab.sh [32,64]
+#   bash bench/prefill_ab.sh [32,64,32s168]
 # The prefill gpu tests first (every tile size's kernels compiled and checked against the
 # float64 reference before anything is timed), then bench/prefill.py --kv-tiles (JSON in
 # $OUT/prefill_kv_tile_ab.json), then one ncu report per tile size ($OUT/ncu_prefill_kv<N>.txt).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
-tiles=${1:-32,64}
+tiles=${1:-32,64,32s168}
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
 export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
 status=0

@@ -12,14 +12,15 @@ before it under another name; its guarded twin after it).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from prefill import tile_config  # noqa: E402
 
-from nbinfer.api import prefill as prefill_api  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
 
 
@@ -30,10 +31,17 @@ def main():
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--non-causal", action="store_true")
-    ap.add_argument("--kv-tile", type=int, default=None, help="the kernel's keys per KV tile")
+    ap.add_argument("--kv-tile", default=None,
+                    help="the kernel's tile config, as bench/prefill.py --kv-tiles takes it "
+                         "(64, 32, 32s168)")
     args = ap.parse_args()
-    if args.kv_tile:
-        prefill_api.MMA_KV_TILE = args.kv_tile
+    with contextlib.ExitStack() as stack:
+        if args.kv_tile:
+            stack.enter_context(tile_config(args.kv_tile))
+        profile(args)
+
+
+def profile(args):
     B, L, H, D = args.batch, args.length, args.heads, args.head_dim
     q = torch.randn(B * L, H, D, device="cuda").half()
     k, v = torch.randn_like(q), torch.randn_like(q)

@@ -63,6 +63,21 @@ def test_paged_prefill_gpu_64_key_tiles(rng, monkeypatch, qo_lens, kv_lens, hq, 
     assert (w.step_plan.launch.launch.shared > 48 * 1024) == (d == 128)
 
 
+@pytest.mark.parametrize("qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw",
+                         [PAGED_CASES[i] for i in (0, 3, 4)])
+def test_paged_prefill_gpu_q_shared_capped(rng, monkeypatch, qo_lens, kv_lens, hq, hkv, d, ps,
+                                           dtype, layout, kw):
+    # 32-key tiles with Q in shared memory under a 168-register cap: three CTAs per SM
+    # (52 KiB of shared memory each at D 128, allocated at launch).
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", 32)
+    monkeypatch.setattr(prefill_api, "MMA_Q_SHARED", True)
+    monkeypatch.setattr(prefill_api, "MMA_MAX_REGISTERS", 168)
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    spec = w.step_plan.spec
+    assert spec.q_in_shared and spec.max_registers == 168
+    assert w.step_plan.launch.launch.kernel.regs <= 168
+
+
 def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)

@@ -103,6 +103,10 @@ def test_kernel_choice_and_spec_errors():
         MmaPrefillSpec(128, 1, 16, "float16", "float32", "NHD", var)
     with pytest.raises(ValueError, match="num_warps"):
         MmaPrefillSpec(128, 1, 16, "float16", "float16", "NHD", var, num_warps=3)
+    with pytest.raises(ValueError, match="kv_tile"):
+        MmaPrefillSpec(128, 1, 16, "float16", "float16", "NHD", var, kv_tile=48)
+    with pytest.raises(ValueError, match="max_registers"):
+        MmaPrefillSpec(128, 1, 16, "float16", "float16", "NHD", var, max_registers=300)
     assert MmaPrefillSpec(128, 4, 16, "float16", "float16", "NHD", var).tile_q == 64
 
 
@@ -125,8 +129,10 @@ def test_tile_merge_stage_batches_and_long_lists(rng):
     np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
 
 
-@pytest.mark.parametrize("causal, kv_tile", [(True, 32), (False, 32), (True, 64)])
-def test_clear_tiles_take_the_short_path_exactly(rng, monkeypatch, causal, kv_tile):
+@pytest.mark.parametrize("causal, kv_tile, q_shared",
+                         [(True, 32, False), (False, 32, False), (True, 64, False),
+                          (True, 32, True)])
+def test_clear_tiles_take_the_short_path_exactly(rng, monkeypatch, causal, kv_tile, q_shared):
     # Query positions 60-99 and 63-69 (G 2: 8 query rows per 16-row warp): the 32-key tiles
     # 0-31 and 32-63 are kept whole by every warp's rows (a causal mask's last key is before the
     # warp's first row; without a mask every full tile is clear), so they skip the per-score
@@ -140,10 +146,13 @@ def test_clear_tiles_take_the_short_path_exactly(rng, monkeypatch, causal, kv_ti
     v = rng.standard_normal((170, hkv, d)).astype(np.float16)
     # 64-key tiles: Q read from shared memory (a 64-key tile at D 64 is clear for both
     # requests' first tile only)
+    # (q_shared: Q read from shared memory at 32-key tiles too)
     monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    monkeypatch.setattr(prefill_api, "MMA_Q_SHARED", q_shared)
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=causal)
     assert w.step_plan.spec.kv_tile == kv_tile
+    assert w.step_plan.spec.q_in_shared == (q_shared or kv_tile == 64)
     out, lse = w.run(q, k, v, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, causal=causal, return_lse=True)

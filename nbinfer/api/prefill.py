@@ -53,20 +53,23 @@ from .launch import AttentionLaunch
 from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
 
-# The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
-MMA_CTAS_PER_SM = 2
-# Keys per KV tile of the tensor-core kernel (:class:`MmaPrefillSpec`'s ``kv_tile``): 64 at
-# head_dim 128, where 64-key tiles (Q read from shared memory) measured 9-12 % faster on the
-# H200 (bench/NOTES.md, "Issue 13, session 8"); 32 at head_dim 64, not yet measured. An int
-# here overrides the rule (tests and bench/prefill.py --kv-tiles).
+# The tensor-core kernel takes up to 255 registers x 128 threads (two CTAs fill an SM's 64 Ki);
+# capped at 168 with Q in shared memory, three fit. The occupancy calculator decides, up to this.
+MMA_CTAS_PER_SM = 3
+# The tensor-core kernel's tiles (:class:`MmaPrefillSpec`'s ``kv_tile``, ``q_shared`` and
+# ``max_registers``): 64-key tiles at head_dim 128, where they measured 9-12 % faster than 32 on
+# the H200 (bench/NOTES.md, "Issue 13, session 8"); 32 at head_dim 64, not yet measured. A value
+# other than None overrides the rule (tests and bench/prefill.py --kv-tiles).
 MMA_KV_TILE = None
+MMA_Q_SHARED = None
+MMA_MAX_REGISTERS = None
 
 
-def mma_kv_tile(head_dim: int) -> int:
-    """The tensor-core kernel's keys per KV tile for ``head_dim`` (see :data:`MMA_KV_TILE`)."""
-    if MMA_KV_TILE is not None:
-        return MMA_KV_TILE
-    return 64 if head_dim == 128 else 32
+def mma_tiles(head_dim: int) -> dict:
+    """The tensor-core kernel's tile options for ``head_dim`` (see :data:`MMA_KV_TILE`): keyword
+    arguments of :class:`MmaPrefillSpec`."""
+    kv = MMA_KV_TILE if MMA_KV_TILE is not None else (64 if head_dim == 128 else 32)
+    return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS)
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -133,7 +136,7 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4,
-                                  kv_tile=mma_kv_tile(step.head_dim))
+                                  **mma_tiles(step.head_dim))
             most = MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

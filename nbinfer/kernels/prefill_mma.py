@@ -53,13 +53,13 @@ import numpy as np
 from numba import cuda, float32, int32, int64, types
 
 from ..variants.builtins import is_causal_mask
-from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, state_finalize
+from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, compile_kernel, state_finalize
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
 from .mma import FULL_MASK, smem_row_bytes, tile_ops
 from .positions import position_module, prefill_item_reader
-from .prefill import PrefillSpec, compile_prefill
+from .prefill import PrefillSpec, prefill_signature
 from .primitives import LOG2E, device_jit, primitives
 
 TILE_KV = 32
@@ -77,6 +77,10 @@ class MmaPrefillSpec(PrefillSpec):
 
     num_warps: int = 4
     kv_tile: int = TILE_KV
+    # Q in shared memory at 32-key tiles too (64-key tiles always keep it there), so that a
+    # register cap of ~168 fits three CTAs per SM without spilling (bench/NOTES.md)
+    q_shared: bool = False
+    max_registers: int | None = None  # ptxas's cap (None: up to 255)
     # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
@@ -93,6 +97,9 @@ class MmaPrefillSpec(PrefillSpec):
             raise ValueError(f"num_warps must be 1, 2 or 4, got {self.num_warps}")
         if self.kv_tile not in KV_TILES:
             raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
+        if self.max_registers is not None and not 64 <= self.max_registers <= 255:
+            raise ValueError(f"max_registers must be in [64, 255] or None, got "
+                             f"{self.max_registers}")
 
     @property
     def tile_q(self) -> int:
@@ -105,7 +112,7 @@ class MmaPrefillSpec(PrefillSpec):
     @property
     def q_in_shared(self) -> bool:
         """Whether Q stays in shared memory (read per k-step) instead of registers."""
-        return self.kv_tile > TILE_KV
+        return self.q_shared or self.kv_tile > TILE_KV
 
     @property
     def num_threads(self) -> int:
@@ -122,7 +129,9 @@ def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
 def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     """Compile (once per spec) the tensor-core prefill kernel; arguments as
     :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
-    kernel = compile_prefill("prefill_mma", spec, prefill_mma_kernel_source)
+    opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
+    kernel = compile_kernel("prefill_mma", spec, prefill_signature(spec),
+                            lambda: prefill_mma_kernel_source(spec), __name__, **opts)
     nbytes = shared_layout(spec)["dynamic"]
     if nbytes:
         if spec.sim:
