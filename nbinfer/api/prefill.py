@@ -53,9 +53,11 @@ from .launch import AttentionLaunch
 from .step import StepPlan
 from .workspace import WorkspaceLayout, item_merge_lists
 
-# The tensor-core kernel takes up to 255 registers x 128 threads (two CTAs fill an SM's 64 Ki);
-# capped at 168 with Q in shared memory, three fit. The occupancy calculator decides, up to this.
-MMA_CTAS_PER_SM = 3
+# The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
+MMA_CTAS_PER_SM = 2
+# Under a register cap (``max_registers``, e.g. 168 with Q in shared memory) up to three; the
+# occupancy calculator decides how many actually fit.
+MMA_CTAS_PER_SM_CAPPED = 3
 # The tensor-core kernel's tiles (:class:`MmaPrefillSpec`'s ``kv_tile``, ``q_shared`` and
 # ``max_registers``): 64-key tiles at head_dim 128, where they measured 9-12 % faster than 32 on
 # the H200 (bench/NOTES.md, "Issue 13, session 8"); 32 at head_dim 64, not yet measured. A value
@@ -137,7 +139,7 @@ class PrefillWrapperBase(WrapperBase):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4,
                                   **mma_tiles(step.head_dim))
-            most = MMA_CTAS_PER_SM
+            most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM
         kernel, threads, companions = _compiled(spec)
