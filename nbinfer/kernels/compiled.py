@@ -107,11 +107,11 @@ class CompiledKernel:
 
     def use_dynamic_shared(self, nbytes: int) -> None:
         """Launch with ``nbytes`` of dynamic shared memory (the kernel declares
-        ``cuda.shared.array(0, ...)``); above 48 KiB the function is opted in once here."""
+        ``cuda.shared.array(0, ...)``); the function is opted in to that size once here (needed
+        past 48 KiB, harmless below)."""
         from .launch import _driver
 
-        if nbytes > 48 * 1024:
-            _driver().allow_dynamic_shared(self.handle, nbytes, self.function.device.id)
+        _driver().allow_dynamic_shared(self.handle, nbytes, self.function.device.id)
         self.dynamic_shared = int(nbytes)
 
     def resident_ctas(self, threads: int) -> int:

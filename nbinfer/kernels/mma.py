@@ -207,12 +207,23 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
             a0, a1, a2, a3, b2, b3, acc[c + 4], acc[c + 5], acc[c + 6], acc[c + 7])
 
     @jit_dev
-    def load_q(smem, qbase, warp, lane, qf):
+    def q_address(qbase, warp, lane):
         # Matrix m of ldmatrix.x4 takes its 8 row addresses from lanes 8m..8m+7: rows 0-7 / 8-15
         # (m odd: +8) of columns k0 / k0+8 (m >= 2): registers a0..a3 of the A fragment.
         row = U32(16 * warp + (lane % 8) + 8 * ((lane // 8) % 2))
         col = U32(8 * (lane // 16))
-        a = U32(qbase) + row * U32(RS) + col * U32(ELEM)
+        return U32(qbase) + row * U32(RS) + col * U32(ELEM)
+
+    @jit_dev
+    def k_address(kbase, lane):
+        # Matrices: keys n0..n0+7 at d k0 / k0+8, then keys n0+8.. : B fragments of two n-tiles.
+        row = U32((lane % 8) + 8 * (lane // 16))
+        col = U32(8 * ((lane // 8) % 2))
+        return U32(kbase) + row * U32(RS) + col * U32(ELEM)
+
+    @jit_dev
+    def load_q(smem, qbase, warp, lane, qf):
+        a = q_address(qbase, warp, lane)
         for ks in range(KSTEPS):
             r0, r1, r2, r3 = ldmatrix(a + U32(32 * ks))
             qf[4 * ks] = r0
@@ -224,10 +235,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     def qk(smem, kbase, lane, qf, s):
         for i in range(NS):
             s[i] = float32(0.0)
-        # Matrices: keys n0..n0+7 at d k0 / k0+8, then keys n0+8.. : B fragments of two n-tiles.
-        row = U32((lane % 8) + 8 * (lane // 16))
-        col = U32(8 * ((lane // 8) % 2))
-        a = U32(kbase) + row * U32(RS) + col * U32(ELEM)
+        a = k_address(kbase, lane)
         for ks in range(KSTEPS):
             for npair in range(NPAIRS):
                 b0, b1, b2, b3 = ldmatrix(a + U32(16 * RS * npair + 32 * ks))
@@ -238,11 +246,8 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     def qk_smem(smem, kbase, qbase, warp, lane, s):
         for i in range(NS):
             s[i] = float32(0.0)
-        qa = (U32(qbase) + U32(16 * warp + (lane % 8) + 8 * ((lane // 8) % 2)) * U32(RS)
-              + U32(8 * (lane // 16)) * U32(ELEM))  # as load_q's addresses
-        row = U32((lane % 8) + 8 * (lane // 16))
-        col = U32(8 * ((lane // 8) % 2))
-        a = U32(kbase) + row * U32(RS) + col * U32(ELEM)
+        qa = q_address(qbase, warp, lane)
+        a = k_address(kbase, lane)
         for ks in range(KSTEPS):
             q0, q1, q2, q3 = ldmatrix(qa + U32(32 * ks))
             for npair in range(NPAIRS):

@@ -142,10 +142,10 @@ def build_prefill_mma_kernel(spec: MmaPrefillSpec):
 
 
 def shared_layout(spec: MmaPrefillSpec) -> dict:
-    """Byte sizes of the kernel's main shared buffer: ``stage`` (one K and V tile), ``kv`` (two
-    stages), ``q_base`` (where Q is staged: aliasing stage 1, or after both stages when Q stays
-    in shared memory), ``total`` and ``dynamic`` (``total`` when it is allocated at launch,
-    past the static limit; else 0)."""
+    """Byte sizes of the kernel's main shared buffer: ``stage`` (one K and V tile), ``q_base``
+    (where Q is staged: aliasing stage 1, or after both stages when Q stays in shared memory),
+    ``total`` and ``dynamic`` (``total`` when it is allocated at launch, past the static limit;
+    else 0)."""
     def sizes(row_bytes):
         stage = 2 * spec.tile_kv * row_bytes
         q_bytes = spec.tile_q * row_bytes
@@ -160,7 +160,7 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
     gpu = sizes(smem_row_bytes(spec.head_dim, False))
     stage, q_base, total = sizes(smem_row_bytes(spec.head_dim, spec.sim))
     dynamic = total if gpu[2] > STATIC_SHARED_LIMIT - 1024 else 0
-    return dict(stage=stage, kv=2 * stage, q_base=q_base, total=total, dynamic=dynamic)
+    return dict(stage=stage, q_base=q_base, total=total, dynamic=dynamic)
 
 
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):
