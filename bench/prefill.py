@@ -37,7 +37,9 @@ from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
 
 
-def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
+def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
+    """The shared-prefix problem, planned: a dict of the cascade and plain decode wrappers, q,
+    the paged cache, the two levels' plan arguments and the page ids."""
     rng = np.random.default_rng(seed)
     pp, up = prefix // ps, unique // ps
     pool = rng.permutation(pp + batch * up).astype(np.int32)
@@ -56,6 +58,14 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     full = np.concatenate([np.concatenate([pre, o]) for o in own])
     plain.plan(np.arange(batch + 1) * (pp + up), full, np.full(batch, ps), hq, hkv, d, ps,
                q_data_type="float16")
+    return dict(casc=casc, plain=plain, q=q, cache=cache, levels=levels, pre=pre, own=own)
+
+
+def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
+    case = shared_prefix_case(batch, prefix, unique, hq, hkv, d, ps, seed)
+    casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
+    levels, pre, own = case["levels"], case["pre"], case["own"]
+    pp, up = prefix // ps, unique // ps
     a = casc.run(q, cache)
     b = plain.run(q, cache)
     diff = float((a.float() - b.float()).abs().max())

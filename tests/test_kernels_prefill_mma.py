@@ -209,3 +209,48 @@ def test_guarded_twin_marks_keys_past_32_in_a_tile(rng, monkeypatch, kv_tile):
     np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
     fine = ~np.isnan(ref)
     assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("ps, split", [(8, None), (16, 40), (128, None), (3, None)],
+                         ids=["pages-in-tile", "split-off-page", "tile-in-page", "page-3"])
+def test_straight_tiles_address_every_page_layout(rng, monkeypatch, ps, split):
+    # A full 64-key tile whose copies find their pages from their place in the tile (pages of
+    # 8 or 16 tokens, a multiple of the rows one pass covers; or one 128-token page holding
+    # the whole tile) takes the straight copy path; a chunk starting off a page boundary
+    # (split 40 with pages of 16) or pages of 3 take the general one. Both must read the same
+    # tokens. A -inf score in a clear tile (an inf in K against a query of mixed signs)
+    # must still make the rows that keep that key NaN, in a partial state too.
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", 64)
+    hq, hkv, d, kv_lens, qo_lens = 2, 1, 64, [200, 75], [2, 1]
+    pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 2,
+                                rng=rng)
+    cache = rng.standard_normal((pt.num_pages, 2, ps, hkv, d)).astype(np.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16)
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD")
+    kw = dict(causal=True, q_data_type="float16")
+    if split:
+        kw["fixed_split_size"] = split
+    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, **kw)
+    kw.pop("fixed_split_size", None)
+    kw.pop("q_data_type")
+
+    def reference_of(cache):
+        return reference.batch_prefill_with_paged_kv_cache(
+            q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True,
+            **kw)
+
+    out, lse = w.run(q, cache, return_lse=True)
+    _check(w, out, lse, *reference_of(cache))
+    # request 0's key 20 (a clear tile for both its rows): page 20 // ps, slot 20 % ps; one
+    # -inf element against positive queries gives a -inf score (not a NaN)
+    page = pt.indices[pt.indptr[0] + 20 // ps]
+    cache[page, 0, 20 % ps, 0, 3] = -np.inf
+    q[:2, :, 3] = np.abs(q[:2, :, 3]) + np.float16(0.5)
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference_of(cache)
+    poisoned = np.isnan(ref).any(axis=-1)
+    assert poisoned[:2].all() and not poisoned[2:].any()
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), poisoned)
+    np.testing.assert_array_equal(np.isnan(lse), poisoned)
+    assert rel_err(out[2:], ref[2:]) <= TOLERANCE["float16"]

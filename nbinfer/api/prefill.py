@@ -59,9 +59,9 @@ MMA_CTAS_PER_SM = 2
 # occupancy calculator decides how many actually fit.
 MMA_CTAS_PER_SM_CAPPED = 3
 # The tensor-core kernel's tiles (:class:`MmaPrefillSpec`'s ``kv_tile``, ``q_shared`` and
-# ``max_registers``): 64-key tiles at head_dim 128, where they measured 9-12 % faster than 32 on
-# the H200 (bench/NOTES.md, "Issue 13, session 8"); 32 at head_dim 64, not yet measured. A value
-# other than None overrides the rule (tests and bench/prefill.py --kv-tiles).
+# ``max_registers``): 64-key tiles, measured faster than 32 on the H200 at head_dim 128 (4-11 %)
+# and 64 (12-22 %) in fp16 and bf16 (bench/NOTES.md, "Issue 13, session 9"). A value other than
+# None overrides the rule (tests and bench/prefill.py --kv-tiles).
 MMA_KV_TILE = None
 MMA_Q_SHARED = None
 MMA_MAX_REGISTERS = None
@@ -70,7 +70,7 @@ MMA_MAX_REGISTERS = None
 def mma_tiles(head_dim: int) -> dict:
     """The tensor-core kernel's tile options for ``head_dim`` (see :data:`MMA_KV_TILE`): keyword
     arguments of :class:`MmaPrefillSpec`."""
-    kv = MMA_KV_TILE if MMA_KV_TILE is not None else (64 if head_dim == 128 else 32)
+    kv = MMA_KV_TILE if MMA_KV_TILE is not None else 64
     return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS)
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",

@@ -168,6 +168,9 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     ``pv(smem, vbase, tid, lane, p, o, scratch)``
         ``o[4 * (D / 8)] += P V`` with ``p`` (float32 in accumulator layout, rounded to the
         operand type here) and the ``BC x D`` V tile at ``vbase``.
+    ``pv_sums(smem, vbase, tid, lane, p, o, scratch)``
+        The same, and the rows' sums of the rounded ``P`` added to ``o[NO .. NO + 3]`` (an
+        accumulator fragment of one more n-tile: rows g and g + 8 at ``NO`` and ``NO + 2``).
     ``quad_reduce(a, b, is_max, tid, scratch)``
         ``(a, b)`` reduced (max or sum) over the 4 lanes that share a row.
     ``scrub_pair(smem, addr) -> bool``
@@ -190,6 +193,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     ldmatrix, ldmatrix_t = intr.ldmatrix, intr.ldmatrix_t
     lds2 = primitives(False).make_lds(dtype, 2)
     F_INF = float32(np.inf)
+    ONES = U32(0x3C003C00 if dtype == "float16" else 0x3F803F80)  # two 1.0 of the operand type
     ELEM = 2
     RS = smem_row_bytes(D, False)
     jit_dev = device_jit(False)
@@ -254,22 +258,33 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
                 b0, b1, b2, b3 = ldmatrix(a + U32(16 * RS * npair + 32 * ks))
                 mma_pair(q0, q1, q2, q3, b0, b1, b2, b3, s, 8 * npair)
 
-    @jit_dev
-    def pv(smem, vbase, tid, lane, p, o, scratch):
-        # V^T fragments by ldmatrix.trans: matrices are tokens k0..k0+7 / k0+8.. (m odd) of
-        # dims n0..n0+7 / n0+8.. (m >= 2).
-        row = U32((lane % 8) + 8 * ((lane // 8) % 2))
-        col = U32(8 * (lane // 16))
-        a = U32(vbase) + row * U32(RS) + col * U32(ELEM)
-        for kk in range(VSTEPS):
-            j = 8 * kk
-            a0 = pack(p[j], p[j + 1])
-            a1 = pack(p[j + 2], p[j + 3])
-            a2 = pack(p[j + 4], p[j + 5])
-            a3 = pack(p[j + 6], p[j + 7])
-            for dp in range(DPAIRS):
-                b0, b1, b2, b3 = ldmatrix_t(a + U32(16 * RS * kk + 32 * dp))
-                mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, o, 8 * dp)
+    def make_pv(sums: bool):
+        @jit_dev
+        def pv(smem, vbase, tid, lane, p, o, scratch):
+            # V^T fragments by ldmatrix.trans: matrices are tokens k0..k0+7 / k0+8.. (m odd)
+            # of dims n0..n0+7 / n0+8.. (m >= 2).
+            row = U32((lane % 8) + 8 * ((lane // 8) % 2))
+            col = U32(8 * (lane // 16))
+            a = U32(vbase) + row * U32(RS) + col * U32(ELEM)
+            for kk in range(VSTEPS):
+                j = 8 * kk
+                a0 = pack(p[j], p[j + 1])
+                a1 = pack(p[j + 2], p[j + 3])
+                a2 = pack(p[j + 4], p[j + 5])
+                a3 = pack(p[j + 6], p[j + 7])
+                for dp in range(DPAIRS):
+                    b0, b1, b2, b3 = ldmatrix_t(a + U32(16 * RS * kk + 32 * dp))
+                    mma_pair(a0, a1, a2, a3, b0, b1, b2, b3, o, 8 * dp)
+                if sums:
+                    # P times a column of ones (a constant B fragment): the rows' sums of
+                    # the rounded P that meets V, in o[NO ..], one mma per 16 keys instead
+                    # of an add per score and a quad reduction.
+                    o[NO], o[NO + 1], o[NO + 2], o[NO + 3] = mma(
+                        a0, a1, a2, a3, ONES, ONES, o[NO], o[NO + 1], o[NO + 2], o[NO + 3])
+
+        return pv
+
+    pv, pv_sums = make_pv(False), make_pv(True)
 
     @jit_dev
     def quad_reduce(a, b, is_max, tid, scratch):
@@ -294,7 +309,7 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
 
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=D // 4, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            store_pair=store_pair, load_q=load_q, qk=qk, qk_smem=qk_smem, pv=pv,
-                           quad_reduce=quad_reduce, scrub_pair=scrub_pair)
+                           pv_sums=pv_sums, quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 
 def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
@@ -352,23 +367,27 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
                 acc += read(smem, qr + d) * read(smem, r + d)
             s[idx] = acc
 
-    @cuda.jit(device=True)  # binds the simulator's syncthreads
-    def pv(smem, vbase, tid, lane, p, o, scratch):
-        warp = tid // 32
-        for idx in range(NS):
-            scratch[tid * NS + idx] = rounded(p[idx])
-        cuda.syncthreads()
-        g, t = lane // 4, lane % 4
-        for idx in range(NO):
-            h, dim = (idx % 4) // 2, (idx // 4) * 8 + 2 * t + idx % 2
-            acc = float32(0.0)
-            for j in range(BC):
-                # P[row g + 8h, key j] lives in lane 4g + (j % 8) // 2 at 4 (j // 8) + 2h + j % 2.
-                src = 32 * warp + 4 * g + (j % 8) // 2
-                pj = scratch[src * NS + 4 * (j // 8) + 2 * h + j % 2]
-                acc += pj * read(smem, vbase // ELEM + j * RSE + dim)
-            o[idx] += acc
-        cuda.syncthreads()
+    def make_pv(sums: bool):
+        @cuda.jit(device=True)  # binds the simulator's syncthreads
+        def pv(smem, vbase, tid, lane, p, o, scratch):
+            warp = tid // 32
+            for idx in range(NS):
+                scratch[tid * NS + idx] = rounded(p[idx])
+            cuda.syncthreads()
+            g, t = lane // 4, lane % 4
+            for idx in range(NO + (4 if sums else 0)):
+                h, dim = (idx % 4) // 2, (idx // 4) * 8 + 2 * t + idx % 2
+                acc = float32(0.0)
+                for j in range(BC):
+                    # P[row g + 8h, key j] lives in lane 4g + (j % 8) // 2 at
+                    # 4 (j // 8) + 2h + j % 2; past NO: the row sums (V = 1).
+                    src = 32 * warp + 4 * g + (j % 8) // 2
+                    pj = scratch[src * NS + 4 * (j // 8) + 2 * h + j % 2]
+                    acc += pj * (read(smem, vbase // ELEM + j * RSE + dim) if idx < NO else 1.0)
+                o[idx] += acc
+            cuda.syncthreads()
+
+        return pv
 
     @cuda.jit(device=True)
     def quad_reduce(a, b, is_max, tid, scratch):
@@ -395,7 +414,7 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
 
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=2 * D, QF_T=float32, SCRATCH=NT * (NS + 2),
                            NS=NS, NO=NO, store_pair=store_pair, load_q=load_q, qk=qk,
-                           qk_smem=qk_smem, pv=pv,
+                           qk_smem=qk_smem, pv=make_pv(False), pv_sums=make_pv(True),
                            quad_reduce=quad_reduce, scrub_pair=scrub_pair)
 
 

@@ -15,11 +15,14 @@ rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole i
    every element knows its (packed row, key): the variant's logits hook and masks run there.
    A *clear* tile, every key kept for every row of the warp (no hook reads positions, or the
    only mask is causal and the tile ends at or before the warp's first row), skips that
-   per-score work: only the scale and the non-finite poison remain.
-4. Online softmax per row: max and sum over the 4 lanes sharing a row (two shuffles), ``O`` and
-   ``l`` rescaled (skipped when no row of the warp changed its maximum),
-   ``P = exp2(S - m)`` converted in registers into the A operand of
-5. ``O += P V``: ``BC / 16 x D / 8`` mma per warp, V^T fragments by ``ldmatrix.trans``.
+   per-score work: its raw scores keep the scale for the exponent's FFMA, and one min per score
+   finds the -inf that the non-finite rule turns into NaN.
+4. Online softmax per row: max over the 4 lanes sharing a row (two shuffles), ``O`` and the
+   row sums rescaled (skipped when no row of the warp changed its maximum),
+   ``P = exp2(scale S - m)`` converted in registers into the A operand of
+5. ``O += P V``: ``BC / 16 x D / 8`` mma per warp, V^T fragments by ``ldmatrix.trans``, and
+   one more mma per 16 keys with a B fragment of ones: the rows' sums of the same rounded P
+   (no add per score, no quad reduction).
    P is rounded to the operand type, as in FlashAttention; for a variant without softmax
    (sigmoid: P in [0, 1]) a custom logits transform must keep P within fp16/bf16 range.
 
@@ -177,8 +180,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     ops = tile_ops(D, BC, spec.q_dtype, NW, sim)
     ELEM, RS = ops.ELEM, ops.RS
     NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
-    store_pair, load_q, qk, pv, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.pv, \
-        ops.quad_reduce
+    store_pair, load_q, qk, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.quad_reduce
+    # With softmax the rows' sums come out of the P V mma (one more n-tile, of ones), in the
+    # four accumulators after the output's.
+    pv = ops.pv_sums if hooks.use_softmax else ops.pv
     scrub_pair, qk_smem = ops.scrub_pair, ops.qk_smem
     GUARD = spec.value_guard
     Q_SMEM = spec.q_in_shared
@@ -206,6 +211,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
     hook_mask, hook_output = hooks.mask, hooks.output
     SOFTMAX = hooks.use_softmax
+    NA = NO + (4 if SOFTMAX else 0)  # accumulators: the output's, then the row sums'
     HAS_Q, HAS_K = hooks.has_query, hooks.has_key
     HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
     CUSTOM = spec.custom_mask
@@ -231,6 +237,27 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     kv_f32, q_f32 = prims.convert[spec.kv_dtype], prims.convert[spec.q_dtype]
     jit_dev = device_jit(sim)
 
+    # A *straight* tile: every row in range and, paged, every copy's page known from the row's
+    # place in the tile (pages of PS tokens, PS a multiple of the rows one pass covers, and the
+    # tile starting on a page or lying inside one). Its copies then need one page-table read
+    # per page and one 64-bit add per copy; the rest (a ragged end, page size 1) take the
+    # general path, which addresses each copy from its token.
+    SPARSE, PS = spec.sparse, spec.page_size
+    PS_STRAIGHT = not SPARSE or PS % ROWS_PER_PASS == 0
+    TILE_PAGES = max(1, BC // PS) if SPARSE else 1
+
+    @jit_dev
+    def straight(t0, end):
+        if t0 + BC > end:
+            return False
+        if not SPARSE:
+            return True
+        if not PS_STRAIGHT:
+            return False
+        if PS <= BC:
+            return U32(t0) % U32(PS) == U32(0)
+        return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
+
     @jit_dev
     def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
                      page_stride, t0, end, hk, tid):
@@ -243,15 +270,35 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         tu = U32(tid)
         c = tu % U32(CHUNKS)
         j0 = tu // U32(CHUNKS)
-        last = end - 1
-        for r in range(COPIES):
-            j = j0 + U32(r * ROWS_PER_PASS)
-            pos = min(t0 + int64(j), last)
-            off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
-            dst = j * U32(RS) + c * U32(CHUNK_BYTES)
-            cp_async16_to(smem, vb + dst, v, off + int64(8 * c))
-            if not HAS_K:
-                cp_async16_to(smem, kb + dst, k, off + int64(8 * c))
+        dst0 = j0 * U32(RS) + c * U32(CHUNK_BYTES)
+        if PS_STRAIGHT and straight(t0, end):
+            # Copy r is row j0 + r RPP: page (r RPP) // PS of the tile (j0 < RPP <= PS never
+            # crosses a page), so its offset is its page's first copy plus a constant number
+            # of rows (D = 128: 16 copies of K and V in ~60 instructions, not ~190).
+            pages = cuda.local.array(TILE_PAGES, int64)
+            for pg in range(TILE_PAGES):
+                pos = U32(t0) + U32(pg * PS) + j0 if SPARSE else U32(t0) + j0
+                pages[pg] = token_offset(kv_indices, ib, pos, row_stride, head_off,
+                                         page_stride) + int64(8 * c)
+            for r in range(COPIES):
+                row = r * ROWS_PER_PASS
+                pg = row // PS if SPARSE and PS <= BC else 0
+                within = row % PS if SPARSE and PS <= BC else row
+                off = pages[pg] + int64(within) * row_stride
+                dst = dst0 + U32(r * ROWS_PER_PASS * RS)
+                cp_async16_to(smem, vb + dst, v, off)
+                if not HAS_K:
+                    cp_async16_to(smem, kb + dst, k, off)
+        else:
+            last = end - 1
+            for r in range(COPIES):
+                j = j0 + U32(r * ROWS_PER_PASS)
+                pos = min(t0 + int64(j), last)
+                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
+                dst = j * U32(RS) + c * U32(CHUNK_BYTES)
+                cp_async16_to(smem, vb + dst, v, off + int64(8 * c))
+                if not HAS_K:
+                    cp_async16_to(smem, kb + dst, k, off + int64(8 * c))
         if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
             for e in range(tid, BC * HALF, NT):
                 j = e // HALF
@@ -281,7 +328,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         flags = cuda.shared.array(FLAG_WORDS, int32)
         qf = cuda.local.array(1 if Q_SMEM else QF, QF_T)
         s = cuda.local.array(NS, float32)
-        acc = cuda.local.array(NO, float32)
+        acc = cuda.local.array(NA, float32)
         mnum = cuda.local.array(OUTS, float32)
 
         tid = cuda.threadIdx.x
@@ -292,6 +339,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         base = shared_addr(smem, 0)
         hq = hkv * G
         scale = sm_scale * PRE
+        # A clear tile's scale may wait for exp2's FFMA only when it is positive (the maximum
+        # of raw scores times it is then the maximum of the scaled scores).
+        raw_scores = SOFTMAX and scale > ZERO
         c = cuda.blockIdx.x
         for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
             item = plan[cta_work_off + wi]
@@ -350,9 +400,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             active = (16 * warp) // G < nrows or not SKIP_IDLE_WARPS
             m0 = NEG_INF
             m1 = NEG_INF
-            l0 = ZERO
-            l1 = ZERO
-            for i in range(NO):
+            poison0 = ZERO  # a clear tile met a -inf score in the row (see the tile loop)
+            poison1 = ZERO
+            for i in range(NA):
                 acc[i] = ZERO
             if GUARD and tid == 0:
                 for i in range(BAD_WORDS):  # the first tile's barrier orders this before its
@@ -388,16 +438,37 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         qk(smem, kb, lane, qf, s)
                 clear = CLEAR_TILES and t0 + BC <= end and (
                     not HAS_MASK or t0 + BC - 1 <= pos0 + (16 * warp) // G)
+                # The scale still to apply to s: a clear tile's raw scores take it inside the
+                # exponent's FFMA (the maximum of raw scores times a positive scale is the
+                # maximum of the scaled ones), the other tiles' are scaled below.
+                ks = ONE
                 if active and clear:
                     # Every key of the tile is kept for every row of this warp (no hook reads
                     # positions; a causal mask's last key is at or before the warp's first row):
                     # no per-score positions or masks. Rows past nrows are computed on zero
                     # queries and never stored.
-                    for idx in range(NS):
-                        x = s[idx] * scale
-                        if x == NEG_INF:
-                            x = NAN
-                        s[idx] = x
+                    if raw_scores:
+                        # The non-finite rule: a -inf score (only inf in q or K gives one)
+                        # must poison its row as NaN does, where exp2 would make it a 0. One
+                        # min per score finds it; the row is marked, and made NaN at the end.
+                        lo0 = F_INF
+                        lo1 = F_INF
+                        for idx in range(NS):
+                            if (idx % 4) // 2:
+                                lo1 = min(lo1, s[idx])
+                            else:
+                                lo0 = min(lo0, s[idx])
+                        if lo0 == NEG_INF:
+                            poison0 = ONE
+                        if lo1 == NEG_INF:
+                            poison1 = ONE
+                        ks = scale
+                    else:
+                        for idx in range(NS):
+                            x = s[idx] * scale
+                            if x == NEG_INF:
+                                x = NAN
+                            s[idx] = x
                 elif active:
                     for idx in range(NS):
                         h = (idx % 4) // 2
@@ -433,30 +504,20 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                             mx0 = max(mx0, s[idx])
                     if active:
                         mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)
-                    mx0 = max(m0, mx0)
-                    mx1 = max(m1, mx1)
+                    mx0 = max(m0, mx0 * ks)
+                    mx1 = max(m1, mx1 * ks)
                     mr0 = mx0 if mx0 > NEG_INF else ZERO
                     mr1 = mx1 if mx1 > NEG_INF else ZERO
                     a0 = exp2(m0 - mr0)
                     a1 = exp2(m1 - mr1)
                     m0 = mx0
                     m1 = mx1
-                    sum0 = ZERO
-                    sum1 = ZERO
-                    for idx in range(NS):
-                        if (idx % 4) // 2:
-                            pexp = exp2(s[idx] - mr1)
-                            sum1 += pexp
-                        else:
-                            pexp = exp2(s[idx] - mr0)
-                            sum0 += pexp
-                        s[idx] = pexp
-                    l0 = l0 * a0 + sum0  # lane-partial sums: reduced over the quad at the end
-                    l1 = l1 * a1 + sum1
-                    # Past the first tiles a row's maximum rarely moves: skip the 2 x D / 4
+                    for idx in range(NS):  # one FFMA and one exp2 per score
+                        s[idx] = exp2(s[idx] * ks - (mr1 if (idx % 4) // 2 else mr0))
+                    # Past the first tiles a row's maximum rarely moves: skip the 2 x D / 4 + 4
                     # multiplications by exactly 1 when no lane of the warp needs them.
                     if sim or cuda.any_sync(FULL_MASK, a0 != ONE or a1 != ONE):
-                        for idx in range(NO):
+                        for idx in range(NA):  # the output and the row sums
                             acc[idx] *= a1 if (idx % 4) // 2 else a0
                 if active:
                     pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
@@ -468,9 +529,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
             # over the accumulators (constant indices: they stay in registers), rows by h.
             if SOFTMAX:
-                l0, l1 = quad_reduce(l0, l1, False, tid, scratch)
-                inv0, lse0 = finalize(m0, l0)
-                inv1, lse1 = finalize(m1, l1)
+                # Rows g and g + 8's sums over every key (the mma summed the quad's columns).
+                inv0, lse0 = finalize(m0, acc[NO])
+                inv1, lse1 = finalize(m1, acc[NO + 2])
                 inv0 *= v_scale
                 inv1 *= v_scale
                 lse0 *= F_LN2
@@ -486,8 +547,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             head1 = hk * G + pr1 % G
             ob0 = (row0 * hq + head0) * D + 2 * t
             ob1 = (row1 * hq + head1) * D + 2 * t
-            f0 = ZERO
-            f1 = ZERO
+            f0 = poison0
+            f1 = poison1
             for idx in range(NO):
                 acc[idx] *= inv1 if (idx % 4) // 2 else inv0
                 if not abs(acc[idx]) < F_INF:
@@ -496,7 +557,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     else:
                         f0 = ONE
             # The non-finite rule: a NaN or inf anywhere in a row's output (from q, or the K or
-            # V row of a key it keeps) makes the whole row and its LSE NaN. A row's D
+            # V row of a key it keeps), or a -inf score met in a clear tile, makes the whole row
+            # and its LSE NaN. A row's D
             # outputs are spread over the 4 lanes of its quad: sum their flags.
             f0, f1 = quad_reduce(f0, f1, False, tid, scratch)
             if f0 > ZERO:

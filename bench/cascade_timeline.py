@@ -1,0 +1,90 @@
+"""Which kernels a cascade step launches, and how long each runs on the GPU (diagnostic).
+
+    python bench/cascade_timeline.py [--out $OUT/cascade_timeline.json]
+    ncu -k regex:prefill_mma -c 1 ... python bench/cascade_timeline.py --prefix-only
+
+The shared-prefix case of bench/prefill.py (64 requests x (8192 shared + 256 own) tokens, Hq 32,
+Hkv 8, D 128, fp16, pages of 16): the cascade's prefix level alone should be ~16 KV tiles per
+CTA of tensor-core work (8.6 GFLOP over 264 CTAs: ~15 us at the kernel's steady per-tile rate),
+yet it measured ~0.10 ms. torch.profiler (CUPTI: it sees Numba's launches on the same stream)
+lists every kernel of 20 calls of the cascade, of its prefix level alone and of plain decode, with
+its count and mean duration, so that launches other than the attention kernel, and the gaps
+between them, show.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from prefill import shared_prefix_case  # noqa: E402
+
+from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
+
+CALLS = 20
+
+
+def timeline(fn) -> dict:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = collections.defaultdict(list)
+    for e in kernels:
+        per[e.name].append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    starts = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy = sum(end - start for start, end in starts)
+    span = starts[-1][1] - starts[0][0] if starts else 0.0
+    rows = [dict(kernel=name[:80], calls=len(ts), mean_us=float(np.mean(ts)),
+                 total_us=float(np.sum(ts))) for name, ts in per.items()]
+    rows.sort(key=lambda r: -r["total_us"])
+    return dict(kernels=rows, busy_us_per_call=busy / CALLS, span_us_per_call=span / CALLS)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--prefix-only", action="store_true",
+                    help="run the prefix level 5 times, no profiler (for ncu)")
+    args = ap.parse_args()
+    case = shared_prefix_case()
+    casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
+    batch, ps = 64, 16
+    prefix_only = MultiLevelCascadeAttentionWrapper(
+        1, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
+    prefix_only.plan([np.array([0, batch])], [np.array([0, case["pre"].size])], [case["pre"]],
+                     [np.array([ps])], 32, 8, 128, ps, q_data_type="float16")
+    if args.prefix_only:
+        for _ in range(5):
+            prefix_only.run(q, cache)
+        torch.cuda.synchronize()
+        return
+    out = {}
+    for name, fn in (("cascade", lambda: casc.run(q, cache)),
+                     ("prefix_level", lambda: prefix_only.run(q, cache)),
+                     ("plain_decode", lambda: plain.run(q, cache))):
+        out[name] = timeline(fn)
+        t = out[name]
+        print(f"{name}: GPU busy {t['busy_us_per_call']:.1f} us per call, first to last kernel "
+              f"{t['span_us_per_call']:.1f} us")
+        for r in t["kernels"]:
+            print(f"    {r['calls']:4d} x {r['mean_us']:8.1f} us  {r['kernel']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
