@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--layout", default="NHD")
     ap.add_argument("--variant", default="standard")
-    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--stages", type=int, default=2, help="cp.async stages (decode and prefill)")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -118,7 +118,8 @@ def main():
 
         spec = MmaPrefillSpec(args.head_dim, args.group, 1 if args.ragged else args.page_size,
                               args.dtype, args.dtype, args.layout, variant,
-                              sparse=not args.ragged, kv_tile=args.kv_tile)
+                              sparse=not args.ragged, kv_tile=args.kv_tile,
+                              stages=args.stages)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages, **extra)

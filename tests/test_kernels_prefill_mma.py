@@ -254,3 +254,27 @@ def test_straight_tiles_address_every_page_layout(rng, monkeypatch, ps, split):
     np.testing.assert_array_equal(np.isnan(out).all(axis=-1), poisoned)
     np.testing.assert_array_equal(np.isnan(lse), poisoned)
     assert rel_err(out[2:], ref[2:]) <= TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("kv_tile, stages", [(32, 3), (64, 4)])
+def test_deeper_kv_pipelines(rng, monkeypatch, kv_tile, stages):
+    # Tiles i + 1 .. i + stages - 1 in flight while tile i is computed: fewer tiles than
+    # stages (request 1), more (request 0), chunks merged in the kernel (split 96), Q staged in
+    # the last stage (32-key tiles) or in its own area (64).
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    monkeypatch.setattr(prefill_api, "MMA_STAGES", stages)
+    kv_lens, qo_lens, ps = [230, 40], [3, 2], 16
+    pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 1,
+                                rng=rng)
+    cache = rng.standard_normal((pt.num_pages, 2, ps, 2, 64)).astype(np.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((int(qo_indptr[-1]), 4, 64)).astype(np.float16)
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, 4, 2, 64, ps, causal=True,
+           q_data_type="float16", fixed_split_size=96)
+    assert w.step_plan.spec.stages == stages and w.schedule.num_merge_rows > 0
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, causal=True,
+        return_lse=True)
+    _check(w, out, lse, ref, ref_lse)

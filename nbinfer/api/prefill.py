@@ -65,13 +65,15 @@ MMA_CTAS_PER_SM_CAPPED = 3
 MMA_KV_TILE = None
 MMA_Q_SHARED = None
 MMA_MAX_REGISTERS = None
+MMA_STAGES = None  # KV stages in shared memory (None: 2)
 
 
 def mma_tiles(head_dim: int) -> dict:
     """The tensor-core kernel's tile options for ``head_dim`` (see :data:`MMA_KV_TILE`): keyword
     arguments of :class:`MmaPrefillSpec`."""
     kv = MMA_KV_TILE if MMA_KV_TILE is not None else 64
-    return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS)
+    return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS,
+                stages=MMA_STAGES or 2)
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]

@@ -9,8 +9,9 @@ rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole i
    (``D / 4`` words), with 64-key tiles (the default at D = 128) it stays in shared memory and
    each k-step reads its A fragment (the tile's scores need those registers).
 2. KV tiles of ``BC`` (32 or 64) tokens are gathered through the loading rule (page table or
-   affine) by ``cp.async`` into two alternating shared-memory stages: tile ``i + 1`` is in
-   flight while tile ``i`` is computed.
+   affine) by ``cp.async`` into ``stages`` (2-4) shared-memory stages in turn: tiles
+   ``i + 1 .. i + stages - 1`` are in flight while tile ``i`` is computed, and one barrier per
+   tile both publishes tile ``i`` and frees tile ``i - 1``'s stage for the next load.
 3. ``S = Q K^T``: ``D / 16 x BC / 8`` mma per warp; scores stay in accumulator registers, where
    every element knows its (packed row, key): the variant's logits hook and masks run there.
    A *clear* tile, every key kept for every row of the warp (no hook reads positions, or the
@@ -40,10 +41,11 @@ runs after it, only on the (request, kv head) pairs a scan flagged (:mod:`.value
 tile zeroes V rows holding NaN/inf in shared memory and gives the rows that keep such a key a
 NaN logit: exactly nbinfer's rule, at the cost of a scan and an empty launch when V is finite.
 
-Shared memory (:func:`shared_layout`): two stages of K and V, ``2 x 2 x BC x (D + 8) x 2``
-bytes; with 32-key tiles (34 KiB at D = 128) the Q staging area aliases stage 1 (Q moves to
-registers before stage 1 is first loaded), with 64-key tiles Q has its own area after them
-(87 KiB at D = 128: more than a kernel may declare statically, so it is allocated at launch).
+Shared memory (:func:`shared_layout`): ``stages`` stages of K and V, ``2 x BC x (D + 8) x 2``
+bytes each; with 32-key tiles (2 stages: 34 KiB at D = 128) the Q staging area aliases the last
+stage (Q moves to registers before that stage is first loaded), with 64-key tiles Q has its own
+area after them (87 KiB at D = 128 with 2 stages: more than a kernel may declare statically, so
+it is allocated at launch).
 The fused merge reuses all of it after the item's loop.
 """
 
@@ -67,6 +69,7 @@ from .primitives import LOG2E, device_jit, primitives
 
 TILE_KV = 32
 KV_TILES = (32, 64)
+STAGES = (2, 3, 4)
 MMA_HEAD_DIMS = (64, 128)
 STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
 
@@ -84,6 +87,9 @@ class MmaPrefillSpec(PrefillSpec):
     # register cap of ~168 fits three CTAs per SM without spilling (bench/NOTES.md)
     q_shared: bool = False
     max_registers: int | None = None  # ptxas's cap (None: up to 255)
+    # KV tiles in shared memory at once: tile i computed while tiles i + 1 .. i + stages - 1
+    # are in flight (2: double buffering)
+    stages: int = 2
     # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
@@ -100,6 +106,8 @@ class MmaPrefillSpec(PrefillSpec):
             raise ValueError(f"num_warps must be 1, 2 or 4, got {self.num_warps}")
         if self.kv_tile not in KV_TILES:
             raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
+        if self.stages not in STAGES:
+            raise ValueError(f"stages must be in {STAGES}, got {self.stages}")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -146,17 +154,19 @@ def build_prefill_mma_kernel(spec: MmaPrefillSpec):
 
 def shared_layout(spec: MmaPrefillSpec) -> dict:
     """Byte sizes of the kernel's main shared buffer: ``stage`` (one K and V tile), ``q_base``
-    (where Q is staged: aliasing stage 1, or after both stages when Q stays in shared memory),
-    ``total`` and ``dynamic`` (``total`` when it is allocated at launch, past the static limit;
-    else 0)."""
+    (where Q is staged: aliasing the last stage, the first one loaded after Q has moved to
+    registers, or after the stages when Q stays in shared memory), ``total`` and ``dynamic``
+    (``total`` when it is allocated at launch, past the static limit; else 0)."""
+    n = spec.stages
+
     def sizes(row_bytes):
         stage = 2 * spec.tile_kv * row_bytes
         q_bytes = spec.tile_q * row_bytes
         if spec.q_in_shared:
-            return stage, 2 * stage, 2 * stage + q_bytes
+            return stage, n * stage, n * stage + q_bytes
         if q_bytes > stage:
             raise ValueError(f"{spec.tile_q} Q rows do not fit in one KV stage")
-        return stage, stage, 2 * stage
+        return stage, (n - 1) * stage, n * stage
 
     # The GPU's sizes decide static or dynamic (1 KiB is left for the row flags); the
     # simulator's twins keep 4-byte slots but take the same path as the GPU would.
@@ -190,7 +200,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     TILE_BYTES = BC * RS  # one K (or V) tile
     shared = shared_layout(spec)
     STAGE_BYTES = shared["stage"]
-    Q_BASE = shared["q_base"]  # aliasing stage 1 (Q moves to registers), or its own area
+    Q_BASE = shared["q_base"]  # aliasing the last stage (Q moves to registers), or its own area
+    NSTG = spec.stages
     SMEM_FLOATS = shared["total"] // 4
     SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
     SMEM_ALIGN = prims.SMEM_ALIGN
@@ -232,8 +243,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                          and not spec.block_positions))
     U32 = types.uint32
     exp2 = prims.exp2
-    shared_addr, cp_async16_to, commit, wait1 = (prims.shared_addr, prims.cp_async16_to,
-                                                 prims.commit, prims.wait(1))
+    # At the top of tile i, tiles i + 1 .. i + NSTG - 2 may still be in flight.
+    shared_addr, cp_async16_to, commit, wait_tile = (prims.shared_addr, prims.cp_async16_to,
+                                                     prims.commit, prims.wait(NSTG - 2))
     kv_f32, q_f32 = prims.convert[spec.kv_dtype], prims.convert[spec.q_dtype]
     jit_dev = device_jit(sim)
 
@@ -384,13 +396,19 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     x0 = ZERO
                     x1 = ZERO
                 store_pair(smem, base + U32(Q_BASE) + p * U32(RS) + d * U32(ELEM), x0, x1)
-            if n_tiles > 0:
-                load_kv_tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride,
-                             head_off, page_stride, start, end, hk, tid)
+            # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
+            # past the last tile, so that group i is always tile i.
+            for p in range(NSTG - 1):
+                if p < n_tiles:
+                    load_kv_tile(smem, base + U32(p * STAGE_BYTES), k, v, kv_indices,
+                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                 start + p * BC, end, hk, tid)
+                else:
+                    commit()
             cuda.syncthreads()
             if not Q_SMEM:
                 load_q(smem, base + U32(Q_BASE), warp, lane, qf)
-                cuda.syncthreads()  # stage 1 is free for KV
+                cuda.syncthreads()  # the last stage is free for KV
 
             # This lane's two rows: packed rows 16 warp + g (h = 0) and + 8 (h = 1).
             pr0 = 16 * warp + g
@@ -407,17 +425,22 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             if GUARD and tid == 0:
                 for i in range(BAD_WORDS):  # the first tile's barrier orders this before its
                     bad_keys[i] = U32(0)  # atomics
+            cur = U32(0)  # stage of tile it
             for it in range(n_tiles):
                 t0 = start + it * BC
-                if it + 1 < n_tiles:
-                    load_kv_tile(smem, base + U32(((it + 1) % 2) * STAGE_BYTES), k, v,
-                                 kv_indices, kv_indptr, b, ib, row_stride, head_off, page_stride,
-                                 t0 + BC, end, hk, tid)
+                wait_tile()
+                # One barrier per tile: tile it is in shared memory for every warp, and every
+                # warp is done with tile it - 1, whose stage takes tile it + NSTG - 1 now.
+                cuda.syncthreads()
+                nxt = cur + U32(NSTG - 1) if cur < U32(1) else cur - U32(1)
+                if it + NSTG - 1 < n_tiles:
+                    load_kv_tile(smem, base + nxt * U32(STAGE_BYTES), k, v, kv_indices,
+                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                 t0 + (NSTG - 1) * BC, end, hk, tid)
                 else:
-                    commit()  # an empty group keeps "all but the newest group" meaning tile it
-                wait1()
-                cuda.syncthreads()  # tile it is in shared memory for every warp
-                kb = base + U32((it % 2) * STAGE_BYTES)
+                    commit()  # an empty group keeps group i meaning tile i
+                kb = base + cur * U32(STAGE_BYTES)
+                cur = cur + U32(1) if cur < U32(NSTG - 1) else U32(0)
                 bad_lo = U32(0)
                 bad_hi = U32(0)
                 if GUARD:
@@ -521,10 +544,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                             acc[idx] *= a1 if (idx % 4) // 2 else a0
                 if active:
                     pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
-                cuda.syncthreads()  # done with stage it % 2 before tile it + 2 lands there
-                if GUARD and tid == 0:
-                    for i in range(BAD_WORDS):  # every thread has read them; the next
-                        bad_keys[i] = U32(0)  # tile sets them
+                if GUARD:
+                    cuda.syncthreads()
+                    if tid == 0:
+                        for i in range(BAD_WORDS):  # every thread has read them; the next
+                            bad_keys[i] = U32(0)  # tile sets them
 
             # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
             # over the accumulators (constant indices: they stay in registers), rows by h.
