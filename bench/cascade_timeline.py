@@ -25,7 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from prefill import shared_prefix_case  # noqa: E402
+from prefill import back_to_back_ms, graph_ms, shared_prefix_case, tile_config  # noqa: E402
 
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 
@@ -56,6 +56,9 @@ def timeline(fn) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
+    ap.add_argument("--kv-tiles", default=None, metavar="T,T",
+                    help="also time the cascade and its prefix level under these tensor-core "
+                         "tile configs (as bench/prefill.py --kv-tiles: 64, 32x4, ...)")
     ap.add_argument("--prefix-only", action="store_true",
                     help="run the prefix level 5 times, no profiler (for ncu)")
     args = ap.parse_args()
@@ -81,6 +84,30 @@ def main():
               f"{t['span_us_per_call']:.1f} us")
         for r in t["kernels"]:
             print(f"    {r['calls']:4d} x {r['mean_us']:8.1f} us  {r['kernel']}")
+    # The same problem under other tile configs (each planned inside its config): GPU time
+    # back to back and, for the whole cascade, CUDA-graph replay as a serving step runs it.
+    configs = []
+    for token in (args.kv_tiles.split(",") if args.kv_tiles else []):
+        with tile_config(token):
+            casc.plan(*case["levels"], 32, 8, 128, ps, q_data_type="float16")
+            prefix_only.plan([np.array([0, batch])], [np.array([0, case["pre"].size])],
+                             [case["pre"]], [np.array([ps])], 32, 8, 128, ps,
+                             q_data_type="float16")
+        err = float((casc.run(q, cache).float() - plain.run(q, cache).float()).abs().max())
+        row = dict(config=token, max_abs_diff=err,
+                   prefix_gpu_ms=back_to_back_ms(lambda: prefix_only.run(q, cache)),
+                   cascade_gpu_ms=back_to_back_ms(lambda: casc.run(q, cache)),
+                   cascade_graph_ms=graph_ms(lambda: casc.run(q, cache)))
+        configs.append(row)
+        print(f"tiles {token}: prefix level {row['prefix_gpu_ms'] * 1e3:.1f} us, cascade "
+              f"{row['cascade_gpu_ms'] * 1e3:.1f} us (graph {row['cascade_graph_ms'] * 1e3:.1f}),"
+              f" max |cascade - plain| {err:.1e}")
+    out["tile_configs"] = configs
+    if configs:
+        plain_graph = graph_ms(lambda: plain.run(q, cache))
+        out["plain_graph_ms"] = plain_graph
+        print(f"plain decode graph {plain_graph * 1e3:.1f} us: " + ", ".join(
+            f"{r['config']} {plain_graph / r['cascade_graph_ms']:.2f}x" for r in configs))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -78,6 +78,17 @@ def test_paged_prefill_gpu_q_shared_capped(rng, monkeypatch, qo_lens, kv_lens, h
     assert w.step_plan.launch.launch.kernel.regs <= 168
 
 
+@pytest.mark.parametrize("kv_tile, stages, case", [(32, 3, 0), (32, 4, 3), (64, 3, 1)])
+def test_paged_prefill_gpu_deeper_pipelines(rng, monkeypatch, kv_tile, stages, case):
+    # 3 or 4 KV stages in shared memory (tiles i + 1 .. i + stages - 1 in flight): causal D 128,
+    # chunks merged in the kernel (split 512), D 64 bf16 at page size 1 with a window.
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    monkeypatch.setattr(prefill_api, "MMA_STAGES", stages)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    assert w.step_plan.spec.stages == stages
+
+
 def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One device call for a tensor-core prefill change: its gpu tests, then the tile-config A/B of
+# bench/prefill.py --kv-tiles and the cascade's timeline under the same configs, logs and JSON
+# packed into two archives (the device returns only a few files).
+#   bash bench/session_prefill.sh 64,32x3,32x4
+set -uo pipefail
+OUT=${OUT:-/tmp/nbinfer-out}
+mkdir -p "$OUT/r"
+tiles=${1:-64,32x4}
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
+export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+t0=$SECONDS
+status=0
+t() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+t tests/test_gpu_prefill.py -k "paged_prefill and not 64_key and not deeper" >"$OUT/r/gpu_p1.log" 2>&1 &
+a=$!
+t tests/test_gpu_prefill.py -k "64_key or deeper" >"$OUT/r/gpu_p2.log" 2>&1 &
+b=$!
+t tests/test_gpu_prefill.py -k "not paged_prefill" >"$OUT/r/gpu_p3.log" 2>&1 &
+c=$!
+t tests/test_gpu_trust.py tests/test_gpu_decode.py -k "trust or tensor_cores" >"$OUT/r/gpu_t.log" 2>&1 &
+d=$!
+for p in $a $b $c $d; do wait "$p" || status=1; done
+for f in gpu_p1 gpu_p2 gpu_p3 gpu_t; do echo "$f: $(tail -1 "$OUT/r/$f.log")"; done
+echo "gpu tests: $((SECONDS - t0)) s"
+if [ $status = 0 ]; then
+  python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
+  tail -2 "$OUT/r/ab.log"
+  python3 bench/cascade_timeline.py --kv-tiles "$tiles" --out "$OUT/r/cascade_timeline.json" \
+    >"$OUT/r/timeline.log" 2>&1 || status=1
+  tail -30 "$OUT/r/timeline.log"
+else
+  grep -h -E "FAILED|Error" "$OUT"/r/gpu_*.log | head -20
+fi
+echo "all: $((SECONDS - t0)) s"
+(cd "$OUT" && tar czf results.tgz r && rm -rf r)
+exit $status
