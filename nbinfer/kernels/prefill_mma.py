@@ -271,6 +271,20 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
 
     @jit_dev
+    def row_extremes(s, is_max):
+        # The maxima (or minima) of the lane's scores of its two rows: accumulators with
+        # (idx % 4) // 2 == 0 belong to row g, the others to row g + 8.
+        r0 = NEG_INF if is_max else F_INF
+        r1 = r0
+        for idx in range(NS):
+            x = s[idx]
+            if (idx % 4) // 2:
+                r1 = max(r1, x) if is_max else min(r1, x)
+            else:
+                r0 = max(r0, x) if is_max else min(r0, x)
+        return r0, r1
+
+    @jit_dev
     def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
                      page_stride, t0, end, hk, tid):
         # BC token rows of K and V, D * 2 bytes each, in 16-byte cp.async copies; rows past the
@@ -474,13 +488,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         # The non-finite rule: a -inf score (only inf in q or K gives one)
                         # must poison its row as NaN does, where exp2 would make it a 0. One
                         # min per score finds it; the row is marked, and made NaN at the end.
-                        lo0 = F_INF
-                        lo1 = F_INF
-                        for idx in range(NS):
-                            if (idx % 4) // 2:
-                                lo1 = min(lo1, s[idx])
-                            else:
-                                lo0 = min(lo0, s[idx])
+                        lo0, lo1 = row_extremes(s, False)
                         if lo0 == NEG_INF:
                             poison0 = ONE
                         if lo1 == NEG_INF:
@@ -518,13 +526,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                             x = NAN
                         s[idx] = x if keep else MASKED
                 if SOFTMAX:
-                    mx0 = NEG_INF
-                    mx1 = NEG_INF
-                    for idx in range(NS):
-                        if (idx % 4) // 2:
-                            mx1 = max(mx1, s[idx])
-                        else:
-                            mx0 = max(mx0, s[idx])
+                    mx0, mx1 = row_extremes(s, True)
                     if active:
                         mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)
                     mx0 = max(m0, mx0 * ks)
