@@ -2,7 +2,9 @@
 # One device call for a tensor-core prefill change: its gpu tests, then the tile-config A/B of
 # bench/prefill.py --kv-tiles and the cascade's timeline under the same configs, logs and JSON
 # packed into two archives (the device returns only a few files).
-#   bash bench/session_prefill.sh 64,32x3,32x4
+#   [MEMCHECK=1] bash bench/session_prefill.sh 64,32x3,32x4
+# MEMCHECK=1 runs bench/memcheck.sh (memcheck, racecheck, planted control) beside the tests and
+# waits for it before anything is timed.
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT/r"
@@ -11,6 +13,10 @@ export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
 export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
 t0=$SECONDS
 status=0
+if [ -n "${MEMCHECK:-}" ]; then
+  (OUT=$OUT/r bash bench/memcheck.sh >"$OUT/r/memcheck_summary.txt" 2>&1) &
+  m=$!
+fi
 t() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 t tests/test_gpu_prefill.py -k "paged_prefill and not 64_key and not deeper" >"$OUT/r/gpu_p1.log" 2>&1 &
 a=$!
@@ -23,6 +29,11 @@ d=$!
 for p in $a $b $c $d; do wait "$p" || status=1; done
 for f in gpu_p1 gpu_p2 gpu_p3 gpu_t; do echo "$f: $(tail -1 "$OUT/r/$f.log")"; done
 echo "gpu tests: $((SECONDS - t0)) s"
+if [ -n "${MEMCHECK:-}" ]; then
+  wait "$m" || status=1
+  tail -5 "$OUT/r/memcheck_summary.txt"
+  echo "memcheck done: $((SECONDS - t0)) s"
+fi
 if [ $status = 0 ]; then
   python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
   tail -2 "$OUT/r/ab.log"
