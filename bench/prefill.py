@@ -140,15 +140,16 @@ def graph_ms(fn, n=20):
 @contextlib.contextmanager
 def tile_config(token: str):
     """The tensor-core kernel's tiles from ``token``: keys per KV tile, then ``s`` for Q kept in
-    shared memory, then a register cap, then ``x`` and the number of KV stages (``"64"``,
-    ``"32"``, ``"32s168"``, ``"32x4"``)."""
-    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?", str(token))
+    shared memory, then a register cap, then ``x`` and the number of KV stages, then ``m`` for
+    split rows merged by a launch of their own (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``,
+    ``"64m"``)."""
+    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?", str(token))
     if m is None:
-        raise ValueError(f"tile config must look like 64, 32, 32s168 or 32x4, got {token!r}")
-    names = ("MMA_KV_TILE", "MMA_Q_SHARED", "MMA_MAX_REGISTERS", "MMA_STAGES")
+        raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4 or 64m, got {token!r}")
+    names = ("MMA_KV_TILE", "MMA_Q_SHARED", "MMA_MAX_REGISTERS", "MMA_STAGES", "MMA_DEFER_MERGE")
     saved = [getattr(prefill_api, n) for n in names]
     values = (int(m.group(1)), bool(m.group(2)), int(m.group(3)) if m.group(3) else None,
-              int(m.group(5)) if m.group(5) else None)
+              int(m.group(5)) if m.group(5) else None, bool(m.group(6)))
     try:
         for n, x in zip(names, values, strict=True):
             setattr(prefill_api, n, x)

@@ -89,6 +89,16 @@ def test_paged_prefill_gpu_deeper_pipelines(rng, monkeypatch, kv_tile, stages, c
     assert w.step_plan.spec.stages == stages
 
 
+@pytest.mark.parametrize("case", [0, 3, 5])
+def test_paged_prefill_gpu_merge_launch(rng, monkeypatch, case):
+    # Split rows merged by a launch of their own after the kernel (defer_merge): a causal plan
+    # with the planner's chunks, fixed chunks of 512 with a soft cap, ALiBi at D 64.
+    monkeypatch.setattr(prefill_api, "MMA_DEFER_MERGE", True)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    assert w.step_plan.spec.defer_merge
+
+
 def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)

@@ -158,3 +158,39 @@ def test_tile_merge_reads_only_written_partials(rng):
     ref = reference.multi_level_cascade_attention(q, qo, cache, indptr, indices, last)
     assert not np.isnan(out).any()
     assert rel_err(out, ref) <= TOLERANCE["float16"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_cascade_with_the_merge_as_its_own_launch(rng, monkeypatch, causal):
+    # MmaPrefillSpec(defer_merge=True): the tensor-core kernel only writes partial states and
+    # the split-merge launch after it contracts every (list, kv head) pair over the grid, in a
+    # workspace of NaN (a row it failed to merge would come out NaN or stale). Chunks of 4 keys
+    # give every row 4-5 partials from both levels. A causal spec adds the value scan and the
+    # guarded twin before the merge launch: an inf in the V of request 0's own key must poison
+    # exactly the rows that keep it (request 0's heads of kv head 0).
+    from nbinfer.api import prefill as prefill_api
+
+    monkeypatch.setattr(prefill_api, "MMA_DEFER_MERGE", True)
+    ps, hq, hkv, d = 4, 4, 2, 64
+    lv = _two_levels(rng, ps)
+    cache = rng.standard_normal((8, 2, ps, hkv, d)).astype(np.float16)
+    if causal:
+        cache[2, 1, 1, 0, 5] = np.inf  # page 2 = request 0's own page, token 1, V, kv head 0
+    q = rng.standard_normal((3, hq, d)).astype(np.float16)
+    ws = np.zeros(1 << 22, np.uint8)
+    w = MultiLevelCascadeAttentionWrapper(2, ws)
+    w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+           q_data_type="float16", fixed_split_size=4, causal=causal)
+    step = w.fused_wrapper.step_plan
+    assert step.spec.defer_merge and np.diff(step.schedule.merge_indptr).min() >= 4
+    ws.view(np.float32)[step.launch.layout.float_offsets()[0]:] = np.nan
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.multi_level_cascade_attention(
+        q, lv["qo"], cache, lv["indptr"], lv["indices"], lv["last"], causal=causal,
+        return_lse=True)
+    bad = np.isnan(ref).any(axis=-1)
+    assert bad.sum() == (2 if causal else 0) and (not causal or bad[0, :2].all())
+    np.testing.assert_array_equal(np.isnan(out).all(axis=-1), bad)
+    np.testing.assert_array_equal(np.isnan(lse), bad)
+    assert rel_err(out[~bad], ref[~bad]) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(lse[~bad], ref_lse[~bad], atol=2e-3)

@@ -33,6 +33,7 @@ from ..kernels.common import PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
 from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
+from ..kernels.split_merge import build_split_merge_kernel
 from ..kernels.value_scan import SCAN_CTAS_PER_SM, value_guard_kernels
 from ..reference._batch import batch_masks
 from ..scheduler import PlanLayout
@@ -66,14 +67,17 @@ MMA_KV_TILE = None
 MMA_Q_SHARED = None
 MMA_MAX_REGISTERS = None
 MMA_STAGES = None  # KV stages in shared memory (None: 2)
+# Split rows merged by a launch of their own after the kernel (kernels/split_merge.py) instead
+# of the fused merge; None: fused (the separate launch is not yet measured on the H200).
+MMA_DEFER_MERGE = None
 
 
 def mma_tiles(head_dim: int) -> dict:
-    """The tensor-core kernel's tile options for ``head_dim`` (see :data:`MMA_KV_TILE`): keyword
-    arguments of :class:`MmaPrefillSpec`."""
+    """The tensor-core kernel's options for ``head_dim`` (tiles, stages, register cap, where
+    split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`."""
     kv = MMA_KV_TILE if MMA_KV_TILE is not None else 64
     return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS,
-                stages=MMA_STAGES or 2)
+                stages=MMA_STAGES or 2, defer_merge=bool(MMA_DEFER_MERGE))
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -405,9 +409,13 @@ def single_prefill_with_kv_cache(q, k, v, scale_q: float | None = None,
 def _compiled(spec):
     """``(compiled kernel, threads per CTA, (kernels before, kernels after))`` of a prefill spec
     (tensor-core or CUDA-core); the kernels around it are a masked tensor-core spec's exact
-    non-finite path (:mod:`nbinfer.kernels.value_scan`)."""
+    non-finite path (:mod:`nbinfer.kernels.value_scan`) and, with ``defer_merge``, the merge of
+    split rows (:mod:`nbinfer.kernels.split_merge`)."""
     if isinstance(spec, MmaPrefillSpec):
-        return build_prefill_mma_kernel(spec), spec.num_threads, value_guard_kernels(spec)
+        before, after = value_guard_kernels(spec)
+        if spec.defer_merge:  # after the guarded twin, which rewrites its items' partials
+            after = (*after, build_split_merge_kernel(spec))
+        return build_prefill_mma_kernel(spec), spec.num_threads, (before, after)
     return build_prefill_kernel(spec), PREFILL_THREADS, ((), ())
 
 

@@ -90,6 +90,9 @@ class MmaPrefillSpec(PrefillSpec):
     # KV tiles in shared memory at once: tile i computed while tiles i + 1 .. i + stages - 1
     # are in flight (2: double buffering)
     stages: int = 2
+    # Leave split rows' partial states to a merge launch of their own (:mod:`.split_merge`)
+    # instead of the fused merge in the CTA that finishes a row's last chunk.
+    defer_merge: bool = False
     # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
@@ -202,6 +205,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     STAGE_BYTES = shared["stage"]
     Q_BASE = shared["q_base"]  # aliasing the last stage (Q moves to registers), or its own area
     NSTG = spec.stages
+    DEFER_MERGE = spec.defer_merge
     SMEM_FLOATS = shared["total"] // 4
     SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
     SMEM_ALIGN = prims.SMEM_ALIGN
@@ -618,7 +622,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     dst[row0 * hq + head0] = lse0
                 if ok1:
                     dst[row1 * hq + head1] = lse1
-            if prow >= 0:
+            if prow >= 0 and not DEFER_MERGE:
                 finish_split_tile(plan, counters, flags, tmp_o, tmp_lse, o, lse, item, hk,
                                   hkv, hq, nrows, tid, item_merge_off, merge_rows_off,
                                   merge_indptr_off, merge_indices_off, smem, mnum)
