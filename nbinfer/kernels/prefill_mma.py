@@ -274,19 +274,26 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             return U32(t0) % U32(PS) == U32(0)
         return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
 
+    HS = NS // 2  # scores of one row in a lane
+    TREE = HS.bit_length() - 1  # levels of the pairwise reduction (HS is a power of two)
+
     @jit_dev
     def row_extremes(s, is_max):
         # The maxima (or minima) of the lane's scores of its two rows: accumulators with
-        # (idx % 4) // 2 == 0 belong to row g, the others to row g + 8.
-        r0 = NEG_INF if is_max else F_INF
-        r1 = r0
+        # (idx % 4) // 2 == 0 belong to row g, the others to row g + 8. A pairwise tree, not a
+        # running value: the same HS - 1 FMNMX per row, but log2(HS) dependent steps instead
+        # of HS (the loop's largest stall is on such fixed-latency dependencies).
+        w = cuda.local.array(NS, float32)  # constant indices: registers
         for idx in range(NS):
-            x = s[idx]
-            if (idx % 4) // 2:
-                r1 = max(r1, x) if is_max else min(r1, x)
-            else:
-                r0 = max(r0, x) if is_max else min(r0, x)
-        return r0, r1
+            w[((idx % 4) // 2) * HS + (idx // 4) * 2 + idx % 2] = s[idx]
+        for lvl in range(TREE):
+            half = HS >> (lvl + 1)
+            for h in range(2):
+                for j in range(half):
+                    a = w[h * HS + j]
+                    b = w[h * HS + j + half]
+                    w[h * HS + j] = max(a, b) if is_max else min(a, b)
+        return w[0], w[HS]
 
     @jit_dev
     def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
