@@ -395,6 +395,16 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     continue  # finite V: the fast kernel's result stands
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
+            # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
+            # past the last tile, so that group i is always tile i. Issued before Q's loads, so
+            # that their latencies overlap (Q's staging area is another part of shared memory).
+            for pt in range(NSTG - 1):
+                if pt < n_tiles:
+                    load_kv_tile(smem, base + U32(pt * STAGE_BYTES), k, v, kv_indices,
+                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                 start + pt * BC, end, hk, tid)
+                else:
+                    commit()
             # Q tile -> its staging area (rounded to the operand type, after the query hook).
             # A fixed count of element pairs per thread, every load unconditional (rows past
             # nrows read the last row and store zeros): the loads of a thread are independent
@@ -421,15 +431,6 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     x0 = ZERO
                     x1 = ZERO
                 store_pair(smem, base + U32(Q_BASE) + p * U32(RS) + d * U32(ELEM), x0, x1)
-            # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
-            # past the last tile, so that group i is always tile i.
-            for p in range(NSTG - 1):
-                if p < n_tiles:
-                    load_kv_tile(smem, base + U32(p * STAGE_BYTES), k, v, kv_indices,
-                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
-                                 start + p * BC, end, hk, tid)
-                else:
-                    commit()
             cuda.syncthreads()
             if not Q_SMEM:
                 load_q(smem, base + U32(Q_BASE), warp, lane, qf)
