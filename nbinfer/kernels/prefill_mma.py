@@ -30,10 +30,11 @@ rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole i
 Arithmetic per tile and warp (D = 128, BC = 64): 2 x 64 mma (2 x 262 kFLOP), 72 ldmatrix.x4,
 32 scores and 64 accumulators of element-wise work per lane. Bytes per tile: ``2 BC D 2`` = 32
 KiB of KV for ``4 x 16 W x BC x D`` = 2 MFLOP (W = 4): 64 FLOP/byte, so a tile streamed from HBM
-at 4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~183 TFLOP/s
-(bench/NOTES.md, "Issue 13, session 8"): it waits on its own dependencies (mma accumulator
-chains, the softmax between the two GEMMs, loads) with only one other warp per scheduler to
-hide them, not on bytes (``python3 bench/sass_stats.py --kernel prefill`` counts the loop).
+at 4.2 TB/s could feed ~270 TFLOP/s; measured, the kernel runs a causal prefill at ~190-198
+TFLOP/s (bench/NOTES.md, "Issue 13, session 9"): it waits on its own dependencies (mma
+accumulator chains, the softmax between the two GEMMs, loads) with only one other warp per
+scheduler to hide them, not on bytes (``python3 bench/sass_stats.py --kernel prefill`` counts
+the loop: a clear 64-key tile ~550 instructions per warp, 132 of them mma).
 
 Masked specs and non-finite V: an unkept key's ``P = 0`` meets its V in the tile's ``P V`` mma,
 and ``0 x NaN`` is NaN. The kernel stays unguarded; its twin compiled with ``value_guard=True``
