@@ -4,7 +4,8 @@
 # packed into two archives (the device returns only a few files).
 #   [MEMCHECK=1] bash bench/session_prefill.sh 64,32x3,32x4
 # MEMCHECK=1 runs bench/memcheck.sh (memcheck, racecheck, planted control) beside the tests and
-# waits for it before anything is timed.
+# waits for it before anything is timed. CACHE_BACK=1 returns the kernel cache as
+# $OUT/cache.tgz (unpacked into the checkout, the next device call starts warm).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT/r"
@@ -45,4 +46,7 @@ else
 fi
 echo "all: $((SECONDS - t0)) s"
 (cd "$OUT" && tar czf results.tgz r && rm -rf r)
+if [ -n "${CACHE_BACK:-}" ]; then
+  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
+fi
 exit $status
