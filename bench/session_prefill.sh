@@ -19,9 +19,10 @@ if [ -n "${MEMCHECK:-}" ]; then
   m=$!
 fi
 t() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
-t tests/test_gpu_prefill.py -k "paged_prefill and not 64_key and not deeper" >"$OUT/r/gpu_p1.log" 2>&1 &
+opt="64_key or deeper or merge_launch or eight_warps"  # the non-default kernel options
+t tests/test_gpu_prefill.py -k "paged_prefill and not ($opt)" >"$OUT/r/gpu_p1.log" 2>&1 &
 a=$!
-t tests/test_gpu_prefill.py -k "64_key or deeper" >"$OUT/r/gpu_p2.log" 2>&1 &
+t tests/test_gpu_prefill.py -k "$opt" >"$OUT/r/gpu_p2.log" 2>&1 &
 b=$!
 t tests/test_gpu_prefill.py -k "not paged_prefill" >"$OUT/r/gpu_p3.log" 2>&1 &
 c=$!

@@ -99,6 +99,15 @@ def test_paged_prefill_gpu_merge_launch(rng, monkeypatch, case):
     assert w.step_plan.spec.defer_merge
 
 
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_paged_prefill_gpu_eight_warps(rng, monkeypatch, case):
+    # 8 warps per CTA (128 packed rows share each KV tile; one CTA per SM).
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", 8)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    assert w.step_plan.spec.num_warps == 8
+
+
 def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)

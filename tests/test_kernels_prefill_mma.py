@@ -278,3 +278,24 @@ def test_deeper_kv_pipelines(rng, monkeypatch, kv_tile, stages):
         q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, causal=True,
         return_lse=True)
     _check(w, out, lse, ref, ref_lse)
+
+
+def test_eight_warps_share_each_kv_tile(rng, monkeypatch):
+    # 8 warps (128 packed rows) per CTA: at D 64 the CTA's copies cover 32 token rows per pass,
+    # so a 64-key tile takes 2 copies per thread (ragged KV: straight copies); request
+    # 0's two chunks of 64 keys are merged in the kernel. (256 simulated threads: kept small.)
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", 8)
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", 64)
+    qo_indptr, kv_indptr = np.array([0, 5, 7]), np.array([0, 100, 130])
+    q = rng.standard_normal((7, 8, 64)).astype(np.float16)
+    k = rng.standard_normal((130, 2, 64)).astype(np.float16)
+    v = rng.standard_normal((130, 2, 64)).astype(np.float16)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, 8, 2, 64, q_data_type="float16", causal=True,
+           fixed_split_size=64)
+    assert w.step_plan.spec.num_warps == 8 and w.step_plan.spec.tile_q == 128
+    assert w.schedule.num_merge_rows > 0
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
+    _check(w, out, lse, ref, ref_lse)

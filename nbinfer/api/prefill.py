@@ -70,6 +70,9 @@ MMA_STAGES = None  # KV stages in shared memory (None: 2)
 # Split rows merged by a launch of their own after the kernel (kernels/split_merge.py) instead
 # of the fused merge; None: fused (the separate launch is not yet measured on the H200).
 MMA_DEFER_MERGE = None
+# Warps per CTA (16 packed rows each; None: 4 on the GPU, 2 in the simulator). 8 warps share
+# each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers).
+MMA_WARPS = None
 
 
 def mma_tiles(head_dim: int) -> dict:
@@ -143,8 +146,8 @@ class PrefillWrapperBase(WrapperBase):
                      block_positions=step.q_pos0 is not None, sim=sim)
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
-            spec = MmaPrefillSpec(*args, **flags, num_warps=2 if sim else 4,
-                                  **mma_tiles(step.head_dim))
+            warps = MMA_WARPS or (2 if sim else 4)
+            spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **mma_tiles(step.head_dim))
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

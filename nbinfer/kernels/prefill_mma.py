@@ -106,8 +106,8 @@ class MmaPrefillSpec(PrefillSpec):
         if self.q_dtype != self.kv_dtype or self.q_dtype not in ("float16", "bfloat16"):
             raise ValueError("the tensor-core prefill kernel needs q and kv of the same 16-bit "
                              f"type, got q {self.q_dtype}, kv {self.kv_dtype}")
-        if self.num_warps not in (1, 2, 4):
-            raise ValueError(f"num_warps must be 1, 2 or 4, got {self.num_warps}")
+        if self.num_warps not in (1, 2, 4, 8):
+            raise ValueError(f"num_warps must be 1, 2, 4 or 8, got {self.num_warps}")
         if self.kv_tile not in KV_TILES:
             raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
         if self.stages not in STAGES:
