@@ -211,8 +211,9 @@ def test_guarded_twin_marks_keys_past_32_in_a_tile(rng, monkeypatch, kv_tile):
     assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("ps, split", [(8, None), (16, 40), (128, None), (3, None)],
-                         ids=["pages-in-tile", "split-off-page", "tile-in-page", "page-3"])
+@pytest.mark.parametrize("ps, split", [(8, None), (24, None), (16, 40), (128, None), (3, None)],
+                         ids=["pages-in-tile", "page-24-last-page-partial", "split-off-page",
+                              "tile-in-page", "page-3"])
 def test_straight_tiles_address_every_page_layout(rng, monkeypatch, ps, split):
     # A full 64-key tile whose copies find their pages from their place in the tile (pages of
     # 8 or 16 tokens, a multiple of the rows one pass covers; or one 128-token page holding

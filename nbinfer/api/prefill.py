@@ -71,7 +71,8 @@ MMA_STAGES = None  # KV stages in shared memory (None: 2)
 # of the fused merge; None: fused (the separate launch is not yet measured on the H200).
 MMA_DEFER_MERGE = None
 # Warps per CTA (16 packed rows each; None: 4 on the GPU, 2 in the simulator). 8 warps share
-# each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers).
+# each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
+# 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
 MMA_WARPS = None
 
 

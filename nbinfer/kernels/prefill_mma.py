@@ -261,7 +261,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     # general path, which addresses each copy from its token.
     SPARSE, PS = spec.sparse, spec.page_size
     PS_STRAIGHT = not SPARSE or PS % ROWS_PER_PASS == 0
-    TILE_PAGES = max(1, BC // PS) if SPARSE else 1
+    # pages a tile starting on a page touches (rounded up: pages of 24 cover a 64-key tile in 3)
+    TILE_PAGES = -(-BC // PS) if SPARSE else 1
 
     @jit_dev
     def straight(t0, end):
