@@ -64,11 +64,16 @@ def main():
     args = ap.parse_args()
     case = shared_prefix_case()
     casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
-    batch, ps = 64, 16
+    heads, ps, batch = case["heads"], case["heads"][3], q.shape[0]
     prefix_only = MultiLevelCascadeAttentionWrapper(
         1, torch.empty(512 << 20, dtype=torch.uint8, device="cuda"))
-    prefix_only.plan([np.array([0, batch])], [np.array([0, case["pre"].size])], [case["pre"]],
-                     [np.array([ps])], 32, 8, 128, ps, q_data_type="float16")
+
+    def plan_prefix():
+        # the prefix level alone: every query row against the shared pages
+        prefix_only.plan([np.array([0, batch])], [np.array([0, case["pre"].size])],
+                         [case["pre"]], [np.array([ps])], *heads, q_data_type="float16")
+
+    plan_prefix()
     if args.prefix_only:
         for _ in range(5):
             prefix_only.run(q, cache)
@@ -89,10 +94,8 @@ def main():
     configs = []
     for token in (args.kv_tiles.split(",") if args.kv_tiles else []):
         with tile_config(token):
-            casc.plan(*case["levels"], 32, 8, 128, ps, q_data_type="float16")
-            prefix_only.plan([np.array([0, batch])], [np.array([0, case["pre"].size])],
-                             [case["pre"]], [np.array([ps])], 32, 8, 128, ps,
-                             q_data_type="float16")
+            casc.plan(*case["levels"], *heads, q_data_type="float16")
+            plan_prefix()
         err = float((casc.run(q, cache).float() - plain.run(q, cache).float()).abs().max())
         row = dict(config=token, max_abs_diff=err,
                    prefix_gpu_ms=back_to_back_ms(lambda: prefix_only.run(q, cache)),

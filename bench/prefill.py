@@ -39,7 +39,8 @@ from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E4
 
 def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
     """The shared-prefix problem, planned: a dict of the cascade and plain decode wrappers, q,
-    the paged cache, the two levels' plan arguments and the page ids."""
+    the paged cache, the two levels' plan arguments, the page ids and ``heads``, the plan
+    arguments ``(hq, hkv, d, ps)``."""
     rng = np.random.default_rng(seed)
     pp, up = prefix // ps, unique // ps
     pool = rng.permutation(pp + batch * up).astype(np.int32)
@@ -58,7 +59,8 @@ def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, p
     full = np.concatenate([np.concatenate([pre, o]) for o in own])
     plain.plan(np.arange(batch + 1) * (pp + up), full, np.full(batch, ps), hq, hkv, d, ps,
                q_data_type="float16")
-    return dict(casc=casc, plain=plain, q=q, cache=cache, levels=levels, pre=pre, own=own)
+    return dict(casc=casc, plain=plain, q=q, cache=cache, levels=levels, pre=pre, own=own,
+                heads=(hq, hkv, d, ps))
 
 
 def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):

@@ -270,9 +270,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             return False
         if not SPARSE:
             return True
-        if not PS_STRAIGHT:
-            return False
-        if PS <= BC:
+        if PS <= BC:  # (the caller checked PS_STRAIGHT at compile time)
             return U32(t0) % U32(PS) == U32(0)
         return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
 
@@ -598,8 +596,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                         f0 = ONE
             # The non-finite rule: a NaN or inf anywhere in a row's output (from q, or the K or
             # V row of a key it keeps), or a -inf score met in a clear tile, makes the whole row
-            # and its LSE NaN. A row's D
-            # outputs are spread over the 4 lanes of its quad: sum their flags.
+            # and its LSE NaN. A row's D outputs are spread over the 4 lanes of its quad: sum
+            # their flags.
             f0, f1 = quad_reduce(f0, f1, False, tid, scratch)
             if f0 > ZERO:
                 lse0 = NAN

@@ -35,10 +35,13 @@ MERGE_ROWS_WORD = HEADER_FIELDS.index("num_merge_rows")
 
 def split_merge_spec(spec):
     """The spec the merge of ``spec`` compiles for: the merge depends on the group size, head
-    dim, CTA size, output dtype and variant (its output hook), not on the KV addressing or
-    tiles."""
-    return dataclasses.replace(spec, value_guard=False, defer_merge=True, kv_tile=32,
-                               q_shared=False, max_registers=None, stages=2)
+    dim, CTA size, dtypes (the signature) and variant (its output hook), not on the KV
+    addressing, masks or tiles, so those take fixed values and every such spec shares one
+    kernel."""
+    return dataclasses.replace(spec, page_size=1, kv_layout="NHD", sparse=True,
+                               custom_mask=False, block_positions=False, value_guard=False,
+                               defer_merge=True, kv_tile=32, q_shared=False, max_registers=None,
+                               stages=2)
 
 
 @functools.cache
