@@ -5,7 +5,9 @@
 #   [MEMCHECK=1] bash bench/session_prefill.sh 64,32x3,32x4
 # MEMCHECK=1 runs bench/memcheck.sh (memcheck, racecheck, planted control) beside the tests and
 # waits for it before anything is timed. CACHE_BACK=1 returns the kernel cache as
-# $OUT/cache.tgz (unpacked into the checkout, the next device call starts warm).
+# $OUT/cache.tgz (unpacked into the checkout, the next device call starts warm). FULL=1 runs,
+# instead of the A/B, bench/cascade_sweep.py over the tile configs and bench/prefill.py's
+# default JSON (the committed defaults).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT/r"
@@ -17,6 +19,9 @@ status=0
 if [ -n "${MEMCHECK:-}" ]; then
   (OUT=$OUT/r bash bench/memcheck.sh >"$OUT/r/memcheck_summary.txt" 2>&1) &
   m=$!
+fi
+if [ -n "${FULL:-}" ]; then  # compile the sweep's kernels beside the tests (timings unused)
+  (python3 bench/cascade_sweep.py --tiles "$tiles" --splits 0 --overheads 0 >"$OUT/r/precompile.log" 2>&1) &
 fi
 t() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 opt="64_key or deeper or merge_launch or eight_warps"  # the non-default kernel options
@@ -36,7 +41,14 @@ if [ -n "${MEMCHECK:-}" ]; then
   tail -5 "$OUT/r/memcheck_summary.txt"
   echo "memcheck done: $((SECONDS - t0)) s"
 fi
-if [ $status = 0 ]; then
+if [ $status = 0 ] && [ -n "${FULL:-}" ]; then
+  # the defaults as committed: the cascade's merge and cost model A/B, then bench/prefill.py's
+  # own JSON (shared prefix, causal and non-causal prefill with their anchors)
+  python3 bench/cascade_sweep.py --tiles "$tiles" --splits 0 --overheads 0 \
+    --out "$OUT/r/cascade_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/r/sweep.log" || status=1
+  python3 bench/prefill.py --out "$OUT/r/prefill.json" >"$OUT/r/prefill.log" 2>&1 || status=1
+  grep -v Warn "$OUT/r/prefill.log" | tail -12
+elif [ $status = 0 ]; then
   python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
   tail -2 "$OUT/r/ab.log"
   python3 bench/cascade_timeline.py --kv-tiles "$tiles" --out "$OUT/r/cascade_timeline.json" \

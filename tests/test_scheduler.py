@@ -30,7 +30,8 @@ def batches(draw, max_batch=6):
                 granule=draw(st.sampled_from([1, 4, 16])), alpha=alpha, beta=beta,
                 fixed_split_size=draw(st.one_of(st.none(), st.integers(1, 50))),
                 causal=draw(st.booleans()),
-                tile_q=draw(st.one_of(st.none(), st.sampled_from([1, 4, 16, 64]))))
+                tile_q=draw(st.one_of(st.none(), st.sampled_from([1, 4, 16, 64]))),
+                item_overhead=draw(st.sampled_from([0, 0, 7, 64])))
 
 
 def visible(kv_len, qo_len, i, causal):
@@ -290,6 +291,8 @@ def test_pack_in_place_and_errors():
     (dict(fixed_split_size=0), ValueError, "fixed_split_size"),
     (dict(causal=1), TypeError, "causal"),
     (dict(tile_q=0), ValueError, "tile_q"),
+    (dict(item_overhead=-1), ValueError, "item_overhead"),
+    (dict(item_overhead=1.5), TypeError, "item_overhead"),
 ])
 def test_bad_input_names_the_argument(kwargs, error, match):
     args = dict(qo_indptr=[0, 1, 2], kv_lens=[5, 6], num_qo_heads=4, num_kv_heads=2, num_ctas=4)

@@ -51,3 +51,26 @@ def test_cascade_plan_errors():
     with pytest.raises(ValueError, match="same rows"):
         cascade_plan([np.array([0, 2]), np.array([0, 1, 3])], [np.array([5]), np.array([1, 1])],
                      4, 1, 8)
+
+
+def test_item_overhead_spreads_short_items():
+    # bench/prefill.py's shared prefix on 264 CTAs: 192 prefix chunks of ~1344 tokens and 512 own
+    # items of 256. The byte model parks the own items on the 72 CTAs the prefix leaves free (7
+    # each); counted with a per-item start and end they spread over all CTAs. Items per CTA is
+    # what the overhead changes (the work is the same: every item keeps its KV range).
+    qo = [np.array([0, 64]), np.arange(65)]
+    kv = [np.array([8192]), np.full(64, 256)]
+    plans = [cascade_plan(qo, kv, 32, 8, 264, granule=16, tile_q=64, item_overhead=o)[0]
+             for o in (0, 256)]
+    np.testing.assert_array_equal(plans[0].work, plans[1].work)
+    assert plans[1].item_overhead == 256 and plans[0].item_overhead == 0
+
+    def tiles(p):  # per CTA: KV tiles of 64 plus 3 tiles of start and end per item
+        cost = -(-(p.work[:, 5] - p.work[:, 4]) // 64) + 3
+        return np.bincount(p.item_cta(), weights=cost, minlength=p.num_ctas)
+
+    before, after = tiles(plans[0]), tiles(plans[1])
+    assert before.sum() == after.sum()
+    assert after.max() <= 0.85 * before.max()
+    assert np.array_equal(plans[1].cta_loads(), np.bincount(
+        plans[1].item_cta(), weights=plans[1].item_costs(), minlength=264))

@@ -35,7 +35,7 @@ from . import arrays, binding
 from .base import WrapperBase, write_reference
 from .decode import MIN_CHUNK
 from .dtypes import normalize_dtype
-from .prefill import BatchPrefillWithPagedKVCacheWrapper
+from .prefill import BatchPrefillWithPagedKVCacheWrapper, mma_item_overhead
 from .state import merge_state_in_place
 from .step import StepPlan
 
@@ -188,6 +188,7 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     """All levels of a cascade as one paged-prefill launch (virtual requests, one merge map)."""
 
     _indices_name = "paged_kv_indices_arr"
+    _all_split = True  # each row has a state per level: the merge runs as a launch of its own
 
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                     logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
@@ -222,7 +223,9 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
         spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
         sched, qo_start, qo_end, _ = cascade_plan(qo, kv_lens, num_qo_heads, num_kv_heads,
                                                   num_ctas, granule=MIN_CHUNK,
-                                                  tile_q=spec.tile_q, **schedule)
+                                                  tile_q=spec.tile_q,
+                                                  item_overhead=mma_item_overhead(spec),
+                                                  **schedule)
         return self._upload(step, spec, (kernel, companions), threads, sched, qo_start, qo_end)
 
 

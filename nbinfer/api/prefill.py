@@ -68,20 +68,39 @@ MMA_Q_SHARED = None
 MMA_MAX_REGISTERS = None
 MMA_STAGES = None  # KV stages in shared memory (None: 2)
 # Split rows merged by a launch of their own after the kernel (kernels/split_merge.py) instead
-# of the fused merge; None: fused (the separate launch is not yet measured on the H200).
+# of the fused merge. None: the rule, deferred for the one-launch cascade (every row is split
+# there: its shared-prefix level alone 103 -> 68 us on the H200) and fused elsewhere (a launch
+# more for plans that split few rows; prefill B4 L4096 within 2 %), bench/NOTES.md "Issue 13,
+# session 10".
 MMA_DEFER_MERGE = None
+# LPT's cost of an item's start and end on the tensor-core kernel, in KV tokens (the planner's
+# ``item_overhead``): None is four KV tiles. A 256-key own-level item of a cascade (4 live rows)
+# runs about as long as 7 tiles of a full one, which the byte model calls 4 (cascade 117 -> 105 us
+# with it; 128 to 512 tokens measured alike).
+MMA_ITEM_OVERHEAD = None
 # Warps per CTA (16 packed rows each; None: 4 on the GPU, 2 in the simulator). 8 warps share
 # each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
 # 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
 MMA_WARPS = None
 
 
-def mma_tiles(head_dim: int) -> dict:
+def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     """The tensor-core kernel's options for ``head_dim`` (tiles, stages, register cap, where
-    split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`."""
+    split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`.
+    ``all_split``: every output row is merged from several items (the one-launch cascade), which
+    defers the merge unless :data:`MMA_DEFER_MERGE` says otherwise."""
     kv = MMA_KV_TILE if MMA_KV_TILE is not None else 64
+    defer = all_split if MMA_DEFER_MERGE is None else bool(MMA_DEFER_MERGE)
     return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS,
-                stages=MMA_STAGES or 2, defer_merge=bool(MMA_DEFER_MERGE))
+                stages=MMA_STAGES or 2, defer_merge=defer)
+
+
+def mma_item_overhead(spec) -> int:
+    """The planner's ``item_overhead`` for ``spec``'s kernel: :data:`MMA_ITEM_OVERHEAD`, by
+    default four KV tiles on the tensor-core kernel, 0 (the byte model) on the CUDA-core one."""
+    if not isinstance(spec, MmaPrefillSpec):
+        return 0
+    return 4 * spec.kv_tile if MMA_ITEM_OVERHEAD is None else int(MMA_ITEM_OVERHEAD)
 
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
@@ -133,9 +152,13 @@ class PrefillWrapperBase(WrapperBase):
         spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
         sched = scheduler.plan(step.qo_indptr, step.kv_lens, num_qo_heads, num_kv_heads,
                                num_ctas, granule=MIN_CHUNK, causal=causal,
-                               fixed_split_size=fixed_split_size, tile_q=spec.tile_q)
+                               fixed_split_size=fixed_split_size, tile_q=spec.tile_q,
+                               item_overhead=mma_item_overhead(spec))
         return self._upload(step, spec, (kernel, companions), threads, sched, step.qo_indptr,
                             np.ascontiguousarray(step.qo_indptr[1:]))
+
+    # Whether every output row of this wrapper's plans is split (the one-launch cascade).
+    _all_split = False
 
     def _kernel(self, step, group):
         """The kernel for the planned problem: ``(spec, compiled, threads, companions, grid
@@ -148,7 +171,8 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             warps = MMA_WARPS or (2 if sim else 4)
-            spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **mma_tiles(step.head_dim))
+            spec = MmaPrefillSpec(*args, **flags, num_warps=warps,
+                                  **mma_tiles(step.head_dim, all_split=self._all_split))
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

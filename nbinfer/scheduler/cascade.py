@@ -27,7 +27,8 @@ __all__ = ["cascade_plan"]
 
 def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_heads: int,
                  num_ctas: int, *, granule: int = 16, tile_q: int | None = None,
-                 fixed_split_size: int | None = None, alpha: float = 1.0, beta: float = 1.0):
+                 fixed_split_size: int | None = None, alpha: float = 1.0, beta: float = 1.0,
+                 item_overhead: int = 0):
     """Schedule all levels of a cascade as one plan.
 
     Parameters
@@ -38,7 +39,7 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     kv_lens_levels : list of int arrays
         KV tokens of each segment of each level (``[n_l]``).
     num_qo_heads, num_kv_heads, num_ctas : int
-    granule, tile_q, fixed_split_size, alpha, beta : optional
+    granule, tile_q, fixed_split_size, alpha, beta, item_overhead : optional
         As :func:`nbinfer.scheduler.plan` (chunking and the LPT cost model, over all levels).
 
     Returns
@@ -72,7 +73,8 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     virt = np.zeros(qo_start.size + 1, dtype=np.int64)
     np.cumsum(qo_end - qo_start, out=virt[1:])
     base = plan_batch(virt, kv, num_qo_heads, num_kv_heads, num_ctas, granule=granule,
-                      tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha, beta=beta)
+                      tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha, beta=beta,
+                      item_overhead=item_overhead)
 
     # One entry per chunk (heads are innermost in the work table and share partial rows).
     hkv = int(num_kv_heads)

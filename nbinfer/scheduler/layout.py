@@ -39,7 +39,8 @@ PLAN_MAGIC = 0x4E425031  # "NBP1": rejects a buffer that holds no plan (or an ol
 HEADER_FIELDS = ("magic", "num_ctas", "max_work", "max_merge_rows", "max_merge_nnz",
                  "num_work", "num_merge_rows", "num_merge_nnz", "num_partials", "batch_size",
                  "num_qo_rows", "num_qo_heads", "num_kv_heads", "tile_q", "tile_rows",
-                 "kv_chunk", "granule", "flags", "alpha_lo", "alpha_hi", "beta_lo", "beta_hi")
+                 "kv_chunk", "granule", "flags", "alpha_lo", "alpha_hi", "beta_lo", "beta_hi",
+                 "item_overhead")
 HEADER_WORDS = 24  # len(HEADER_FIELDS) rounded up to a multiple of 4
 _H = {name: i for i, name in enumerate(HEADER_FIELDS)}
 # The header fields each step's schedule sets, in this order (PlanLayout.header_template holds
@@ -203,7 +204,7 @@ class PlanLayout:
         """The header words of ``plan`` packed with this layout (int32 [HEADER_WORDS])."""
         head = self.header_template(plan.num_qo_heads, plan.num_kv_heads, plan.granule,
                                     plan.causal, plan.fixed_split_size, plan.alpha,
-                                    plan.beta).copy()
+                                    plan.beta, plan.item_overhead).copy()
         head[STEP_FIELDS_AT] = (plan.num_work, plan.num_merge_rows, plan.num_merge_nnz,
                                 plan.num_partials, plan.batch_size, plan.num_qo_rows,
                                 plan.tile_q, plan.tile_rows, plan.kv_chunk)
@@ -211,7 +212,8 @@ class PlanLayout:
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - layouts are few, frozen and hashable
     def header_template(self, num_qo_heads: int, num_kv_heads: int, granule: int, causal: bool,
-                        fixed_split_size: int | None, alpha: float, beta: float) -> np.ndarray:
+                        fixed_split_size: int | None, alpha: float, beta: float,
+                        item_overhead: int = 0) -> np.ndarray:
         """The header words that do not change from step to step (read-only): every field but
         :data:`STEP_FIELDS`, whose words (at :data:`STEP_FIELDS_AT`) are zero."""
         flags = (_CAUSAL if causal else 0) | (_FIXED if fixed_split_size else 0)
@@ -219,7 +221,7 @@ class PlanLayout:
         static = dict(magic=PLAN_MAGIC, num_ctas=self.num_ctas, max_work=self.max_work,
                       max_merge_rows=self.max_merge_rows, max_merge_nnz=self.max_merge_nnz,
                       num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, granule=granule,
-                      flags=flags)
+                      flags=flags, item_overhead=item_overhead)
         static.update(zip(HEADER_FIELDS[18:22], _weight_words(alpha, beta), strict=True))
         for name, value in static.items():
             head[_H[name]] = value
@@ -252,4 +254,4 @@ class PlanLayout:
                     kv_chunk=h["kv_chunk"], granule=h["granule"],
                     causal=bool(h["flags"] & _CAUSAL),
                     fixed_split_size=h["kv_chunk"] if h["flags"] & _FIXED else None,
-                    alpha=alpha, beta=beta)
+                    alpha=alpha, beta=beta, item_overhead=int(head[_H["item_overhead"]]))

@@ -13,7 +13,9 @@ Four decisions, each a few vectorised NumPy lines:
    writes its output directly. ``fixed_split_size`` replaces this: chunks of exactly that many
    tokens (the last one shorter), independent of the rest of the batch (batch invariance).
 3. LPT assignment of the ``(request, kv_head, tile, chunk)`` items, with cost
-   ``alpha * l_q + beta * l_kv`` (:mod:`.lpt`).
+   ``alpha * l_q + beta * (l_kv + item_overhead)`` (:mod:`.lpt`; ``item_overhead`` is 0 for the
+   byte model, a few KV tiles on the tensor-core kernel, where an item's start and end are real
+   time the bytes do not show).
 4. Partial rows and the reduction map (:mod:`.reduction`).
 
 Causal masking (bottom-right aligned, as everywhere in nbinfer): query row ``i`` of a request with
@@ -80,6 +82,15 @@ def check_weights(alpha, beta) -> tuple[float, float]:
     return alpha, beta
 
 
+def check_item_overhead(value) -> int:
+    """``item_overhead``: an int ``>= 0`` (KV tokens of cost per item)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"item_overhead must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"item_overhead must be >= 0, got {value}")
+    return int(value)
+
+
 def _check_weight(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -91,7 +102,7 @@ def _check_weight(name: str, value) -> float:
 def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int, *,
          granule: int = 16, alpha: float = 1.0, beta: float = 1.0,
          fixed_split_size: int | None = None, causal: bool = False,
-         tile_q: int | None = None) -> Plan:
+         tile_q: int | None = None, item_overhead: int = 0) -> Plan:
     """Schedule one step: split every (request, kv head, query tile) into KV chunks and assign
     the chunks to CTAs, longest first.
 
@@ -120,6 +131,11 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
         Bottom-right causal mask: each tile's KV range stops at what its last row can see.
     tile_q : int, optional
         Force the query tile height (packed rows) instead of :func:`choose_tile_q`.
+    item_overhead : int, optional
+        KV tokens added to every item's ``l_kv`` in the cost model (not to its work): the fixed
+        start and end of an item (query load, pipeline fill, state write), which the byte count
+        misses. 0 (the default) is the byte model; the tensor-core wrappers pass about four KV
+        tiles (``nbinfer.api.prefill.mma_item_overhead``).
 
     Returns
     -------
@@ -145,6 +161,7 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
     causal = bool(causal)
     if tile_q is not None:
         tile_q = check_positive_int("tile_q", tile_q)
+    item_overhead = check_item_overhead(item_overhead)
     hkv = int(num_kv_heads)
 
     # 1. query tiles ------------------------------------------------------------------------------
@@ -201,7 +218,7 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
     work = work.reshape(num_work, WORK_FIELDS)
 
     # 3. LPT -------------------------------------------------------------------------------------
-    chunk_cost = integer_costs(rows[chunk_tile] * group, ke - ks, alpha, beta)
+    chunk_cost = integer_costs(rows[chunk_tile] * group, ke - ks + item_overhead, alpha, beta)
     cta_indptr, cta_work = lpt_assign(np.repeat(chunk_cost, hkv), num_ctas)
 
     # 4b. reduction map --------------------------------------------------------------------------
@@ -213,4 +230,5 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
                 batch_size=batch, num_qo_rows=num_rows, num_qo_heads=int(num_qo_heads),
                 num_kv_heads=hkv, tile_q=tile_q, tile_rows=tile_rows, kv_chunk=int(kv_chunk),
                 granule=granule, causal=causal, fixed_split_size=fixed_split_size, alpha=alpha,
+                item_overhead=item_overhead,
                 beta=beta)

@@ -55,7 +55,9 @@ class Plan:
     causal : bool
     fixed_split_size : int or None
     alpha, beta : float
-        Cost model ``alpha * l_q + beta * l_kv`` used for the assignment.
+        Cost model ``alpha * l_q + beta * (l_kv + item_overhead)`` used for the assignment.
+    item_overhead : int
+        KV tokens of cost every item carries beyond its own (0: the byte model).
     """
 
     work: np.ndarray
@@ -77,6 +79,7 @@ class Plan:
     fixed_split_size: int | None
     alpha: float
     beta: float
+    item_overhead: int = 0
 
     def __post_init__(self):
         # Shape checks only (O(1)): plan() builds consistent arrays, this guards hand-made ones.
@@ -131,10 +134,11 @@ class Plan:
 
     # -- costs ---------------------------------------------------------------------------------
     def item_costs(self) -> np.ndarray:
-        """Cost of every work item, ``alpha * l_q + beta * l_kv`` (float64 [W])."""
+        """Cost of every work item, ``alpha * l_q + beta * (l_kv + item_overhead)`` (float64
+        [W])."""
         w = self.work.astype(np.int64)
         l_q = (w[:, 3] - w[:, 2]) * self.group_size
-        return self.alpha * l_q + self.beta * (w[:, 5] - w[:, 4])
+        return self.alpha * l_q + self.beta * (w[:, 5] - w[:, 4] + self.item_overhead)
 
     def item_cta(self) -> np.ndarray:
         """CTA that runs every work item (int32 [W])."""
@@ -177,6 +181,8 @@ class Plan:
             f"  kv chunks  : L_kv={self.kv_chunk} ({mode}, granule {self.granule})",
             f"  work items : {self.num_work} ({int(split.sum())} write partials, "
             f"{int((~split).sum())} write outputs)",
+            f"  cost model : {self.alpha:g} * l_q + {self.beta:g} * (l_kv + "
+            f"{self.item_overhead})" if self.item_overhead else
             f"  cost model : {self.alpha:g} * l_q + {self.beta:g} * l_kv",
         ]
         if self.num_work:

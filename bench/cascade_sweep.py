@@ -1,0 +1,97 @@
+"""The one-launch cascade's schedule: KV chunk size x a per-item cost in LPT (diagnostic).
+
+    python bench/cascade_sweep.py [--tiles 64m] [--splits 0,512,1024] [--overheads 0,128,256]
+        [--out $OUT/cascade_sweep.json]
+
+The shared-prefix case of bench/prefill.py (64 requests x (8192 shared + 256 own) tokens, Hq 32,
+Hkv 8, D 128, fp16, pages of 16). LPT weighs an item as ``alpha * rows + beta * kv tokens``, a
+byte count; on the tensor-core tile an own-level item (4 live rows of 64, 256 keys) costs a
+fixed start and end (Q load, pipeline fill, partial write) on top of its 4 KV tiles, which the
+byte count misses, so the 512 own items pile onto the CTAs the 192 prefix chunks leave free.
+Here every item's cost gets a constant ``overhead`` (in KV tokens) on top, and the chunk size is
+swept (0: the adaptive split); each point is checked against plain decode and timed as CUDA-graph
+replay and as one call. The modelled per-CTA load (KV tiles + per-item overhead, in tiles) is
+printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from decode import median_ms  # noqa: E402
+from prefill import graph_ms, shared_prefix_case, tile_config  # noqa: E402
+
+from nbinfer.scheduler import planner  # noqa: E402
+
+
+@contextlib.contextmanager
+def item_overhead(tokens: int):
+    """Every LPT item costs ``tokens`` more (KV tokens at beta = 1)."""
+    base = planner.integer_costs
+    planner.integer_costs = lambda lq, lkv, a, b: base(lq, lkv, a, b) + int(tokens)
+    try:
+        yield
+    finally:
+        planner.integer_costs = base
+
+
+def modelled_tiles(sched, kv_tile=64, per_item=3.0) -> tuple[float, float]:
+    """(max, mean) over CTAs of KV tiles + ``per_item`` tiles per item (heads share nothing)."""
+    w = np.asarray(sched.work)
+    tiles = -(-(w[:, 5] - w[:, 4]) // kv_tile) + per_item
+    ptr = np.asarray(sched.cta_indptr)
+    load = np.add.reduceat(tiles[np.asarray(sched.cta_work)], ptr[:-1]) \
+        if w.size else np.zeros(1)
+    load[np.diff(ptr) == 0] = 0
+    return float(load.max()), float(load.mean())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiles", default="64m")
+    ap.add_argument("--splits", default="0,512,1024")
+    ap.add_argument("--overheads", default="0,128,256,512")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    case = shared_prefix_case()
+    casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
+    plain_graph = graph_ms(lambda: plain.run(q, cache))
+    plain_call = median_ms(lambda: plain.run(q, cache))
+    ref = plain.run(q, cache).float()
+    rows = []
+    print(f"plain decode: graph {plain_graph * 1e3:.1f} us, one call {plain_call * 1e3:.1f} us")
+    print(f"{'tiles':>6} {'split':>6} {'ovh':>5} {'items':>6} {'model max/mean':>15} "
+          f"{'graph us':>9} {'call us':>8} {'x graph':>8} {'x call':>7} {'err':>8}")
+    for token in args.tiles.split(","):
+        for split in (int(s) for s in args.splits.split(",")):
+            for ovh in (int(o) for o in args.overheads.split(",")):
+                with tile_config(token), item_overhead(ovh):
+                    casc.plan(*case["levels"], *case["heads"], q_data_type="float16",
+                              fixed_split_size=split or None)
+                sched = casc.fused_wrapper.schedule
+                mx, mean = modelled_tiles(sched)
+                err = float((casc.run(q, cache).float() - ref).abs().max())
+                g = graph_ms(lambda: casc.run(q, cache))
+                c = median_ms(lambda: casc.run(q, cache))
+                row = dict(tiles=token, split=split, overhead=ovh, items=int(sched.num_work),
+                           model_max_tiles=mx, model_mean_tiles=mean, graph_ms=g, call_ms=c,
+                           x_graph=plain_graph / g, x_call=plain_call / c, max_abs_diff=err)
+                rows.append(row)
+                print(f"{token:>6} {split:>6} {ovh:>5} {row['items']:>6} {mx:7.1f}/{mean:<7.1f} "
+                      f"{g * 1e3:9.1f} {c * 1e3:8.1f} {row['x_graph']:8.2f} {row['x_call']:7.2f} "
+                      f"{err:8.1e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(plain_graph_ms=plain_graph, plain_call_ms=plain_call, rows=rows), f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
