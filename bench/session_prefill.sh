@@ -46,7 +46,9 @@ if [ $status = 0 ] && [ -n "${FULL:-}" ]; then
   # own JSON (shared prefix, causal and non-causal prefill with their anchors)
   python3 bench/cascade_sweep.py --tiles "$tiles" --splits 0 --overheads 0 \
     --out "$OUT/r/cascade_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/r/sweep.log" || status=1
-  python3 bench/prefill.py --out "$OUT/r/prefill.json" >"$OUT/r/prefill.log" 2>&1 || status=1
+  left=$((${BUDGET_S:-570} - (SECONDS - t0)))  # stop in time to pack what ran
+  timeout "$left" python3 bench/prefill.py --out "$OUT/r/prefill.json" >"$OUT/r/prefill.log" 2>&1 \
+    || status=1
   grep -v Warn "$OUT/r/prefill.log" | tail -12
 elif [ $status = 0 ]; then
   python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
