@@ -142,7 +142,8 @@ def graph_ms(fn, n=20):
 @contextlib.contextmanager
 def tile_config(token: str):
     """The tensor-core kernel's tiles from ``token``: keys per KV tile, then ``s`` for Q kept in
-    shared memory, then a register cap, then ``x`` and the number of KV stages, then ``m`` for
+    shared memory, then a register cap (none without it), then ``x`` and the number of KV
+    stages, then ``m`` for
     split rows merged by a launch of their own, then ``w`` and the warps per CTA (``"64"``,
     ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``, ``"64w8"``)."""
     m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(w(\d))?", str(token))
@@ -152,7 +153,7 @@ def tile_config(token: str):
     names = ("MMA_KV_TILE", "MMA_Q_SHARED", "MMA_MAX_REGISTERS", "MMA_STAGES", "MMA_DEFER_MERGE",
              "MMA_WARPS")
     saved = [getattr(prefill_api, n) for n in names]
-    values = (int(m.group(1)), bool(m.group(2)), int(m.group(3)) if m.group(3) else None,
+    values = (int(m.group(1)), bool(m.group(2)), int(m.group(3)) if m.group(3) else 0,
               int(m.group(5)) if m.group(5) else None, bool(m.group(6)),
               int(m.group(8)) if m.group(8) else None)
     try:

@@ -60,9 +60,9 @@ MMA_CTAS_PER_SM = 2
 # occupancy calculator decides how many actually fit.
 MMA_CTAS_PER_SM_CAPPED = 3
 # The tensor-core kernel's tiles (:class:`MmaPrefillSpec`'s ``kv_tile``, ``q_shared`` and
-# ``max_registers``): 64-key tiles, measured faster than 32 on the H200 at head_dim 128 (4-11 %)
-# and 64 (12-22 %) in fp16 and bf16 (bench/NOTES.md, "Issue 13, session 9"). A value other than
-# None overrides the rule (tests and bench/prefill.py --kv-tiles).
+# ``max_registers``, 0 meaning no cap): 64-key tiles, measured faster than 32 on the H200 at
+# head_dim 128 (4-11 %) and 64 (12-22 %) in fp16 and bf16 (bench/NOTES.md, "Issue 13, session
+# 9"). A value other than None overrides the rule (tests and bench/prefill.py --kv-tiles).
 MMA_KV_TILE = None
 MMA_Q_SHARED = None
 MMA_MAX_REGISTERS = None
@@ -73,6 +73,12 @@ MMA_STAGES = None  # KV stages in shared memory (None: 2)
 # more for plans that split few rows; prefill B4 L4096 within 2 %), bench/NOTES.md "Issue 13,
 # session 10".
 MMA_DEFER_MERGE = None
+# The one-launch cascade's kernel when nothing above overrides it: most of its items are short
+# (a request's own pages, 4 live rows of 64) and wait on memory, so it takes the kernel that
+# fits three CTAs per SM (32-key tiles, Q in shared memory, 168 registers) and merges in a
+# launch of its own: 101.9 against 105.9 us under graph replay at 64 requests x (8192 + 256)
+# tokens (4.52x against 4.35x plain decode; bench/results/issue13/session10/call4).
+CASCADE_TILES = dict(kv_tile=32, q_shared=True, max_registers=168, defer_merge=True)
 # LPT's cost of an item's start and end on the tensor-core kernel, in KV tokens (the planner's
 # ``item_overhead``): None is four KV tiles. A 256-key own-level item of a cascade (4 live rows)
 # runs about as long as 7 tiles of a full one, which the byte model calls 4 (cascade 117 -> 105 us
@@ -88,11 +94,16 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     """The tensor-core kernel's options for ``head_dim`` (tiles, stages, register cap, where
     split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`.
     ``all_split``: every output row is merged from several items (the one-launch cascade), which
-    defers the merge unless :data:`MMA_DEFER_MERGE` says otherwise."""
-    kv = MMA_KV_TILE if MMA_KV_TILE is not None else 64
-    defer = all_split if MMA_DEFER_MERGE is None else bool(MMA_DEFER_MERGE)
-    return dict(kv_tile=kv, q_shared=bool(MMA_Q_SHARED), max_registers=MMA_MAX_REGISTERS,
-                stages=MMA_STAGES or 2, defer_merge=defer)
+    takes :data:`CASCADE_TILES` for whatever the module's overrides leave to the rule."""
+    rule = dict(kv_tile=64, q_shared=False, max_registers=0, defer_merge=False)
+    if all_split:
+        rule.update(CASCADE_TILES)
+    given = dict(kv_tile=MMA_KV_TILE, q_shared=MMA_Q_SHARED, max_registers=MMA_MAX_REGISTERS,
+                 defer_merge=MMA_DEFER_MERGE)
+    opts = {k: rule[k] if v is None else v for k, v in given.items()}
+    return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
+                max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,
+                defer_merge=bool(opts["defer_merge"]))
 
 
 def mma_item_overhead(spec) -> int:
