@@ -704,8 +704,8 @@ assert (f"{plain_pred / ideal_pred:.0f}", f"{ai_comp:.0f}") == ("22", "44")
 #   `P ceil(B G / T_q) + B U`; formula, index-array walk and scheduler plan agree. For the
 #   benchmark case that is 11x fewer bytes with the tensor-core tile (`T_q = 64`).
 #
-# What the H200 measured for this configuration (`bench/results/prefill_h200_v4.json`: 3.9x
-# faster than plain decode replayed from a CUDA graph, 3.7x per Python call, against the 11x the
+# What the H200 measured for this configuration (`bench/results/prefill_h200_v5.json`: 4.5x
+# faster than plain decode replayed from a CUDA graph, 4.1x per Python call, against the 11x the
 # bytes allow) and why is in `bench/NOTES.md` ("One-launch cascade, measured", "Lesson 03's
 # reading of the measurement" and "Issue 13, session 8"); lesson 07 places the cascade on the
 # roofline beside decode and prefill.

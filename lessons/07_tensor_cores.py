@@ -377,11 +377,11 @@ for case in fp8_bench["fp8"]:
         case["fp8_gpu_ms"] * 1e-3, "C6", "o", note=f" ({case['batch']} x {case['kv_len']})")
 
 # Shared prefix, 64 x (8192 + 256): lesson 03's byte model. The prefix level's work items say
-# how often the prefix is read: items = reads x (prefix / kv_chunk) chunks x Hkv heads.
+# how often the prefix is read: items = reads x ceil(prefix / kv_chunk) chunks x Hkv heads.
 sp = pre["shared_prefix"]
 B_S, P_S, U_S = sp["batch"], sp["prefix"], sp["unique"]
 lvl = sp["breakdown"]["prefix_level"]
-reads, rem = divmod(lvl["items"] * lvl["kv_chunk"], hkv_b * P_S)
+reads, rem = divmod(lvl["items"], -(-P_S // lvl["kv_chunk"]) * hkv_b)
 assert rem == 0 and reads == -(-B_S * G_B // 64)  # one read per 64-row query tile
 token_bytes = hkv_b * 2 * D_B * KV_ITEM
 flops_s = 4 * HQ_B * D_B * B_S * (P_S + U_S)
