@@ -2,6 +2,7 @@
 
     python bench/cascade_timeline.py [--out $OUT/cascade_timeline.json]
     ncu -k regex:prefill_mma -c 1 ... python bench/cascade_timeline.py --prefix-only
+    ncu -k regex:'prefill_mma|split_merge' -c 2 ... python bench/cascade_timeline.py --cascade-only
 
 The shared-prefix case of bench/prefill.py (64 requests x (8192 shared + 256 own) tokens, Hq 32,
 Hkv 8, D 128, fp16, pages of 16): the cascade's prefix level alone should be ~16 KV tiles per
@@ -61,6 +62,8 @@ def main():
                          "tile configs (as bench/prefill.py --kv-tiles: 64, 32x4, ...)")
     ap.add_argument("--prefix-only", action="store_true",
                     help="run the prefix level 5 times, no profiler (for ncu)")
+    ap.add_argument("--cascade-only", action="store_true",
+                    help="run the whole cascade 5 times, no profiler (for ncu)")
     args = ap.parse_args()
     case = shared_prefix_case()
     casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
@@ -74,9 +77,9 @@ def main():
                          [case["pre"]], [np.array([ps])], *heads, q_data_type="float16")
 
     plan_prefix()
-    if args.prefix_only:
+    if args.prefix_only or args.cascade_only:
         for _ in range(5):
-            prefix_only.run(q, cache)
+            (prefix_only if args.prefix_only else casc).run(q, cache)
         torch.cuda.synchronize()
         return
     out = {}
