@@ -1,6 +1,6 @@
 """The one-launch cascade's schedule: KV chunk size x a per-item cost in LPT (diagnostic).
 
-    python bench/cascade_sweep.py [--tiles 64m] [--splits 0,512,1024] [--overheads 0,128,256]
+    python bench/cascade_sweep.py [--tiles 64m] [--splits 0,512,1024] [--overheads -,0,128,256]
         [--out $OUT/cascade_sweep.json]
 
 The shared-prefix case of bench/prefill.py (64 requests x (8192 shared + 256 own) tokens, Hq 32,
@@ -8,10 +8,14 @@ Hkv 8, D 128, fp16, pages of 16). LPT weighs an item as ``alpha * rows + beta * 
 byte count; on the tensor-core tile an own-level item (4 live rows of 64, 256 keys) costs a
 fixed start and end (Q load, pipeline fill, partial write) on top of its 4 KV tiles, which the
 byte count misses, so the 512 own items pile onto the CTAs the 192 prefix chunks leave free.
-Here every item's cost gets a constant ``overhead`` (in KV tokens) on top, and the chunk size is
-swept (0: the adaptive split); each point is checked against plain decode and timed as CUDA-graph
-replay and as one call. The modelled per-CTA load (KV tiles + per-item overhead, in tiles) is
-printed beside it.
+The planner's ``item_overhead`` (KV tokens of cost per item; '-' is the wrapper's default of four
+KV tiles, 0 the byte model) and the chunk size (0: the adaptive split) are swept; each point is
+checked against plain decode and timed as CUDA-graph replay and as one call. The modelled
+per-CTA load (KV tiles + 3 tiles of start and end per item) is printed beside it.
+
+(Session 10's calls 3-5 ran an earlier version whose overhead column was *added* to the
+wrapper's default, 4 KV tiles: its 0 was the default; call 2 predates that default, so its 0 was
+the byte model. Its modelled tiles assumed 64-key tiles for every config.)
 """
 
 from __future__ import annotations
@@ -28,36 +32,36 @@ sys.path.insert(0, os.path.dirname(__file__))
 from decode import median_ms  # noqa: E402
 from prefill import graph_ms, shared_prefix_case, tile_config  # noqa: E402
 
-from nbinfer.scheduler import planner  # noqa: E402
+from nbinfer.api import prefill as prefill_api  # noqa: E402
 
 
 @contextlib.contextmanager
-def item_overhead(tokens: int):
-    """Every LPT item costs ``tokens`` more (KV tokens at beta = 1)."""
-    base = planner.integer_costs
-    planner.integer_costs = lambda lq, lkv, a, b: base(lq, lkv, a, b) + int(tokens)
+def item_overhead(tokens: int | None):
+    """Plans made inside take ``tokens`` of per-item cost (None: the wrapper's default, four KV
+    tiles; ``nbinfer.api.prefill.MMA_ITEM_OVERHEAD``)."""
+    saved = prefill_api.MMA_ITEM_OVERHEAD
+    prefill_api.MMA_ITEM_OVERHEAD = tokens
     try:
         yield
     finally:
-        planner.integer_costs = base
+        prefill_api.MMA_ITEM_OVERHEAD = saved
 
 
-def modelled_tiles(sched, kv_tile=64, per_item=3.0) -> tuple[float, float]:
-    """(max, mean) over CTAs of KV tiles + ``per_item`` tiles per item (heads share nothing)."""
+def modelled_tiles(sched, kv_tile: int, per_item: float = 3.0) -> tuple[float, float]:
+    """(max, mean) over CTAs of KV tiles + ``per_item`` tiles per item (a CTA with no items
+    counts 0)."""
     w = np.asarray(sched.work)
     tiles = -(-(w[:, 5] - w[:, 4]) // kv_tile) + per_item
-    ptr = np.asarray(sched.cta_indptr)
-    load = np.add.reduceat(tiles[np.asarray(sched.cta_work)], ptr[:-1]) \
-        if w.size else np.zeros(1)
-    load[np.diff(ptr) == 0] = 0
-    return float(load.max()), float(load.mean())
+    load = np.bincount(sched.item_cta(), weights=tiles, minlength=sched.num_ctas)
+    return float(load.max(initial=0.0)), float(load.mean())
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", default="64m")
     ap.add_argument("--splits", default="0,512,1024")
-    ap.add_argument("--overheads", default="0,128,256,512")
+    ap.add_argument("--overheads", default="-,128,256,512",
+                    help="per-item cost in KV tokens; '-' is the wrapper's default")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     case = shared_prefix_case()
@@ -71,15 +75,17 @@ def main():
           f"{'graph us':>9} {'call us':>8} {'x graph':>8} {'x call':>7} {'err':>8}")
     for token in args.tiles.split(","):
         for split in (int(s) for s in args.splits.split(",")):
-            for ovh in (int(o) for o in args.overheads.split(",")):
+            for ovh in (None if o == "-" else int(o) for o in args.overheads.split(",")):
                 with tile_config(token), item_overhead(ovh):
                     casc.plan(*case["levels"], *case["heads"], q_data_type="float16",
                               fixed_split_size=split or None)
                 sched = casc.fused_wrapper.schedule
-                mx, mean = modelled_tiles(sched)
+                kv_tile = casc.fused_wrapper.step_plan.spec.kv_tile
+                mx, mean = modelled_tiles(sched, kv_tile)
                 err = float((casc.run(q, cache).float() - ref).abs().max())
                 g = graph_ms(lambda: casc.run(q, cache))
                 c = median_ms(lambda: casc.run(q, cache))
+                ovh = sched.item_overhead  # what the plan used
                 row = dict(tiles=token, split=split, overhead=ovh, items=int(sched.num_work),
                            model_max_tiles=mx, model_mean_tiles=mean, graph_ms=g, call_ms=c,
                            x_graph=plain_graph / g, x_call=plain_call / c, max_abs_diff=err)

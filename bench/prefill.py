@@ -143,9 +143,9 @@ def graph_ms(fn, n=20):
 def tile_config(token: str):
     """The tensor-core kernel's tiles from ``token``: keys per KV tile, then ``s`` for Q kept in
     shared memory, then a register cap (none without it), then ``x`` and the number of KV
-    stages, then ``m`` for
-    split rows merged by a launch of their own, then ``w`` and the warps per CTA (``"64"``,
-    ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``, ``"64w8"``)."""
+    stages, then ``m`` for split rows merged by a launch of their own, then ``w`` and the warps
+    per CTA (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``, ``"64w8"``). Every field is
+    set, so a token names one kernel whatever the wrapper (the cascade's rule included)."""
     m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(w(\d))?", str(token))
     if m is None:
         raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m or 64w8, got "

@@ -51,7 +51,7 @@ from nbinfer import (
     scheduler,
 )
 from nbinfer.api.decode import MIN_CHUNK, persistent_ctas
-from nbinfer.api.prefill import MMA_CTAS_PER_SM
+from nbinfer.api.prefill import MMA_CTAS_PER_SM, MMA_CTAS_PER_SM_CAPPED, mma_tiles
 from nbinfer.formats import RadixTree
 from nbinfer.kernels.prefill import PrefillSpec
 from nbinfer.kernels.prefill_mma import MmaPrefillSpec
@@ -479,9 +479,12 @@ show(fig)
 B_H200, P_H200, U_H200 = 64, 8192, 256
 HQ_H200, HKV_H200, D_H200, PS_H200, KV_BYTES = 32, 8, 128, 16, 2  # fp16
 G_H200 = HQ_H200 // HKV_H200
-spec = MmaPrefillSpec(D_H200, G_H200, PS_H200, "float16", "float16", "NHD", standard())
+# the one-launch cascade's kernel (its tiles: nbinfer.api.prefill.CASCADE_TILES)
+spec = MmaPrefillSpec(D_H200, G_H200, PS_H200, "float16", "float16", "NHD", standard(),
+                      **mma_tiles(D_H200, all_split=True))
 T_Q_H200 = spec.tile_q
-NUM_CTAS_H200 = 132 * MMA_CTAS_PER_SM  # the H200's 132 SMs x the kernel's CTAs per SM
+# the H200's 132 SMs x the kernel's CTAs per SM (three under the cascade kernel's register cap)
+NUM_CTAS_H200 = 132 * (MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM)
 TOKEN_BYTES = HKV_H200 * 2 * D_H200 * KV_BYTES  # K + V of one token, all KV heads
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ._progress import ProgressBar
 
-KINDS = ("decode", "prefill", "ragged", "single_decode", "append", "merge")
+KINDS = ("decode", "prefill", "ragged", "single_decode", "append", "merge", "cascade")
 NUM_KV_HEADS = 8  # of the tiny warm-up problems; kernels depend on the group size, not on it
 
 
@@ -56,7 +56,8 @@ class Task:
 def tasks(head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("float16",),
           kv_layouts=("NHD",), options=({},), kinds=KINDS) -> list[Task]:
     """The warm-up calls of a configuration: every combination, each kind once per distinct
-    kernel (decode ignores ``causal``; append and merge take no attention options)."""
+    kernel (decode ignores ``causal``; append and merge take no attention options; the
+    one-launch cascade, its own kernel and merge launch, takes only ``logits_soft_cap``)."""
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"kinds: unknown kind {kind!r}; accepted: {', '.join(KINDS)}")
@@ -77,6 +78,8 @@ def tasks(head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("float16
             opt.pop("causal", None)
         if kind in ("append", "merge"):
             opt, g = {}, 1
+        if kind == "cascade":  # position-dependent flags are not the cascade's
+            opt = {k: v for k, v in opt.items() if k == "logits_soft_cap"}
         if kind in ("ragged", "single_decode", "merge"):
             ps = 1
         if kind == "merge":
@@ -139,6 +142,15 @@ def run_task(task: Task) -> list[dict]:
         w.plan(qo, kv, hq, hkv, d, q_data_type=task.dtype, **opts)
         kv_shape = (42, hkv, d) if task.kv_layout == "NHD" else (hkv, 42, d)
         w.run(arr(6, hq, d), arr(*kv_shape), arr(*kv_shape))
+    elif task.kind == "cascade":
+        # two requests over one pool: a page both see (any page: the pool is only read),
+        # then each one's own pages
+        w = nbinfer.MultiLevelCascadeAttentionWrapper(2, ws, task.kv_layout)
+        w.plan([np.array([0, 2], np.int32), np.arange(3, dtype=np.int32)],
+               [np.array([0, 1], np.int32), pt.indptr], [pt.indices[:1], pt.indices],
+               [np.array([ps], np.int32), pt.last_page_len], hq, hkv, d, ps,
+               q_data_type=task.dtype, **opts)
+        w.run(arr(2, hq, d), arr(*shape))
     elif task.kind == "single_decode":
         kv_shape = (37, hkv, d) if task.kv_layout == "NHD" else (hkv, 37, d)
         nbinfer.single_decode_with_kv_cache(arr(hq, d), arr(*kv_shape), arr(*kv_shape),

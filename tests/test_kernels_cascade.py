@@ -122,13 +122,18 @@ def test_one_launch_cascade_with_split_levels(rng):
         assert rel_err(w.run(q, cache), ref) <= TOLERANCE["float16"]
 
 
-def test_tile_merge_reads_only_written_partials(rng):
+def test_tile_merge_reads_only_written_partials(rng, monkeypatch):
     # Rows of one prefix tile with different list lengths (own KV of 1 or 2 chunks), merged
     # together by one CTA, in a workspace of NaN (as torch.empty may give): a row padded to the
     # longest list must not read another row's partial before it is written (0 * NaN is NaN).
+    # The fused merge (the cascade's default is a merge launch of its own): only a cascade
+    # gives one tile rows of different list lengths.
     import dataclasses
 
+    from nbinfer.api import prefill as prefill_api
     from nbinfer.scheduler.cascade import cascade_plan
+
+    monkeypatch.setattr(prefill_api, "MMA_DEFER_MERGE", False)
 
     ps, hq, hkv, d = 4, 2, 1, 64
     qo = [np.array([0, 2, 4]), np.array([0, 1, 2, 3, 4])]
@@ -141,6 +146,7 @@ def test_tile_merge_reads_only_written_partials(rng):
     w = MultiLevelCascadeAttentionWrapper(2, ws)
     w.plan(qo, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16")
     fw = w.fused_wrapper
+    assert not fw.step_plan.spec.defer_merge
     sched, qs, qe, _ = cascade_plan(qo, [np.array([8, 8]), np.array([4, 4, 4, 8])], hq, hkv, 2,
                                     granule=256, tile_q=fw.step_plan.spec.tile_q,
                                     fixed_split_size=4)

@@ -293,6 +293,7 @@ def test_pack_in_place_and_errors():
     (dict(tile_q=0), ValueError, "tile_q"),
     (dict(item_overhead=-1), ValueError, "item_overhead"),
     (dict(item_overhead=1.5), TypeError, "item_overhead"),
+    (dict(item_overhead=2**31), ValueError, "item_overhead"),
 ])
 def test_bad_input_names_the_argument(kwargs, error, match):
     args = dict(qo_indptr=[0, 1, 2], kv_lens=[5, 6], num_qo_heads=4, num_kv_heads=2, num_ctas=4)

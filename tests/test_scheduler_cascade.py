@@ -54,10 +54,11 @@ def test_cascade_plan_errors():
 
 
 def test_item_overhead_spreads_short_items():
-    # bench/prefill.py's shared prefix on 264 CTAs: 192 prefix chunks of ~1344 tokens and 512 own
-    # items of 256. The byte model parks the own items on the 72 CTAs the prefix leaves free (7
-    # each); counted with a per-item start and end they spread over all CTAs. Items per CTA is
-    # what the overhead changes (the work is the same: every item keeps its KV range).
+    # bench/prefill.py's shared prefix on 264 CTAs (the 64-key kernel's grid, where this was
+    # first measured): 192 prefix chunks of ~1344 tokens and 512 own items of 256. The byte
+    # model parks the own items on the 72 CTAs the prefix leaves free (7 each); counted with a
+    # per-item start and end they spread over all CTAs. Items per CTA is what the overhead
+    # changes (the work is the same: every item keeps its KV range).
     qo = [np.array([0, 64]), np.arange(65)]
     kv = [np.array([8192]), np.full(64, 256)]
     plans = [cascade_plan(qo, kv, 32, 8, 264, granule=16, tile_q=64, item_overhead=o)[0]

@@ -25,9 +25,9 @@ def test_tasks_cover_each_distinct_kernel_once():
     assert len(labels) == len(set(labels))
     per_kind = {k: sum(t.kind == k for t in got) for k in KINDS}
     # decode ignores causal: 2 D x 2 G; prefill and ragged take it: x 2; single decode as
-    # decode; append and merge depend on the head dim only.
+    # decode; append and merge depend on the head dim only; the cascade ignores causal.
     assert per_kind == {"decode": 4, "prefill": 8, "ragged": 8, "single_decode": 4,
-                        "append": 2, "merge": 2}
+                        "append": 2, "merge": 2, "cascade": 4}
 
 
 @pytest.mark.parametrize("kwargs, match", [

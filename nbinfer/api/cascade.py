@@ -188,7 +188,9 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     """All levels of a cascade as one paged-prefill launch (virtual requests, one merge map)."""
 
     _indices_name = "paged_kv_indices_arr"
-    _all_split = True  # each row has a state per level: the merge runs as a launch of its own
+    # Every row is merged from its items (cascade_plan gives each item partial rows, even in a
+    # one-level cascade): the merge runs as a launch of its own.
+    _all_split = True
 
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                     logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):

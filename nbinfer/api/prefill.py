@@ -80,9 +80,11 @@ MMA_DEFER_MERGE = None
 # tokens (4.52x against 4.35x plain decode; bench/results/issue13/session10/call4).
 CASCADE_TILES = dict(kv_tile=32, q_shared=True, max_registers=168, defer_merge=True)
 # LPT's cost of an item's start and end on the tensor-core kernel, in KV tokens (the planner's
-# ``item_overhead``): None is four KV tiles. A 256-key own-level item of a cascade (4 live rows)
-# runs about as long as 7 tiles of a full one, which the byte model calls 4 (cascade 117 -> 105 us
-# with it; 128 to 512 tokens measured alike).
+# ``item_overhead``): None is four KV tiles (256 tokens at 64-key tiles, 128 at the cascade's
+# 32). A 256-key own-level item of a cascade (4 live rows) runs about as long as 7 tiles of a
+# full one, which the byte model calls 4: with 64-key tiles the cascade went 117 -> 105 us with
+# it (128 to 512 tokens alike); with 32-key tiles 128 tokens measured best (101.9 us against
+# 105.8 at 256).
 MMA_ITEM_OVERHEAD = None
 # Warps per CTA (16 packed rows each; None: 4 on the GPU, 2 in the simulator). 8 warps share
 # each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
@@ -93,17 +95,20 @@ MMA_WARPS = None
 def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     """The tensor-core kernel's options for ``head_dim`` (tiles, stages, register cap, where
     split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`.
-    ``all_split``: every output row is merged from several items (the one-launch cascade), which
-    takes :data:`CASCADE_TILES` for whatever the module's overrides leave to the rule."""
-    rule = dict(kv_tile=64, q_shared=False, max_registers=0, defer_merge=False)
-    if all_split:
-        rule.update(CASCADE_TILES)
-    given = dict(kv_tile=MMA_KV_TILE, q_shared=MMA_Q_SHARED, max_registers=MMA_MAX_REGISTERS,
-                 defer_merge=MMA_DEFER_MERGE)
-    opts = {k: rule[k] if v is None else v for k, v in given.items()}
+    ``all_split``: every output row is merged from several items (the one-launch cascade),
+    which takes :data:`CASCADE_TILES`: its tile shape as a whole unless any of ``MMA_KV_TILE``,
+    ``MMA_Q_SHARED``, ``MMA_MAX_REGISTERS`` is set (a measured shape, not a mix of two), its
+    deferred merge unless ``MMA_DEFER_MERGE`` is."""
+    shape = dict(kv_tile=MMA_KV_TILE, q_shared=MMA_Q_SHARED, max_registers=MMA_MAX_REGISTERS)
+    rule = dict(kv_tile=64, q_shared=False, max_registers=0)
+    if all_split and all(v is None for v in shape.values()):
+        rule = {k: CASCADE_TILES[k] for k in rule}
+    opts = {k: rule[k] if v is None else v for k, v in shape.items()}
+    defer = (CASCADE_TILES["defer_merge"] if all_split else False) if MMA_DEFER_MERGE is None \
+        else bool(MMA_DEFER_MERGE)
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
                 max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,
-                defer_merge=bool(opts["defer_merge"]))
+                defer_merge=defer)
 
 
 def mma_item_overhead(spec) -> int:

@@ -86,8 +86,8 @@ def check_item_overhead(value) -> int:
     """``item_overhead``: an int ``>= 0`` (KV tokens of cost per item)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"item_overhead must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"item_overhead must be >= 0, got {value}")
+    if not 0 <= value <= INT32_MAX:  # it sits in the packed plan's int32 header
+        raise ValueError(f"item_overhead must be in [0, {INT32_MAX}], got {value}")
     return int(value)
 
 
