@@ -585,8 +585,9 @@ assert (pw2, pp2, cw2, cp2) == (plain_pred, plain_pred, comp_pred, comp_pred)
 #
 # The model counts KV only. The plans add one more kind of traffic: rows whose KV is split into
 # chunks write one partial state per chunk (float32 output and LSE for every query head), which
-# the merge reads back. Counted from the plans, that is under 10 % of either format's KV bytes
-# (an upper bound: partial states may never leave L2).
+# the merge reads back. Counted from the plans, that is at most about an eighth of either
+# format's KV bytes (an upper bound: partial states may never leave L2), more for the finer
+# chunks of a larger grid.
 
 # %%
 ideal_pred = P_H200 + B_H200 * U_H200
@@ -606,7 +607,7 @@ for name, plans, tokens in (("plain", plain_plans, plain_pred), ("composed", com
     share = partial / (tokens * TOKEN_BYTES)
     print(f"{name:9s} partial states: {sum(p.num_partials for p in plans):4d} rows, "
           f"<= {partial / 1e6:4.1f} MB = {100 * share:.1f} % of its KV bytes")
-    assert share < 0.10
+    assert share < 0.125
 
 # %% [markdown]
 # The figure sweeps the batch size with everything else fixed. Plain decode grows with
