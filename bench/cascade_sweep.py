@@ -21,7 +21,6 @@ the byte model. Its modelled tiles assumed 64-key tiles for every config.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -30,21 +29,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from decode import median_ms  # noqa: E402
-from prefill import graph_ms, shared_prefix_case, tile_config  # noqa: E402
-
-from nbinfer.api import prefill as prefill_api  # noqa: E402
-
-
-@contextlib.contextmanager
-def item_overhead(tokens: int | None):
-    """Plans made inside take ``tokens`` of per-item cost (None: the wrapper's default, four KV
-    tiles; ``nbinfer.api.prefill.MMA_ITEM_OVERHEAD``)."""
-    saved = prefill_api.MMA_ITEM_OVERHEAD
-    prefill_api.MMA_ITEM_OVERHEAD = tokens
-    try:
-        yield
-    finally:
-        prefill_api.MMA_ITEM_OVERHEAD = saved
+from prefill import api_overrides, graph_ms, shared_prefix_case, tile_config  # noqa: E402
 
 
 def modelled_tiles(sched, kv_tile: int, per_item: float = 3.0) -> tuple[float, float]:
@@ -76,7 +61,8 @@ def main():
     for token in args.tiles.split(","):
         for split in (int(s) for s in args.splits.split(",")):
             for ovh in (None if o == "-" else int(o) for o in args.overheads.split(",")):
-                with tile_config(token), item_overhead(ovh):
+                # None: the wrapper's default item cost (four KV tiles)
+                with tile_config(token), api_overrides(MMA_ITEM_OVERHEAD=ovh):
                     casc.plan(*case["levels"], *case["heads"], q_data_type="float16",
                               fixed_split_size=split or None)
                 sched = casc.fused_wrapper.schedule
@@ -85,12 +71,12 @@ def main():
                 err = float((casc.run(q, cache).float() - ref).abs().max())
                 g = graph_ms(lambda: casc.run(q, cache))
                 c = median_ms(lambda: casc.run(q, cache))
-                ovh = sched.item_overhead  # what the plan used
-                row = dict(tiles=token, split=split, overhead=ovh, items=int(sched.num_work),
+                used = sched.item_overhead  # what the plan took
+                row = dict(tiles=token, split=split, overhead=used, items=int(sched.num_work),
                            model_max_tiles=mx, model_mean_tiles=mean, graph_ms=g, call_ms=c,
                            x_graph=plain_graph / g, x_call=plain_call / c, max_abs_diff=err)
                 rows.append(row)
-                print(f"{token:>6} {split:>6} {ovh:>5} {row['items']:>6} {mx:7.1f}/{mean:<7.1f} "
+                print(f"{token:>6} {split:>6} {used:>5} {row['items']:>6} {mx:7.1f}/{mean:<7.1f} "
                       f"{g * 1e3:9.1f} {c * 1e3:8.1f} {row['x_graph']:8.2f} {row['x_call']:7.2f} "
                       f"{err:8.1e}")
     if args.out:

@@ -150,18 +150,25 @@ def tile_config(token: str):
     if m is None:
         raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m or 64w8, got "
                          f"{token!r}")
-    names = ("MMA_KV_TILE", "MMA_Q_SHARED", "MMA_MAX_REGISTERS", "MMA_STAGES", "MMA_DEFER_MERGE",
-             "MMA_WARPS")
-    saved = [getattr(prefill_api, n) for n in names]
-    values = (int(m.group(1)), bool(m.group(2)), int(m.group(3)) if m.group(3) else 0,
-              int(m.group(5)) if m.group(5) else None, bool(m.group(6)),
-              int(m.group(8)) if m.group(8) else None)
+    with api_overrides(MMA_KV_TILE=int(m.group(1)), MMA_Q_SHARED=bool(m.group(2)),
+                       MMA_MAX_REGISTERS=int(m.group(3)) if m.group(3) else 0,
+                       MMA_STAGES=int(m.group(5)) if m.group(5) else None,
+                       MMA_DEFER_MERGE=bool(m.group(6)),
+                       MMA_WARPS=int(m.group(8)) if m.group(8) else None):
+        yield
+
+
+@contextlib.contextmanager
+def api_overrides(**values):
+    """``nbinfer.api.prefill``'s module-level overrides (``MMA_KV_TILE=64``, ...) set inside,
+    restored after."""
+    saved = {n: getattr(prefill_api, n) for n in values}
     try:
-        for n, x in zip(names, values, strict=True):
+        for n, x in values.items():
             setattr(prefill_api, n, x)
         yield
     finally:
-        for n, x in zip(names, saved, strict=True):
+        for n, x in saved.items():
             setattr(prefill_api, n, x)
 
 

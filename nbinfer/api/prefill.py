@@ -104,7 +104,7 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     if all_split and all(v is None for v in shape.values()):
         rule = {k: CASCADE_TILES[k] for k in rule}
     opts = {k: rule[k] if v is None else v for k, v in shape.items()}
-    defer = (CASCADE_TILES["defer_merge"] if all_split else False) if MMA_DEFER_MERGE is None \
+    defer = all_split and CASCADE_TILES["defer_merge"] if MMA_DEFER_MERGE is None \
         else bool(MMA_DEFER_MERGE)
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
                 max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,

@@ -23,14 +23,14 @@ import functools
 
 from numba import cuda, float32
 
-from ..scheduler.layout import HEADER_FIELDS, HEADER_WORDS
+from ..scheduler.layout import HEADER_FIELDS
 from .common import compile_kernel
 from .fused_merge import build_merge_list
 
 # Shared floats of a merge block: ``merge_list`` takes (4096 - 3 GP) // (G + 1) partials per
 # block (819 at G 4), so a list of any length merges in one or a few blocks.
 MERGE_FLOATS = 4096
-MERGE_ROWS_WORD = HEADER_FIELDS.index("num_merge_rows")
+MERGE_ROWS_WORD = HEADER_FIELDS.index("num_merge_rows")  # the header starts at word 0
 
 
 def split_merge_spec(spec):
@@ -73,8 +73,7 @@ def split_merge_source(spec):
         msmem = cuda.shared.array(MERGE_FLOATS, float32)
         num = cuda.local.array(OUTS, float32)
         tid = cuda.threadIdx.x
-        # The header sits just before the work section of the packed plan.
-        lists = plan[work_off - HEADER_WORDS + MERGE_ROWS_WORD]
+        lists = plan[MERGE_ROWS_WORD]  # as value_scan reads the batch size
         for u in range(cuda.blockIdx.x, lists * hkv, cuda.gridDim.x):
             ml = u // hkv
             merge_list(plan, tmp_o, tmp_lse, o, lse, ml, u - ml * hkv, hkv * G, tid,

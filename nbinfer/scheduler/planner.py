@@ -230,5 +230,4 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
                 batch_size=batch, num_qo_rows=num_rows, num_qo_heads=int(num_qo_heads),
                 num_kv_heads=hkv, tile_q=tile_q, tile_rows=tile_rows, kv_chunk=int(kv_chunk),
                 granule=granule, causal=causal, fixed_split_size=fixed_split_size, alpha=alpha,
-                item_overhead=item_overhead,
-                beta=beta)
+                beta=beta, item_overhead=item_overhead)
