@@ -7,7 +7,9 @@
 # waits for it before anything is timed. CACHE_BACK=1 returns the kernel cache as
 # $OUT/cache.tgz (unpacked into the checkout, the next device call starts warm). FULL=1 runs,
 # instead of the A/B, bench/cascade_sweep.py over the tile configs and bench/prefill.py's
-# default JSON (the committed defaults).
+# default JSON (the committed defaults; BUDGET_S=0 leaves it out; SWEEP_OVH=-,64 sweeps the
+# planner's item cost too). NO_AB=1 leaves out the prefill A/B (the cascade's
+# timeline under the tile configs still runs).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT/r"
@@ -25,7 +27,7 @@ if [ -n "${FULL:-}" ]; then  # compile the sweep's kernels beside the tests (tim
   pc=$!
 fi
 t() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
-opt="64_key or deeper or merge_launch or eight_warps"  # the non-default kernel options
+opt="64_key or deeper or merge_launch or eight_warps or kv_split"  # non-default kernel options
 t tests/test_gpu_prefill.py -k "paged_prefill and not ($opt)" >"$OUT/r/gpu_p1.log" 2>&1 &
 a=$!
 t tests/test_gpu_prefill.py -k "$opt" >"$OUT/r/gpu_p2.log" 2>&1 &
@@ -46,7 +48,7 @@ fi
 if [ $status = 0 ] && [ -n "${FULL:-}" ]; then
   # the defaults as committed: the cascade's merge and cost model A/B, then bench/prefill.py's
   # own JSON (shared prefix, causal and non-causal prefill with their anchors)
-  python3 bench/cascade_sweep.py --tiles "$tiles" --splits 0 --overheads - \
+  python3 bench/cascade_sweep.py --tiles "$tiles" --splits 0 --overheads="${SWEEP_OVH:--}" \
     --out "$OUT/r/cascade_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/r/sweep.log" || status=1
   left=$((${BUDGET_S:-570} - (SECONDS - t0)))  # stop in time to pack what ran
   if [ "$left" -gt 60 ]; then
@@ -57,8 +59,11 @@ if [ $status = 0 ] && [ -n "${FULL:-}" ]; then
   fi
   grep -v Warn "$OUT/r/prefill.log" | tail -12
 elif [ $status = 0 ]; then
-  python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
-  tail -2 "$OUT/r/ab.log"
+  if [ -z "${NO_AB:-}" ]; then
+    python3 bench/prefill.py --kv-tiles "$tiles" --out "$OUT/r/prefill_ab.json" >"$OUT/r/ab.log" \
+      2>&1 || status=1
+    tail -2 "$OUT/r/ab.log"
+  fi
   python3 bench/cascade_timeline.py --kv-tiles "$tiles" --out "$OUT/r/cascade_timeline.json" \
     >"$OUT/r/timeline.log" 2>&1 || status=1
   tail -30 "$OUT/r/timeline.log"
