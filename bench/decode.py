@@ -227,21 +227,31 @@ def host_overhead_us(n=200):
     return dict(run_us_median=float(np.median(times)), sdpa_default_us=sdpa_us)
 
 
-def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16):
+def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16, kv_split=False):
     """The same decode step on the CUDA-core decode kernel and with ``use_tensor_cores=True``
     (a prefill of one row per request on the tensor-core kernel): GPU time of one run() each,
-    fp16, and their largest difference."""
+    fp16, and their largest difference. ``kv_split``: also the tensor-core kernel with its
+    ``kv_split`` items forced on (key ``tensor_cores_kv_split``)."""
+    from nbinfer.api import prefill as prefill_api
+
     hq = group * hkv
     pt, cache, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
     kv_bytes = kv_bytes_of(batch, kv_len, hkv, d)
     res = dict(batch=batch, kv_len=kv_len, group=group, hq=hq, hkv=hkv, kv_bytes=kv_bytes)
     outs = {}
-    for name, tc in (("cuda_cores", False), ("tensor_cores", True)):
+    configs = [("cuda_cores", False, None), ("tensor_cores", True, None)]
+    if kv_split:
+        configs.append(("tensor_cores_kv_split", True, True))
+    for name, tc, split in configs:
         w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                            device="cuda"), "NHD",
                                                use_tensor_cores=tc)
-        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
-               q_data_type=torch.float16)
+        saved, prefill_api.MMA_KV_SPLIT = prefill_api.MMA_KV_SPLIT, split
+        try:
+            w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+                   q_data_type=torch.float16)
+        finally:
+            prefill_api.MMA_KV_SPLIT = saved
         out = torch.empty_like(q)
         lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
         t = median_ms(lambda w=w, out=out, lse=lse: w.run(q, cache, out=out, lse=lse))
@@ -251,6 +261,9 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16):
     res["max_abs_diff"] = float((outs["cuda_cores"].float() - outs["tensor_cores"].float())
                                 .abs().max())
     res["tensor_cores_speedup"] = res["cuda_cores_ms"] / res["tensor_cores_ms"]
+    if kv_split:
+        res["kv_split_max_abs_diff"] = float((outs["cuda_cores"].float()
+                                              - outs["tensor_cores_kv_split"].float()).abs().max())
     return res
 
 
@@ -314,6 +327,8 @@ def main():
                     help="GQA group of the sweep (Hkv 8, Hq 8 x group)")
     ap.add_argument("--tensor-cores", action="store_true",
                     help="only use_tensor_cores=True against the CUDA-core decode, groups 4 and 8")
+    ap.add_argument("--kv-split", action="store_true",
+                    help="--tensor-cores: also the tensor-core kernel with kv_split items")
     ap.add_argument("--fp8", action="store_true",
                     help="only FP8 (e4m3fn, e5m2) caches against fp16, the three cases")
     args = ap.parse_args()
@@ -330,13 +345,17 @@ def main():
                   f"   {r['fp8_rel_err']:.1e}")
         return
     if args.tensor_cores:
-        rows = [tensor_core_case(b, l, g) for g in (4, 8) for b, l in ((64, 4096), (16, 32768))]
+        rows = [tensor_core_case(b, l, g, kv_split=args.kv_split) for g in (4, 8)
+                for b, l in ((64, 4096), (16, 32768))]
         save_json(args.out, tensor_cores=rows)
         for r in rows:
+            split = (f", kv_split {r['tensor_cores_kv_split_ms']:.3f} ms "
+                     f"({r['tensor_cores_kv_split_tbps']:.2f} TB/s, max |diff| "
+                     f"{r['kv_split_max_abs_diff']:.1e})" if args.kv_split else "")
             print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: CUDA cores {r['cuda_cores_ms']:.3f}"
                   f" ms ({r['cuda_cores_tbps']:.2f} TB/s), tensor cores {r['tensor_cores_ms']:.3f}"
                   f" ms ({r['tensor_cores_tbps']:.2f} TB/s, {r['tensor_cores_kernel']}), "
-                  f"max |diff| {r['max_abs_diff']:.1e}")
+                  f"max |diff| {r['max_abs_diff']:.1e}{split}")
         return
     if args.sweep:
         payload = dict(copy_ceiling=COPY_CEILING,

@@ -92,6 +92,9 @@ def main():
     ap.add_argument("--ragged", action="store_true", help="prefill: ragged (affine) KV")
     ap.add_argument("--kv-tile", type=int, default=32, help="prefill: keys per KV tile")
     ap.add_argument("--warps", type=int, default=4, help="prefill: warps per CTA (16 rows each)")
+    ap.add_argument("--q-shared", action="store_true", help="prefill: Q read from shared memory")
+    ap.add_argument("--kv-split", action="store_true",
+                    help="prefill: items of <= 16 packed rows split each tile's keys over warps")
     ap.add_argument("--group", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=16)
@@ -120,7 +123,8 @@ def main():
         spec = MmaPrefillSpec(args.head_dim, args.group, 1 if args.ragged else args.page_size,
                               args.dtype, args.dtype, args.layout, variant,
                               sparse=not args.ragged, kv_tile=args.kv_tile,
-                              stages=args.stages, num_warps=args.warps)
+                              stages=args.stages, num_warps=args.warps,
+                              q_shared=args.q_shared, kv_split=args.kv_split, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages, **extra)

@@ -108,6 +108,30 @@ def test_paged_prefill_gpu_eight_warps(rng, monkeypatch, case):
     assert w.step_plan.spec.num_warps == 8
 
 
+DECODE_LIKE = {  # one query row per request: the GQA group's 8 or 16 rows in one item
+    "decode-g8": ([1] * 40, list(range(7, 40 * 97, 97)), 32, 4, 128, 16, "float16", "NHD", {}),
+    "decode-g16-d64": ([1] * 24, list(range(0, 24 * 131, 131)), 32, 2, 64, 16, "bfloat16",
+                       "HND", dict(fixed_split_size=256)),
+}
+
+
+@pytest.mark.parametrize("tiles, case", [("64", 0), ("64", "decode-g8"), ("32s168", 4),
+                                         ("32s168", "decode-g16-d64")])
+def test_paged_prefill_gpu_kv_split(rng, monkeypatch, tiles, case):
+    # kv_split: items of at most 16 packed rows (request 0 of case 0, request 1 of case 4, every
+    # decode-like item) split each KV tile's keys over the 4 warps (64-key tiles: 16 each) or 2
+    # (32-key tiles), merged at the item's end; the other items keep the row tile.
+    monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", True)
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", int(tiles[:2]))
+    if tiles == "32s168":
+        monkeypatch.setattr(prefill_api, "MMA_Q_SHARED", True)
+        monkeypatch.setattr(prefill_api, "MMA_MAX_REGISTERS", 168)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = (
+        DECODE_LIKE[case] if isinstance(case, str) else PAGED_CASES[case])
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    assert w.step_plan.spec.kv_split
+
+
 def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
@@ -168,7 +192,10 @@ def test_block_sparse_gpu(rng, R, C):
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
 
 
-def test_cascade_gpu(rng):
+@pytest.mark.parametrize("kv_split", [False, True])
+def test_cascade_gpu(rng, monkeypatch, kv_split):
+    # (kv_split: the own level's items, one row of 4 packed heads each, split by keys)
+    monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split)
     batch, prefix_pages, own_pages, ps = 16, 64, 4, 16
     pool = rng.permutation(prefix_pages + batch * own_pages)
     prefix, own = pool[:prefix_pages], pool[prefix_pages:].reshape(batch, own_pages)
@@ -181,6 +208,7 @@ def test_cascade_gpu(rng):
     tq, tc = _t(q, "float16"), _t(cache, "float16")
     w = MultiLevelCascadeAttentionWrapper(2, _ws())
     w.plan(qo, indptr, indices, last, 32, 8, 128, ps, q_data_type="float16")
+    assert w._fused.step_plan.spec.kv_split == kv_split
     out = w.run(tq, tc)
     ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]

@@ -97,6 +97,11 @@ class MmaPrefillSpec(PrefillSpec):
     # The guarded twin of a masked spec (:mod:`.value_scan`): runs only the work items of
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
+    # Items of at most 16 packed rows (nrows x G <= 16: a decode step's GQA group, a cascade's
+    # own level) run with the warps splitting each KV tile's keys, 16 each, instead of its
+    # rows; their states are merged through shared memory at the item's end. Chosen per item
+    # at run time: the other items of the same launch keep the row tile.
+    kv_split: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -115,6 +120,8 @@ class MmaPrefillSpec(PrefillSpec):
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
+        if self.kv_split and self.num_warps < 2:
+            raise ValueError("kv_split needs at least 2 warps to split a tile's keys over")
 
     @property
     def tile_q(self) -> int:
@@ -132,6 +139,11 @@ class MmaPrefillSpec(PrefillSpec):
     @property
     def num_threads(self) -> int:
         return 32 * self.num_warps
+
+    @property
+    def split_warps(self) -> int:
+        """Warps that share a KV tile's keys in a ``kv_split`` item (16 keys or more each)."""
+        return min(self.num_warps, self.kv_tile // 16)
 
 
 def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
@@ -194,11 +206,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     ops = tile_ops(D, BC, spec.q_dtype, NW, sim)
     ELEM, RS = ops.ELEM, ops.RS
     NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
-    store_pair, load_q, qk, quad_reduce = ops.store_pair, ops.load_q, ops.qk, ops.quad_reduce
-    # With softmax the rows' sums come out of the P V mma (one more n-tile, of ones), in the
-    # four accumulators after the output's.
-    pv = ops.pv_sums if hooks.use_softmax else ops.pv
-    scrub_pair, qk_smem = ops.scrub_pair, ops.qk_smem
+    store_pair, load_q, quad_reduce = ops.store_pair, ops.load_q, ops.quad_reduce
+    scrub_pair = ops.scrub_pair
     GUARD = spec.value_guard
     Q_SMEM = spec.q_in_shared
     TILE_BYTES = BC * RS  # one K (or V) tile
@@ -274,26 +283,148 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             return U32(t0) % U32(PS) == U32(0)
         return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
 
-    HS = NS // 2  # scores of one row in a lane
-    TREE = HS.bit_length() - 1  # levels of the pairwise reduction (HS is a power of two)
+    def make_row_extremes(NSX):
+        HS = NSX // 2  # scores of one row in a lane
+        TREE = HS.bit_length() - 1  # levels of the pairwise reduction (HS is a power of two)
 
-    @jit_dev
-    def row_extremes(s, is_max):
-        # The maxima (or minima) of the lane's scores of its two rows: accumulators with
-        # (idx % 4) // 2 == 0 belong to row g, the others to row g + 8. A pairwise tree, not a
-        # running value: the same HS - 1 FMNMX per row, but log2(HS) dependent steps instead
-        # of HS (the loop's largest stall is on such fixed-latency dependencies).
-        w = cuda.local.array(NS, float32)  # constant indices: registers
-        for idx in range(NS):
-            w[((idx % 4) // 2) * HS + (idx // 4) * 2 + idx % 2] = s[idx]
-        for lvl in range(TREE):
-            half = HS >> (lvl + 1)
-            for h in range(2):
-                for j in range(half):
-                    a = w[h * HS + j]
-                    b = w[h * HS + j + half]
-                    w[h * HS + j] = max(a, b) if is_max else min(a, b)
-        return w[0], w[HS]
+        @jit_dev
+        def row_extremes(s, is_max):
+            # The maxima (or minima) of the lane's scores of its two rows: accumulators with
+            # (idx % 4) // 2 == 0 belong to row g, the others to row g + 8. A pairwise tree,
+            # not a running value: the same HS - 1 FMNMX per row, but log2(HS) dependent steps
+            # instead of HS (the loop's largest stall is on such fixed-latency dependencies).
+            w = cuda.local.array(NSX, float32)  # constant indices: registers
+            for idx in range(NSX):
+                w[((idx % 4) // 2) * HS + (idx // 4) * 2 + idx % 2] = s[idx]
+            for lvl in range(TREE):
+                half = HS >> (lvl + 1)
+                for h in range(2):
+                    for j in range(half):
+                        a = w[h * HS + j]
+                        b = w[h * HS + j + half]
+                        w[h * HS + j] = max(a, b) if is_max else min(a, b)
+            return w[0], w[HS]
+
+        return row_extremes
+
+    def make_tile_math(tops, KW):
+        """A warp's work on one KV tile in shared memory: scores of its 16 packed rows against
+        ``KW`` keys of the tile from key ``koff`` on (the whole tile: ``KW = BC``; a
+        ``kv_split`` item: the warp's share), masks, the online softmax, ``O += P V``. The
+        warp's rows are Q tile rows ``16 qwarp ...``. Returns the rows' new maxima and
+        poison marks (the accumulators are updated in place)."""
+        NSX = tops.NS
+        row_extremes = make_row_extremes(NSX)
+        # With softmax the rows' sums come out of the P V mma (one more n-tile, of ones), in
+        # the four accumulators after the output's.
+        pvx = tops.pv_sums if SOFTMAX else tops.pv
+        qk_x, qk_smem_x, quad_x = tops.qk, tops.qk_smem, tops.quad_reduce
+
+        @jit_dev
+        def tile_math(smem, kb, qbase, qwarp, koff, tid, lane, qf, s, acc, scratch, active,
+                      t0, end, pos0, pr0, pr1, ok0, ok1, m0, m1, poison0, poison1, scale,
+                      raw_scores, bad_lo, bad_hi, kv_indptr, kv_indices, b, plan,
+                      mask_indptr_off, mask_words_off, qs, kv_len, hk):
+            t = lane % 4
+            kw = kb + U32(koff * RS)  # this warp's first key row of the tile
+            tk = t0 + koff
+            if active:
+                if Q_SMEM:
+                    qk_smem_x(smem, kw, qbase, qwarp, lane, s)
+                else:
+                    qk_x(smem, kw, lane, qf, s)
+            clear = CLEAR_TILES and tk + KW <= end and (
+                not HAS_MASK or tk + KW - 1 <= pos0 + (16 * qwarp) // G)
+            # The scale still to apply to s: a clear tile's raw scores take it inside the
+            # exponent's FFMA (the maximum of raw scores times a positive scale is the
+            # maximum of the scaled ones), the other tiles' are scaled below.
+            ks = ONE
+            if active and clear:
+                # Every key of the tile is kept for every row of this warp (no hook reads
+                # positions; a causal mask's last key is at or before the warp's first row):
+                # no per-score positions or masks. Rows past nrows are computed on zero
+                # queries and never stored.
+                if raw_scores:
+                    # The non-finite rule: a -inf score (only inf in q or K gives one) must
+                    # poison its row as NaN does, where exp2 would make it a 0. One min per
+                    # score finds it; the row is marked, and made NaN at the end.
+                    lo0, lo1 = row_extremes(s, False)
+                    if lo0 == NEG_INF:
+                        poison0 = ONE
+                    if lo1 == NEG_INF:
+                        poison1 = ONE
+                    ks = scale
+                else:
+                    for idx in range(NSX):
+                        x = s[idx] * scale
+                        if x == NEG_INF:
+                            x = NAN
+                        s[idx] = x
+            elif active:
+                for idx in range(NSX):
+                    h = (idx % 4) // 2
+                    pr = pr1 if h else pr0
+                    pos = tk + (idx // 4) * 8 + 2 * t + idx % 2
+                    qrow = pr // G
+                    q_pos = pos0 + qrow
+                    qo_head = hk * G + pr % G
+                    keep = (ok1 if h else ok0) and pos < end
+                    kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
+                    x = s[idx] * scale
+                    if x == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                        x = NAN
+                    if HAS_LOGITS:
+                        x = float32(hook_logits(x, q_pos, kp, qo_head)) * POST_LOG2E
+                    if HAS_MASK:
+                        keep = keep and hook_mask(q_pos, kp, qo_head)
+                    if CUSTOM and keep:
+                        keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
+                                        qs + qrow, kv_len, pos) != 0
+                    jt = pos - t0
+                    bad = bad_hi if jt >= 32 else bad_lo
+                    if GUARD and keep and (bad >> U32(jt % 32)) & U32(1):
+                        x = NAN
+                    s[idx] = x if keep else MASKED
+            if SOFTMAX:
+                mx0, mx1 = row_extremes(s, True)
+                if active:
+                    mx0, mx1 = quad_x(mx0, mx1, True, tid, scratch)
+                mx0 = max(m0, mx0 * ks)
+                mx1 = max(m1, mx1 * ks)
+                mr0 = mx0 if mx0 > NEG_INF else ZERO
+                mr1 = mx1 if mx1 > NEG_INF else ZERO
+                a0 = exp2(m0 - mr0)
+                a1 = exp2(m1 - mr1)
+                m0 = mx0
+                m1 = mx1
+                for idx in range(NSX):  # one FFMA and one exp2 per score
+                    s[idx] = exp2(s[idx] * ks - (mr1 if (idx % 4) // 2 else mr0))
+                # Past the first tiles a row's maximum rarely moves: skip the 2 x D / 4 + 4
+                # multiplications by exactly 1 when no lane of the warp needs them.
+                if sim or cuda.any_sync(FULL_MASK, a0 != ONE or a1 != ONE):
+                    for idx in range(NA):  # the output and the row sums
+                        acc[idx] *= a1 if (idx % 4) // 2 else a0
+            if active:
+                pvx(smem, kw + U32(TILE_BYTES), tid, lane, s, acc, scratch)
+            return m0, m1, poison0, poison1
+
+        return tile_math
+
+    full_tile = make_tile_math(ops, BC)
+    KV_SPLIT = spec.kv_split
+    SW = spec.split_warps  # warps sharing a kv_split item's tiles
+    KW = BC // SW  # keys of a tile per warp there
+    # A kv_split item's states meet in shared memory (from word 0: the KV stages, free after
+    # the item's loop), lane-major (conflict-free): warps 1 .. SW - 1 leave their rescaled
+    # accumulators and poison marks for warp 0 to add, after every warp's two row maxima.
+    SPLIT_SLOTS = NA + 2
+    SPLIT_M = (SW - 1) * SPLIT_SLOTS * 32
+    if KV_SPLIT:
+        split_tile = make_tile_math(tile_ops(D, KW, spec.q_dtype, NW, sim), KW)
+        if SPLIT_M + 64 * SW > SMEM_FLOATS:
+            raise ValueError("the kv_split merge does not fit the kernel's shared memory")
+    else:
+        split_tile = full_tile  # never called
 
     @jit_dev
     def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
@@ -432,16 +563,20 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     x1 = ZERO
                 store_pair(smem, base + U32(Q_BASE) + p * U32(RS) + d * U32(ELEM), x0, x1)
             cuda.syncthreads()
+            # A kv_split item: every warp takes the tile's first 16 packed rows (all of them)
+            # and a share of each tile's keys; warps past SW (8 warps, or 32-key tiles) idle.
+            ksplit = KV_SPLIT and nrows * G <= 16
+            qwarp = 0 if ksplit else warp
             if not Q_SMEM:
-                load_q(smem, base + U32(Q_BASE), warp, lane, qf)
+                load_q(smem, base + U32(Q_BASE), qwarp, lane, qf)
                 cuda.syncthreads()  # the last stage is free for KV
 
-            # This lane's two rows: packed rows 16 warp + g (h = 0) and + 8 (h = 1).
-            pr0 = 16 * warp + g
+            # This lane's two rows: packed rows 16 qwarp + g (h = 0) and + 8 (h = 1).
+            pr0 = 16 * qwarp + g
             pr1 = pr0 + 8
             ok0 = pr0 // G < nrows
             ok1 = pr1 // G < nrows
-            active = (16 * warp) // G < nrows or not SKIP_IDLE_WARPS
+            active = ((warp < SW) if ksplit else (16 * warp) // G < nrows) or not SKIP_IDLE_WARPS
             m0 = NEG_INF
             m1 = NEG_INF
             poison0 = ZERO  # a clear tile met a -inf score in the row (see the tile loop)
@@ -480,89 +615,71 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     cuda.syncthreads()
                     bad_lo = bad_keys[0]
                     bad_hi = bad_keys[BAD_WORDS - 1]  # keys 32-63 of a 64-key tile
-                if active:
-                    if Q_SMEM:
-                        qk_smem(smem, kb, base + U32(Q_BASE), warp, lane, s)
-                    else:
-                        qk(smem, kb, lane, qf, s)
-                clear = CLEAR_TILES and t0 + BC <= end and (
-                    not HAS_MASK or t0 + BC - 1 <= pos0 + (16 * warp) // G)
-                # The scale still to apply to s: a clear tile's raw scores take it inside the
-                # exponent's FFMA (the maximum of raw scores times a positive scale is the
-                # maximum of the scaled ones), the other tiles' are scaled below.
-                ks = ONE
-                if active and clear:
-                    # Every key of the tile is kept for every row of this warp (no hook reads
-                    # positions; a causal mask's last key is at or before the warp's first row):
-                    # no per-score positions or masks. Rows past nrows are computed on zero
-                    # queries and never stored.
-                    if raw_scores:
-                        # The non-finite rule: a -inf score (only inf in q or K gives one)
-                        # must poison its row as NaN does, where exp2 would make it a 0. One
-                        # min per score finds it; the row is marked, and made NaN at the end.
-                        lo0, lo1 = row_extremes(s, False)
-                        if lo0 == NEG_INF:
-                            poison0 = ONE
-                        if lo1 == NEG_INF:
-                            poison1 = ONE
-                        ks = scale
-                    else:
-                        for idx in range(NS):
-                            x = s[idx] * scale
-                            if x == NEG_INF:
-                                x = NAN
-                            s[idx] = x
-                elif active:
-                    for idx in range(NS):
-                        h = (idx % 4) // 2
-                        pr = pr1 if h else pr0
-                        pos = t0 + (idx // 4) * 8 + 2 * t + idx % 2
-                        qrow = pr // G
-                        q_pos = pos0 + qrow
-                        qo_head = hk * G + pr % G
-                        keep = (ok1 if h else ok0) and pos < end
-                        kp = key_position(kv_indptr, kv_indices, b, min(pos, end - 1))
-                        x = s[idx] * scale
-                        if x == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
-                            x = NAN
-                        if HAS_LOGITS:
-                            x = float32(hook_logits(x, q_pos, kp, qo_head)) * POST_LOG2E
-                        if HAS_MASK:
-                            keep = keep and hook_mask(q_pos, kp, qo_head)
-                        if CUSTOM and keep:
-                            keep = mask_bit(plan, mask_indptr_off, mask_words_off, b,
-                                            qs + qrow, kv_len, pos) != 0
-                        jt = pos - t0
-                        bad = bad_hi if jt >= 32 else bad_lo
-                        if GUARD and keep and (bad >> U32(jt % 32)) & U32(1):
-                            x = NAN
-                        s[idx] = x if keep else MASKED
-                if SOFTMAX:
-                    mx0, mx1 = row_extremes(s, True)
-                    if active:
-                        mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)
-                    mx0 = max(m0, mx0 * ks)
-                    mx1 = max(m1, mx1 * ks)
-                    mr0 = mx0 if mx0 > NEG_INF else ZERO
-                    mr1 = mx1 if mx1 > NEG_INF else ZERO
-                    a0 = exp2(m0 - mr0)
-                    a1 = exp2(m1 - mr1)
-                    m0 = mx0
-                    m1 = mx1
-                    for idx in range(NS):  # one FFMA and one exp2 per score
-                        s[idx] = exp2(s[idx] * ks - (mr1 if (idx % 4) // 2 else mr0))
-                    # Past the first tiles a row's maximum rarely moves: skip the 2 x D / 4 + 4
-                    # multiplications by exactly 1 when no lane of the warp needs them.
-                    if sim or cuda.any_sync(FULL_MASK, a0 != ONE or a1 != ONE):
-                        for idx in range(NA):  # the output and the row sums
-                            acc[idx] *= a1 if (idx % 4) // 2 else a0
-                if active:
-                    pv(smem, kb + U32(TILE_BYTES), tid, lane, s, acc, scratch)
+                if ksplit:
+                    m0, m1, poison0, poison1 = split_tile(
+                        smem, kb, base + U32(Q_BASE), 0, KW * (warp % SW), tid, lane, qf, s,
+                        acc, scratch, active, t0, end, pos0, pr0, pr1, ok0, ok1, m0, m1,
+                        poison0, poison1, scale, raw_scores, bad_lo, bad_hi, kv_indptr,
+                        kv_indices, b, plan, mask_indptr_off, mask_words_off, qs, kv_len, hk)
+                else:
+                    m0, m1, poison0, poison1 = full_tile(
+                        smem, kb, base + U32(Q_BASE), warp, 0, tid, lane, qf, s, acc,
+                        scratch, active, t0, end, pos0, pr0, pr1, ok0, ok1, m0, m1, poison0,
+                        poison1, scale, raw_scores, bad_lo, bad_hi, kv_indptr, kv_indices, b,
+                        plan, mask_indptr_off, mask_words_off, qs, kv_len, hk)
                 if GUARD:
                     cuda.syncthreads()
                     if tid == 0:
                         for i in range(BAD_WORDS):  # every thread has read them; the next
                             bad_keys[i] = U32(0)  # tile sets them
+
+            if ksplit:
+                # The warps' states meet: each rescales its own to the rows' maximum over the
+                # warps (acc 2^(m_w - m): the output and, with softmax, the row sums), then warp
+                # 0 adds the others' (only its rows are stored below). Two short loops with
+                # constant indices keep acc in registers (one loop over warps and accumulators
+                # with a factor per warp did not).
+                cuda.syncthreads()  # every warp is done with the last tile's stage
+                if SOFTMAX:
+                    if warp < SW:
+                        smem[SPLIT_M + 64 * warp + lane] = m0
+                        smem[SPLIT_M + 64 * warp + 32 + lane] = m1
+                    cuda.syncthreads()
+                    if warp < SW:
+                        mx0 = m0
+                        mx1 = m1
+                        for w in range(SW):
+                            mx0 = max(mx0, smem[SPLIT_M + 64 * w + lane])
+                            mx1 = max(mx1, smem[SPLIT_M + 64 * w + 32 + lane])
+                        c0 = exp2(m0 - (mx0 if mx0 > NEG_INF else ZERO))
+                        c1 = exp2(m1 - (mx1 if mx1 > NEG_INF else ZERO))
+                        for i in range(NA):
+                            acc[i] *= c1 if (i % 4) // 2 else c0
+                        m0 = mx0
+                        m1 = mx1
+                if warp > 0 and warp < SW:
+                    sb = (warp - 1) * SPLIT_SLOTS * 32 + lane
+                    for i in range(NA):
+                        smem[sb + 32 * i] = acc[i]
+                    smem[sb + 32 * NA] = poison0
+                    smem[sb + 32 * (NA + 1)] = poison1
+                cuda.syncthreads()
+                if warp == 0:
+                    for i in range(NA):
+                        x = acc[i]
+                        for w in range(SW - 1):
+                            x += smem[w * SPLIT_SLOTS * 32 + lane + 32 * i]
+                        acc[i] = x
+                        if not sim and i % 8 == 7:
+                            # ptxas issued all (SW - 1) x NA loads at once (1.4 KiB of spills
+                            # at 64-key tiles): a warp barrier every 8 bounds that
+                            cuda.syncwarp()
+                    for w in range(SW - 1):
+                        poison0 = max(poison0, smem[w * SPLIT_SLOTS * 32 + lane + 32 * NA])
+                        poison1 = max(poison1, smem[w * SPLIT_SLOTS * 32 + lane + 32 * NA + 32])
+                else:
+                    ok0 = False
+                    ok1 = False
 
             # Finish: the output (whole KV seen) or this chunk's partial state. One flat loop
             # over the accumulators (constant indices: they stay in registers), rows by h.
