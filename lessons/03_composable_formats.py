@@ -703,13 +703,15 @@ assert (f"{plain_pred / ideal_pred:.0f}", f"{ai_comp:.0f}") == ("22", "44")
 #   index arrays, and each request's levels concatenate to its plain page list.
 # * Each level yields attention states; lesson 01's ⊕ merges them into exactly the attention
 #   over the whole sequence (`MultiLevelCascadeAttentionWrapper` = plain decode = reference, to
-#   float32 rounding), in nbinfer inside the same launch.
+#   float32 rounding); in nbinfer both levels run in one kernel launch, whose CTAs merge the
+#   states (on the tensor-core kernel a short launch after it does).
 # * Byte model: plain decode reads `B (P + U)` tokens per KV head, the composed format
 #   `P ceil(B G / T_q) + B U`; formula, index-array walk and scheduler plan agree. For the
 #   benchmark case that is 11x fewer bytes with the tensor-core tile (`T_q = 64`).
 #
-# What the H200 measured for this configuration (`bench/results/prefill_h200_v5.json`: 4.5x
-# faster than plain decode replayed from a CUDA graph, 4.1x per Python call, against the 11x the
-# bytes allow) and why is in `bench/NOTES.md` ("One-launch cascade, measured", "Lesson 03's
-# reading of the measurement" and "Issue 13, session 8"); lesson 07 places the cascade on the
-# roofline beside decode and prefill.
+# What the H200 measured for this configuration (`bench/results/issue13/session11/call4/
+# cascade_sweep.json` and `call5/`: 5.1-5.2x faster than plain decode replayed from a CUDA
+# graph, 4.5-4.7x per Python call, against the 11x the bytes allow) and why is in
+# `bench/NOTES.md` ("One-launch cascade, measured", "Lesson 03's reading of the measurement",
+# "Issue 13, session 8" and "session 11"); lesson 07 places the cascade on the roofline beside
+# decode and prefill.

@@ -56,6 +56,9 @@ from .workspace import WorkspaceLayout, item_merge_lists
 
 # The tensor-core kernel needs up to 255 registers x 128 threads: two CTAs fit an SM's 64 Ki.
 MMA_CTAS_PER_SM = 2
+# The deferred merge's CTAs per SM at most (kernels/split_merge.py: 96 registers x 128 threads,
+# 16 KiB of shared memory; the occupancy calculator decides how many fit).
+MERGE_CTAS_PER_SM = 8
 # Under a register cap (``max_registers``, e.g. 168 with Q in shared memory) up to three; the
 # occupancy calculator decides how many actually fit.
 MMA_CTAS_PER_SM_CAPPED = 3
@@ -220,11 +223,17 @@ class PrefillWrapperBase(WrapperBase):
         if before:  # the value scan runs on a grid of its own
             scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
             before = tuple((k, scan_grid) for k in before)
+        grids = [None] * len(after)  # the guarded twin runs the main kernel's items: its grid
+        if getattr(spec, "defer_merge", False):
+            # The merge launch (last) takes one (list, kv head) pair per CTA: as many CTAs as
+            # fit, so that a cascade's 512 pairs run in one round instead of two on the main
+            # kernel's 396 CTAs.
+            grids[-1] = kernel_ctas(self._backend, after[-1], threads, MERGE_CTAS_PER_SM)
         launch = AttentionLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
                                  step.sm_scale, self._memory,
                                  kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
                                  num_threads=threads, before=before,
-                                 after=tuple((k, None) for k in after))
+                                 after=tuple(zip(after, grids, strict=True)))
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end)
