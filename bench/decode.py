@@ -332,6 +332,8 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="only FP8 (e4m3fn, e5m2) caches against fp16, the three cases")
     args = ap.parse_args()
+    if args.kv_split and not args.tensor_cores:
+        ap.error("--kv-split goes with --tensor-cores")
     if args.fp8:
         rows = [fp8_case(b, l, fmt) for fmt in ("float8_e4m3fn", "float8_e5m2")
                 for b, l in CASES]

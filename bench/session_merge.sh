@@ -11,18 +11,25 @@ mkdir -p "$OUT/r"
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
 export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
 t0=$SECONDS
+status=0
 python3 bench/cascade_sweep.py --tiles 32s168m --splits 0 --overheads=- \
-  --out "$OUT/r/cascade_sweep.json" 2>&1 | grep -v Warn | tee "$OUT/r/sweep.log" | tail -3
-python3 bench/cascade_timeline.py --out "$OUT/r/cascade_timeline.json" 2>&1 | grep -v -i warn \
-  | tee "$OUT/r/timeline.log" | head -9
+  --out "$OUT/r/cascade_sweep.json" >"$OUT/r/sweep.log" 2>&1 || status=1
+grep -v Warn "$OUT/r/sweep.log" | tail -3
+python3 bench/cascade_timeline.py --out "$OUT/r/cascade_timeline.json" >"$OUT/r/timeline.log" \
+  2>&1 || status=1
+grep -v -i warn "$OUT/r/timeline.log" | head -9
 echo "benchmarks: $((SECONDS - t0)) s"
 t() { timeout "${TEST_S:-330}" python3 -m pytest -v -m gpu -p no:cacheprovider "$@"; }
 t tests/test_gpu_prefill.py -k "cascade or merge_launch or kv_split" >"$OUT/r/gpu_m1.log" 2>&1 &
+a=$!
 t tests/test_gpu_prefill.py -k "paged_prefill_gpu and not (64_key or deeper or eight_warps or \
 kv_split or merge_launch or q_shared)" >"$OUT/r/gpu_m2.log" 2>&1 &
+b=$!
 t tests/test_gpu_decode.py >"$OUT/r/gpu_m3.log" 2>&1 &
+c=$!
 t tests/test_gpu_trust.py tests/test_gpu_scheduler.py >"$OUT/r/gpu_m4.log" 2>&1 &
-wait
+d=$!
+for p in $a $b $c $d; do wait "$p" || status=1; done  # a failure or a cut-off (124)
 for f in gpu_m1 gpu_m2 gpu_m3 gpu_m4; do
   echo "$f: $(grep -c PASSED "$OUT/r/$f.log") passed, $(grep -c FAILED "$OUT/r/$f.log") failed;" \
     "$(tail -1 "$OUT/r/$f.log" | cut -c1-90)"
@@ -33,3 +40,4 @@ echo "all: $((SECONDS - t0)) s"
 if [ -n "${CACHE_BACK:-}" ]; then
   tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
 fi
+exit $status

@@ -118,9 +118,10 @@ DECODE_LIKE = {  # one query row per request: the GQA group's 8 or 16 rows in on
 @pytest.mark.parametrize("tiles, case", [("64", 0), ("64", "decode-g8"), ("32s168", 4),
                                          ("32s168", "decode-g16-d64")])
 def test_paged_prefill_gpu_kv_split(rng, monkeypatch, tiles, case):
-    # kv_split: items of at most 16 packed rows (request 0 of case 0, request 1 of case 4, every
-    # decode-like item) split each KV tile's keys over the 4 warps (64-key tiles: 16 each) or 2
-    # (32-key tiles), merged at the item's end; the other items keep the row tile.
+    # kv_split: items of at most 16 packed rows (request 0 of case 0; request 1 and the 1-row
+    # tail of request 0 of case 4; every decode-like item) split each KV tile's keys over the 4
+    # warps (64-key tiles: 16 each) or 2 (32-key tiles), merged at the item's end; the other
+    # items keep the row tile.
     monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", True)
     monkeypatch.setattr(prefill_api, "MMA_KV_TILE", int(tiles[:2]))
     if tiles == "32s168":

@@ -303,16 +303,18 @@ def test_eight_warps_share_each_kv_tile(rng, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kv_tile, case",
-    [(32, "mixed-causal-rope-cap"), (64, "decode-chunks-poison"), (32, "sigmoid-mask-guard")])
-def test_kv_split_items_share_each_tile_between_warps(rng, monkeypatch, kv_tile, case):
+    "kv_tile, warps, case",
+    [(32, 2, "mixed-causal-rope-cap"), (64, 4, "decode-chunks-poison"),
+     (32, 2, "sigmoid-mask-guard")])
+def test_kv_split_items_share_each_tile_between_warps(rng, monkeypatch, kv_tile, warps, case):
     # kv_split: an item of at most 16 packed rows runs with every warp on its rows and a share
-    # of each tile's keys (the simulator's 2 warps: 16 keys each of a 32-key tile, 32 of a 64),
+    # of each tile's keys (2 warps: 16 keys each of a 32-key tile; 4 warps: 16 each of a 64),
     # the warps' states merged at the item's end; larger items of the same launch keep the
-    # row tile. G 4: a 1-row request (4 packed rows) and a 3-row one (12) split, a 9-row one
-    # (36) does not.
+    # row tile. G 4 with 2 warps (8 query rows per tile): a 1-row request (4 packed rows) and a
+    # 3-row one (12) split; a 9-row one runs a row tile of 8 rows and a split item of 1.
     monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", True)
     monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", warps)
     hq, hkv, d, ps = 8, 2, 64, 4
     kw, qo_lens, kv_lens = {}, [1, 3, 9], [45, 7, 70]
     if case == "mixed-causal-rope-cap":
@@ -326,22 +328,30 @@ def test_kv_split_items_share_each_tile_between_warps(rng, monkeypatch, kv_tile,
     cache = rng.standard_normal((pt.num_pages, 2, ps, hkv, d)).astype(np.float16)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
     q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16)
-    mask = None
     if case == "sigmoid-mask-guard":
         # no softmax (the warps' outputs are summed), a custom mask, and a NaN V that only
-        # some rows keep: the guarded twin runs the flagged pairs' items split too
+        # request 0's row keeps (its mask bit set here): the guarded twin runs the flagged
+        # pairs' items split too
         mask = rng.random(int(np.dot(qo_lens, kv_lens))) < 0.7
+        mask[20] = True  # request 0 (one row, the mask's first 45 bits), key 20
         kw = dict(custom_mask=mask, variant=V.sigmoid_attention(0.5, -0.2))
         page, slot = divmod(20, ps)  # request 0's key 20, kv head 1
         cache[pt.indices[pt.indptr[0] + page], 1, slot, 1, 5] = np.nan
+    if case == "decode-chunks-poison":
+        cache[pt.indices[pt.indptr[2]], 0, 1, 0, 2] = np.inf  # request 2's key 1, kv head 0
     w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD")
-    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
-           q_data_type="float16", **kw)
-    assert w.step_plan.spec.kv_split and w.step_plan.spec.kv_tile == kv_tile
+
+    def plan_and_run():
+        w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+               q_data_type="float16", **kw)
+        return w.run(q, cache, return_lse=True)
+
+    out, lse = plan_and_run()
+    spec = w.step_plan.spec
+    assert spec.kv_split and spec.kv_tile == kv_tile and spec.num_warps == warps
     if case == "decode-chunks-poison":
         assert w.schedule.num_merge_rows > 0
-        cache[pt.indices[pt.indptr[2]], 0, 1, 0, 2] = np.inf  # request 2's key 1, kv head 0
-    out, lse = w.run(q, cache, return_lse=True)
+        assert np.isneginf(lse[1]).all() and not out[1].any()
     kw.pop("fixed_split_size", None)
     ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True, **kw)
@@ -354,3 +364,10 @@ def test_kv_split_items_share_each_tile_between_warps(rng, monkeypatch, kv_tile,
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-3)
     np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    if case != "sigmoid-mask-guard":
+        # The split path ran: its LSEs (float32) are summed in another order than the row
+        # tile's, so some differ in their last bits.
+        monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", False)
+        _, lse_rows = plan_and_run()
+        assert not w.step_plan.spec.kv_split
+        assert not np.array_equal(lse[finite], lse_rows[finite])

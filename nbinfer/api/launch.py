@@ -168,8 +168,8 @@ class AttentionLaunch:
         Default: the decode kernel of ``spec``.
     before, after : sequences of ``(compiled kernel, grid or None)``, optional
         Kernels of the same signature launched, in order, before and after it on the same
-        arguments (and on its grid where ``None``): the tensor-core prefill's value scan and
-        guarded twin.
+        arguments (and on its grid where ``None``): the tensor-core prefill's value scan (its own
+        grid), guarded twin (this grid) and deferred merge of split rows (its own grid).
     """
 
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,

@@ -13,6 +13,7 @@ A custom mask is AND-ed with the flags' masks, as in the reference engine (Flash
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -94,18 +95,20 @@ MMA_ITEM_OVERHEAD = None
 # 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
 MMA_WARPS = None
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
-# ``kv_split``). None: the wrapper's rule (``kv_split`` of :func:`mma_tiles`).
+# ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
+# and for tensor-core decode at 64 x 4096, faster only for long items with few requests
+# (bench/NOTES.md, "Issue 13, session 11").
 MMA_KV_SPLIT = None
 
 
-def mma_tiles(head_dim: int, *, all_split: bool = False, kv_split: bool = False) -> dict:
+def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     """The tensor-core kernel's options for ``head_dim`` (tiles, stages, register cap, where
     split rows merge; see :data:`MMA_KV_TILE`): keyword arguments of :class:`MmaPrefillSpec`.
     ``all_split``: every output row is merged from several items (the one-launch cascade),
     which takes :data:`CASCADE_TILES`: its tile shape as a whole unless any of ``MMA_KV_TILE``,
     ``MMA_Q_SHARED``, ``MMA_MAX_REGISTERS`` is set (a measured shape, not a mix of two), its
-    deferred merge unless ``MMA_DEFER_MERGE`` is. ``kv_split``: the wrapper's default for
-    items of few rows (:data:`MMA_KV_SPLIT` overrides it)."""
+    deferred merge unless ``MMA_DEFER_MERGE`` is; ``kv_split`` only when :data:`MMA_KV_SPLIT`
+    sets it."""
     shape = dict(kv_tile=MMA_KV_TILE, q_shared=MMA_Q_SHARED, max_registers=MMA_MAX_REGISTERS)
     rule = dict(kv_tile=64, q_shared=False, max_registers=0)
     if all_split and all(v is None for v in shape.values()):
@@ -115,8 +118,7 @@ def mma_tiles(head_dim: int, *, all_split: bool = False, kv_split: bool = False)
         else bool(MMA_DEFER_MERGE)
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
                 max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,
-                defer_merge=defer,
-                kv_split=bool(kv_split if MMA_KV_SPLIT is None else MMA_KV_SPLIT))
+                defer_merge=defer, kv_split=bool(MMA_KV_SPLIT))
 
 
 def mma_item_overhead(spec) -> int:
@@ -183,9 +185,6 @@ class PrefillWrapperBase(WrapperBase):
 
     # Whether every output row of this wrapper's plans is split (the one-launch cascade).
     _all_split = False
-    # Whether items of at most 16 packed rows split each KV tile's keys over the tensor-core
-    # kernel's warps (:data:`MMA_KV_SPLIT` overrides it).
-    _kv_split = False
 
     def _kernel(self, step, group):
         """The kernel for the planned problem: ``(spec, compiled, threads, companions, grid
@@ -199,8 +198,7 @@ class PrefillWrapperBase(WrapperBase):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             warps = MMA_WARPS or (2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps,
-                                  **mma_tiles(step.head_dim, all_split=self._all_split,
-                                              kv_split=self._kv_split))
+                                  **mma_tiles(step.head_dim, all_split=self._all_split))
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM
@@ -228,7 +226,7 @@ class PrefillWrapperBase(WrapperBase):
             # The merge launch (last) takes one (list, kv head) pair per CTA: as many CTAs as
             # fit, so that a cascade's 512 pairs run in one round instead of two on the main
             # kernel's 396 CTAs.
-            grids[-1] = kernel_ctas(self._backend, after[-1], threads, MERGE_CTAS_PER_SM)
+            grids[-1] = _merge_grid(self._backend, after[-1], threads)
         launch = AttentionLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
                                  step.sm_scale, self._memory,
                                  kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
@@ -466,6 +464,13 @@ def single_prefill_with_kv_cache(q, k, v, scale_q: float | None = None,
                 raise
             size *= 4
     return w.run(q, k, v, **scales, return_lse=return_lse)
+
+
+@functools.cache
+def _merge_grid(backend, kernel, threads) -> int:
+    """The merge launch's grid (one occupancy query per compiled merge kernel, not per plan;
+    the grid only spreads the merge's pairs, any size is correct)."""
+    return kernel_ctas(backend, kernel, threads, MERGE_CTAS_PER_SM)
 
 
 def _compiled(spec):

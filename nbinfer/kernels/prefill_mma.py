@@ -2,7 +2,9 @@
 
 Same work items, arguments, masks, variants and fused merge as the CUDA-core tile kernel
 (:mod:`.prefill`); what changes is the inner loop. A CTA of ``W`` warps takes ``16 W`` packed
-rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole item:
+rows (query rows x GQA group); warp ``w`` owns rows ``16 w ...`` for the whole item (a
+``kv_split`` spec's items of at most 16 packed rows instead give every warp those rows and a
+share of each tile's keys):
 
 1. Q (transformed by the variant's query hook, rounded to fp16/bf16) is staged through shared
    memory once per item; with 32-key tiles it is then held in registers as ``mma`` A fragments
@@ -98,9 +100,9 @@ class MmaPrefillSpec(PrefillSpec):
     # flagged (request, kv head) pairs, with V cleaned in shared memory per tile.
     value_guard: bool = False
     # Items of at most 16 packed rows (nrows x G <= 16: a decode step's GQA group, a cascade's
-    # own level) run with the warps splitting each KV tile's keys, 16 each, instead of its
-    # rows; their states are merged through shared memory at the item's end. Chosen per item
-    # at run time: the other items of the same launch keep the row tile.
+    # own level) run with the warps splitting each KV tile's keys (kv_tile / split_warps
+    # each) instead of its rows; their states are merged through shared memory at the item's
+    # end. Chosen per item at run time: the other items of the same launch keep the row tile.
     kv_split: bool = False
 
     def __post_init__(self):

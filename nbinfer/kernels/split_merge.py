@@ -8,12 +8,13 @@ finished last, while the other CTAs of that tile idle: the merges become a tail 
 (bench/NOTES.md, "Issue 13, session 9": the H200's SMs were active 53 % of that kernel's time).
 
 With ``MmaPrefillSpec(defer_merge=True)`` the prefill kernel only writes the partial states,
-and this kernel, launched after it on the same arguments and grid, spreads the reduction map's
-``(list, kv head)`` pairs over every CTA: pair ``u`` merges list ``u // Hkv`` for the G query
-heads of kv head ``u % Hkv`` with :func:`~.fused_merge.build_merge_list`'s ``merge_list`` (the
-map's order, so the result is bitwise reproducible, whichever CTA takes a pair). The number of
-lists is read from the packed plan's header, so a CUDA graph that replays the two launches
-follows every re-planned step.
+and this kernel, launched after it on the same arguments (on a grid of its own, as many CTAs as
+fit), spreads the reduction map's ``(list, kv head)`` pairs over every CTA: pair ``u`` merges
+list ``u // Hkv`` for the G query heads of kv head ``u % Hkv`` with
+:func:`~.fused_merge.build_merge_list`'s ``merge_list`` (the map's order, so the result is
+bitwise reproducible, whichever CTA takes a pair). The number of lists is read from the
+packed plan's header, so a CUDA graph that replays the two launches follows every re-planned
+step.
 """
 
 from __future__ import annotations
