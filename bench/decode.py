@@ -232,7 +232,7 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16, kv_split=False):
     (a prefill of one row per request on the tensor-core kernel): GPU time of one run() each,
     fp16, and their largest difference. ``kv_split``: also the tensor-core kernel with its
     ``kv_split`` items forced on (key ``tensor_cores_kv_split``)."""
-    from nbinfer.api import prefill as prefill_api
+    from prefill import api_overrides  # (prefill.py imports this module at its top)
 
     hq = group * hkv
     pt, cache, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
@@ -246,12 +246,9 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16, kv_split=False):
         w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                            device="cuda"), "NHD",
                                                use_tensor_cores=tc)
-        saved, prefill_api.MMA_KV_SPLIT = prefill_api.MMA_KV_SPLIT, split
-        try:
+        with api_overrides(MMA_KV_SPLIT=split):
             w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
                    q_data_type=torch.float16)
-        finally:
-            prefill_api.MMA_KV_SPLIT = saved
         out = torch.empty_like(q)
         lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
         t = median_ms(lambda w=w, out=out, lse=lse: w.run(q, cache, out=out, lse=lse))
