@@ -24,6 +24,7 @@ os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 import nbinfer
 from nbinfer import reference
+from nbinfer.api import decode as decode_api
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
 from nbinfer.formats import PageTable
 
@@ -108,19 +109,20 @@ def kernel_resources(kernel):
                 shared_bytes=int(kernel.shared_bytes))
 
 
-def bench_case(batch, kv_len, sdpa=True, group=4):
+def bench_case(batch, kv_len, sdpa=True, group=4, layout="NHD"):
     hkv, d, ps = 8, 128, 16
     hq = group * hkv
-    pt, cache, q = paged_case(batch, kv_len, hq=hq)
+    pt, cache, q = paged_case(batch, kv_len, hq=hq, layout=layout)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    w = BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, layout)
     w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=torch.float16)
     out = torch.empty_like(q)
     lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
     kv_bytes = kv_bytes_of(batch, kv_len, hkv, d)
     t = median_ms(lambda: w.run(q, cache, out=out, lse=lse))
     tg = gpu_ms(lambda: w.run(q, cache, out=out, lse=lse))
-    res = dict(batch=batch, kv_len=kv_len, group=group, kv_bytes=kv_bytes, nbinfer_ms=t,
+    res = dict(batch=batch, kv_len=kv_len, group=group, layout=layout,
+               stages=int(w.step_plan.spec.stages), kv_bytes=kv_bytes, nbinfer_ms=t,
                nbinfer_tbps=kv_bytes / t / 1e9, nbinfer_gpu_ms=tg,
                nbinfer_gpu_tbps=kv_bytes / tg / 1e9, floor_ms=kv_bytes / COPY_CEILING * 1e3,
                work_items=int(w.schedule.num_work), chunk=int(w.schedule.kv_chunk),
@@ -322,6 +324,12 @@ def main():
                     help="the three cases only, no spot checks (lesson 04's live sweep)")
     ap.add_argument("--group", type=int, default=4,
                     help="GQA group of the sweep (Hkv 8, Hq 8 x group)")
+    ap.add_argument("--stages", default="",
+                    help="--sweep: the decode kernel's KV ring depths to run, comma-separated "
+                         "(default: the API's)")
+    ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
+                    help="the sweep's paged KV layout (NHD: a page's token rows hold every KV "
+                         "head; HND: one KV head's page is one contiguous block)")
     ap.add_argument("--tensor-cores", action="store_true",
                     help="only use_tensor_cores=True against the CUDA-core decode, groups 4 and 8")
     ap.add_argument("--kv-split", action="store_true",
@@ -331,6 +339,8 @@ def main():
     args = ap.parse_args()
     if args.kv_split and not args.tensor_cores:
         ap.error("--kv-split goes with --tensor-cores")
+    if args.stages and not args.sweep:
+        ap.error("--stages goes with --sweep")
     if args.fp8:
         rows = [fp8_case(b, l, fmt) for fmt in ("float8_e4m3fn", "float8_e5m2")
                 for b, l in CASES]
@@ -357,14 +367,19 @@ def main():
                   f"max |diff| {r['max_abs_diff']:.1e}{split}")
         return
     if args.sweep:
-        payload = dict(copy_ceiling=COPY_CEILING,
-                       decode=[bench_case(b, l, group=args.group) for b, l in CASES])
+        rows = []
+        for stages in [int(x) for x in args.stages.split(",") if x] or [None]:
+            decode_api.DECODE_STAGES = stages
+            rows += [bench_case(b, l, group=args.group, layout=args.layout) for b, l in CASES]
+        payload = dict(copy_ceiling=COPY_CEILING, decode=rows)
         save_json(args.out, **payload)
         for r in payload["decode"]:
             cud = r["kv_bytes"] / r.get("sdpa_cudnn_gpu_ms", float("nan")) / 1e9
-            print(f"G{r['group']} B{r['batch']} L{r['kv_len']}: GPU time back to back: nbinfer "
-                  f"{r['nbinfer_gpu_tbps']:.2f} TB/s ({r['regs']} regs, {r['num_ctas']} CTAs), "
-                  f"cuDNN {cud:.2f} TB/s")
+            print(f"G{r['group']} B{r['batch']} L{r['kv_len']} {r['layout']} S{r['stages']}: "
+                  f"GPU time back to "
+                  f"back: nbinfer {r['nbinfer_gpu_ms']:.3f} ms {r['nbinfer_gpu_tbps']:.2f} TB/s "
+                  f"({r['regs']} regs, {r['num_ctas']} CTAs), cuDNN "
+                  f"{r.get('sdpa_cudnn_gpu_ms', float('nan')):.3f} ms {cud:.2f} TB/s")
         return
     from nbinfer import variants as V
 

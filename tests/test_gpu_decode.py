@@ -95,6 +95,30 @@ def test_grid_follows_occupancy(rng, hq):
     assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE["float16"]
 
 
+@pytest.mark.parametrize("stages, d, dtype, layout, per_sm", [
+    (3, 128, "float16", "NHD", 4), (3, 64, "bfloat16", "HND", 4), (4, 128, "float16", "NHD", 3)])
+def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype, layout, per_sm):
+    """A KV ring of three or four groups per warp (allocated at launch: 48 / 64 KiB per CTA)
+    matches the reference; the grid follows the occupancy it leaves (four CTAs per SM at three
+    stages, three at four)."""
+    from nbinfer.api import decode as decode_api
+
+    monkeypatch.setattr(decode_api, "DECODE_STAGES", stages)
+    pt, cache, q = _case(rng, 9, 5000, 8, 32, d, 16, dtype, layout)
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), layout)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, 32, 8, d, 16, q_data_type=q.dtype)
+    kernel = w.step_plan.launch.launch.kernel
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert w.step_plan.spec.stages == stages and kernel.dynamic_shared == stages * 16 * 1024
+    assert w.schedule.num_ctas == sms * per_sm
+    out, lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, pt, layout)
+    assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE[dtype]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=0, atol=5e-3)
+
+
 # use_tensor_cores=True: page sizes 1 and 16, D 64/128 (tensor cores) and 256 (the CUDA-core
 # prefill kernel), groups 1-8, both layouts, fp16 and bf16, every built-in variant
 TENSOR_CORE_MATRIX = [

@@ -91,6 +91,28 @@ def test_persistent_grid_runs_many_items_per_cta_and_merges_in_kernel(rng, varia
     assert not launch.ints[words["counters"]:words["kv_indptr"]].any()
 
 
+@pytest.mark.parametrize("stages, d, dtype", [(3, 128, np.float16), (4, 64, np.float32)])
+def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype):
+    # stages - 1 groups per warp in flight: a request shorter than the ring (its commits are
+    # empty) and one of several rounds, split so the fused merge runs too. A group is 4 KiB of
+    # K and V whatever D and dtype, so four warps' ring is 16 KiB per stage: past two stages it
+    # passes the static limit and is allocated at launch.
+    from nbinfer.api import decode as decode_api
+    from nbinfer.kernels.decode import build_decode_kernel, dynamic_ring_bytes
+
+    monkeypatch.setattr(decode_api, "DECODE_STAGES", stages)
+    pt, cache, q = _case(rng, [5, 200], 4, 2, d, 16, dtype, "NHD")
+    w, (out, lse) = _run(pt, cache, q, 2, 16, "NHD", fixed_split_size=64)
+    spec = w.step_plan.spec
+    assert spec.stages == stages and w.schedule.num_merge_rows >= 1
+    assert build_decode_kernel(spec).dynamic_shared == dynamic_ring_bytes(spec)
+    assert dynamic_ring_bytes(spec) == stages * 16 * 1024
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, return_lse=True)
+    assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+
+
 def test_fixed_split_size_is_batch_invariant(rng):
     # The same request decoded alone and inside a batch gives the same bits.
     pt, cache, q = _case(rng, [600, 50, 900], 2, 1, 64, 16, np.float32, "NHD")

@@ -61,12 +61,17 @@ from .warp import head_maxima, warp_collectives
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
+# A kernel may declare at most 48 KiB of static shared memory; past that (the KV ring at three
+# or four stages: 48 / 64 KiB for four warps) the ring is allocated at launch instead, and the
+# function opts in to the size. The other buffers (logits, merge, scratch: ~3.5 KiB) stay static.
+STATIC_SHARED_LIMIT = 48 * 1024
 
 
 @dataclass(frozen=True)
 class DecodeSpec(AttentionSpec):
     """Everything that is compiled into one decode kernel (hashable: the kernel cache key)."""
 
+    # KV groups per warp's ring: stages - 1 groups (4 KiB each) in flight while one is computed.
     stages: int = 2
     # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
@@ -100,6 +105,19 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def ring_bytes(spec: DecodeSpec) -> int:
+    """Bytes of the four warps' KV rings (``stages`` groups of K and V each)."""
+    return NUM_WARPS * spec.stages * 2 * spec.tokens_per_group * spec.head_dim * \
+        ITEMSIZE[spec.kv_dtype]
+
+
+def dynamic_ring_bytes(spec: DecodeSpec) -> int:
+    """Bytes of dynamic shared memory the kernel is launched with: the KV ring when it passes
+    the static limit (less a margin for the static buffers), else 0."""
+    n = ring_bytes(spec)
+    return n if n > STATIC_SHARED_LIMIT - 8 * 1024 else 0
+
+
 def decode_signature(spec: DecodeSpec):
     """The explicit Numba signature the kernel is compiled with (eagerly)."""
     return attention_signature(spec.kv_dtype, spec.q_dtype, len(DECODE_PLAN_SECTIONS))
@@ -130,8 +148,15 @@ def build_decode_kernel(spec: DecodeSpec):
     map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
     opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
-    return compile_kernel("decode", spec, decode_signature(spec),
-                          lambda: decode_kernel_source(spec), **opts)
+    kernel = compile_kernel("decode", spec, decode_signature(spec),
+                            lambda: decode_kernel_source(spec), **opts)
+    nbytes = dynamic_ring_bytes(spec)
+    if nbytes:
+        if spec.sim:
+            kernel.dynamic_shared = nbytes  # the simulator's launch sizes cuda.shared.array(0)
+        else:
+            kernel.use_dynamic_shared(nbytes)
+    return kernel
 
 
 def decode_kernel_source(spec: DecodeSpec):
@@ -165,6 +190,7 @@ def decode_kernel_source(spec: DecodeSpec):
     STAGE_BYTES = 2 * K_BYTES
     WARP_ELEMS = S * 2 * TG * D
     KV_SMEM = NW * WARP_ELEMS
+    KV_DECL = 0 if dynamic_ring_bytes(spec) else KV_SMEM  # 0: allocated at launch
     PB = GP * TG  # one probability buffer of one warp (float32)
     P_SMEM = NW * 2 * PB
     MERGE_SMEM = NW * (D + 2)
@@ -245,7 +271,7 @@ def decode_kernel_source(spec: DecodeSpec):
                       counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n, q_stride_h,
                       sm_scale, v_scale, work_off, cta_indptr_off, cta_work_off, merge_rows_off,
                       merge_indptr_off, merge_indices_off, item_merge_off):
-        kvs = cuda.shared.array(KV_SMEM, KV_T, alignment=SMEM_ALIGN)  # cp.async, ld.v4: 16 B
+        kvs = cuda.shared.array(KV_DECL, KV_T, alignment=SMEM_ALIGN)  # cp.async, ld.v4: 16 B
         pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
         scratch = cuda.shared.array(SCRATCH, float32)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One device call for decode work (issue 13 req 3: decode at or above cuDNN SDPA). Benchmarks
+# first, one at a time, then the gpu tests (in parallel processes, cut off at TEST_S seconds):
+#   1. bench/read_gather.py $GATHER_ARGS: the read-only ceiling of the decode step's bytes, per
+#      KV layout, load instruction, CTA size and ring depth (NO_GATHER=1 skips);
+#   2. bench/decode.py: spot checks against the float64 reference, the three cases against
+#      cuDNN and flash SDPA, run() host cost (NO_FULL=1 skips);
+#   3. bench/decode.py --sweep --stages $STAGES: the three cases per KV ring depth, cuDNN in the
+#      same run (when STAGES is set); LAYOUT=HND for an HND cache;
+#   4. tests/test_gpu_decode.py, two processes: the decode matrix, then the rest of the file
+#      (NO_TESTS=1 skips).
+# Logs and JSON in $OUT/r and $OUT/results.tgz; CACHE_BACK=1 returns the kernel cache as
+# $OUT/cache.tgz. Exit status non-zero when anything failed.
+#   STAGES=2,3,4 CACHE_BACK=1 bash bench/session_decode.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/nbinfer-out}
+mkdir -p "$OUT/r"
+export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
+export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+t0=$SECONDS
+status=0
+if [ -z "${NO_GATHER:-}" ]; then
+  # shellcheck disable=SC2086  # GATHER_ARGS is a list of options
+  python3 bench/read_gather.py ${GATHER_ARGS:-} --out "$OUT/r/read_gather.json" \
+    >"$OUT/r/gather.log" 2>&1 || status=1
+  echo "read_gather: $((SECONDS - t0)) s"
+fi
+if [ -z "${NO_FULL:-}" ]; then
+  python3 bench/decode.py --out "$OUT/r/decode.json" >"$OUT/r/decode.log" 2>&1 || status=1
+  echo "decode: $((SECONDS - t0)) s"
+fi
+if [ -n "${STAGES:-}" ]; then
+  python3 bench/decode.py --sweep --stages "$STAGES" --layout "${LAYOUT:-NHD}" \
+    --out "$OUT/r/decode_stages.json" >"$OUT/r/decode_stages.log" 2>&1 || status=1
+  echo "decode --stages $STAGES: $((SECONDS - t0)) s"
+fi
+if [ -z "${NO_TESTS:-}" ]; then
+  t() { timeout "${TEST_S:-330}" python3 -m pytest -v -m gpu -p no:cacheprovider "$@"; }
+  t tests/test_gpu_decode.py -k "decode_matrix" >"$OUT/r/gpu_d1.log" 2>&1 &
+  a=$!
+  t tests/test_gpu_decode.py -k "not decode_matrix" >"$OUT/r/gpu_d2.log" 2>&1 &
+  b=$!
+  for p in $a $b; do wait "$p" || status=1; done  # a failure or a cut-off (124)
+  for f in gpu_d1 gpu_d2; do
+    echo "$f: $(grep -c PASSED "$OUT/r/$f.log") passed, $(grep -c FAILED "$OUT/r/$f.log")" \
+      "failed; $(tail -1 "$OUT/r/$f.log" | cut -c1-90)"
+  done
+  grep -h "FAILED" "$OUT"/r/gpu_d*.log | head -10
+fi
+[ -f "$OUT/r/gather.log" ] && sed -n '/^best/,$p' "$OUT/r/gather.log"
+[ -f "$OUT/r/decode_stages.log" ] && grep -v -i warn "$OUT/r/decode_stages.log" | tail -9
+[ -f "$OUT/r/decode.log" ] && grep -v -i warn "$OUT/r/decode.log" | tail -7
+echo "all: $((SECONDS - t0)) s, status $status"
+(cd "$OUT" && tar czf results.tgz r)
+if [ -n "${CACHE_BACK:-}" ]; then
+  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
+fi
+exit $status
