@@ -255,6 +255,13 @@ class _Driver:
         rejects it (CUDA_ERROR_INVALID_HANDLE), ``cuKernelSetAttribute`` takes it."""
         check(self._set_attribute(8, int(nbytes), kernel, int(device)), "cuKernelSetAttribute")
 
+    def prefer_shared(self, kernel: int, percent: int, device: int) -> None:
+        """Ask that ``kernel`` run with ``percent`` of each SM's unified L1 / shared memory as
+        shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; -1: the driver's
+        own choice). The occupancy calculator counts the largest carveout, so a kernel whose
+        resident CTAs need most of it must ask for it, or the driver may run fewer."""
+        check(self._set_attribute(9, int(percent), kernel, int(device)), "cuKernelSetAttribute")
+
     def event(self) -> int:
         """A new event without timing (CU_EVENT_DISABLE_TIMING): cheap to record and wait."""
         handle = self.ctypes.c_void_p()
