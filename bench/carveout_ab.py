@@ -47,7 +47,6 @@ def ab(kernels, fn, timer):
     for pct in (*CARVEOUTS, CARVEOUTS[0]):
         set_carveout(kernels, pct)
         out[f"{pct}" if f"{pct}" not in out else f"{pct}_again"] = timer(fn)
-    set_carveout(kernels, CARVEOUTS[0])
     return out
 
 

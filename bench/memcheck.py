@@ -230,6 +230,18 @@ def batch_decode(ctx, rng, kv_lens, layout):
     return state(out, lse, ref, dt)
 
 
+def deeper_ring_decode(ctx, rng, stages=3):
+    """:func:`batch_decode` over the split lengths with a ``stages``-deep KV ring per warp (48
+    KiB at three stages, allocated at launch)."""
+    from nbinfer.api import decode as decode_api
+
+    saved, decode_api.DECODE_STAGES = decode_api.DECODE_STAGES, stages
+    try:
+        return batch_decode(ctx, rng, SPLIT_LENS, "NHD")
+    finally:
+        decode_api.DECODE_STAGES = saved
+
+
 PLAIN_LENS = [1, 16, 17, 0, 100, 255, 33, 64]  # 0: an empty request (O = 0, LSE = -inf)
 SPLIT_LENS = [20000, 7, 300, 1, 513]
 
@@ -476,6 +488,7 @@ CASES = [
     ("decode_split_nhd", "decode fp16 D128 G4 page 16 NHD",
      lambda c, r: batch_decode(c, r, SPLIT_LENS, "NHD")),
     ("decode_graph_nhd", "decode fp16 D128 G4 page 16 NHD", graph_decode),
+    ("decode_deeper_ring", "decode fp16 D128 G4 page 16 NHD, 3 stages", deeper_ring_decode),
     ("decode_plain_hnd", "decode fp16 D128 G4 page 16 HND",
      lambda c, r: batch_decode(c, r, PLAIN_LENS, "HND")),
     ("decode_split_hnd", "decode fp16 D128 G4 page 16 HND",
