@@ -243,22 +243,46 @@ def decode_kernel_source(spec: DecodeSpec):
 
     U32 = types.uint32
 
+    # Rows between a lane's consecutive chunks when a row's chunks divide the warp (CR | 32:
+    # every 16-bit D <= 256, FP8, fp32 D <= 128); 0 otherwise (fp32 D 256).
+    ROW_STEP = 32 // CR if 32 % CR == 0 else 0
+    IN_PAGE = max(PS - TG, 0)  # a group starting at page slot <= this ends in the same page
+    # Groups can take the one-page path below: not when a page holds fewer tokens than a group.
+    FAST_GROUPS = ROW_STEP > 0 and (not SPARSE or PS >= TG)
+
     @jit_dev
     def issue_group(kvs, sbase, k, v, kv_indices, ib, gstart, last, lane, row_stride, head_off,
-                    page_stride):
+                    page_stride, row_step):
         # Chunk ci = lane + 32 j of the group's K is row ci // CR, column (ci % CR) * CE; rows
         # are contiguous in shared memory, so its destination is simply sbase + 16 ci.
-        for j in range(CPL):
-            ci = lane + 32 * j
-            # Tokens past the range re-read the last valid token; their logits are masked.
-            pos = min(gstart + U32(ci // CR), last)
-            off = token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride)
-            # head_off holds column (lane % CR) * CE; rows wider than 32 chunks (fp32, D=256)
-            # continue at column (lane + 32 j) % CR = lane % CR + (32 j) % CR.
-            off += ((32 * j) % CR) * CE
-            dst = sbase + 16 * ci
-            cp16(kvs, dst, k, off)
-            cp16(kvs, dst + K_BYTES, v, off)
+        whole = FAST_GROUPS and gstart + U32(TG - 1) <= last
+        if SPARSE and whole:
+            whole = gstart % U32(PS) <= U32(IN_PAGE)
+        if whole:
+            # The group's TG tokens are all valid and in one page (decode groups start at
+            # multiples of TG, so with TG | page size always but at the step's end): one
+            # page-table read and one 64-bit offset per group, then each chunk is ROW_STEP rows
+            # past the last (row_step elements). Per chunk the general path below costs a
+            # page-table read and ~25 instructions of 64-bit offset math (4 chunks per lane).
+            off = token_offset(kv_indices, ib, gstart + U32(lane // CR), row_stride, head_off,
+                               page_stride)
+            for j in range(CPL):
+                dst = sbase + 16 * (lane + 32 * j)
+                cp16(kvs, dst, k, off)
+                cp16(kvs, dst + K_BYTES, v, off)
+                off += row_step
+        else:
+            for j in range(CPL):
+                ci = lane + 32 * j
+                # Tokens past the range re-read the last valid token; their logits are masked.
+                pos = min(gstart + U32(ci // CR), last)
+                off = token_offset(kv_indices, ib, pos, row_stride, head_off, page_stride)
+                # head_off holds column (lane % CR) * CE; rows wider than 32 chunks (fp32,
+                # D=256) continue at column (lane + 32 j) % CR = lane % CR + (32 j) % CR.
+                off += ((32 * j) % CR) * CE
+                dst = sbase + 16 * ci
+                cp16(kvs, dst, k, off)
+                cp16(kvs, dst + K_BYTES, v, off)
 
     SMEM_ALIGN = prims.SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
@@ -335,6 +359,7 @@ def decode_kernel_source(spec: DecodeSpec):
             last = U32(end - 1)
             ib, row_stride, head_off = request_base(kv_indptr, b, hk, kv_stride_n, kv_stride_h)
             head_off += (lane % CR) * CE  # this lane's column of its first chunk
+            row_step = int64(ROW_STEP) * row_stride
             kv_base = shared_addr(kvs, warp * WARP_ELEMS)
             pa = shared_addr(pbuf, warp * 2 * PB)  # logits of the group
             pb = pa + U32(4 * PB)  # probabilities of the group
@@ -342,7 +367,8 @@ def decode_kernel_source(spec: DecodeSpec):
             for g in range(S - 1):
                 if g < rounds:
                     issue_group(kvs, kv_base + U32(g * STAGE_BYTES), k, v, kv_indices, ib,
-                                g0 + U32(g * NW * TG), last, lane, row_stride, head_off, page_stride)
+                                g0 + U32(g * NW * TG), last, lane, row_stride, head_off,
+                                page_stride, row_step)
                 commit()  # possibly empty: keeps "wait until S-2 groups are pending" uniform
             gstart = g0
             sb = kv_base
@@ -355,7 +381,7 @@ def decode_kernel_source(spec: DecodeSpec):
                     if nb >= kv_base + U32(S * STAGE_BYTES):
                         nb -= U32(S * STAGE_BYTES)
                     issue_group(kvs, nb, k, v, kv_indices, ib, gstart + U32((S - 1) * NW * TG),
-                                last, lane, row_stride, head_off, page_stride)
+                                last, lane, row_stride, head_off, page_stride, row_step)
                 commit()
 
                 # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
