@@ -1,6 +1,6 @@
 """Causal prefill and shared-prefix (cascade) decode on the H200.
 
-    python bench/prefill.py --out bench/results/prefill_h200_v5.json
+    python bench/prefill.py --out bench/results/prefill_h200_v6.json
     python bench/prefill.py --grid [--kv-tiles 32,64] --out bench/results/issue13/prefill_grid_h200.json
 
 a) Shared-prefix decode: 64 requests sharing an 8192-token prefix, 256 unique tokens each (fp16,
