@@ -479,7 +479,7 @@ for i, label in enumerate(dict.fromkeys(p["label"] for p in points)):
 # cascade does the *same arithmetic* as plain decode on the shared-prefix batch but reads the
 # prefix a few times instead of 64, so the point moves right
 # by the byte ratio: past the CUDA-core ridge, which is why it runs on the tensor-core kernel.
-# At its intensity the roof is several times higher than what it reaches: a 0.12 ms step is too
+# At its intensity the roof is several times higher than what it reaches: a 0.09 ms step is too
 # short to fill the machine, the headroom a faster prefix level would use. (Plain decode of that
 # batch appears *above* its roof because the prefix it re-reads 64 times stays in L2: the roof
 # is for HBM.) Causal prefill is far right of every ridge: compute-bound, judged against the
