@@ -147,16 +147,12 @@ def build_decode_kernel(spec: DecodeSpec):
     completes the last chunk of a (merge list, kv head) contracts the list's partials in the
     map's order and writes the output: one launch, no atomics on data, bitwise reproducible.
     """
+    from .launch import use_dynamic_shared  # host code: not part of the kernel's source key
+
     opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
     kernel = compile_kernel("decode", spec, decode_signature(spec),
                             lambda: decode_kernel_source(spec), **opts)
-    nbytes = dynamic_ring_bytes(spec)
-    if nbytes:
-        if spec.sim:
-            kernel.dynamic_shared = nbytes  # the simulator's launch sizes cuda.shared.array(0)
-        else:
-            kernel.use_dynamic_shared(nbytes)
-    return kernel
+    return use_dynamic_shared(kernel, dynamic_ring_bytes(spec), spec.sim)
 
 
 def decode_kernel_source(spec: DecodeSpec):

@@ -179,6 +179,19 @@ def dynamic_shared(kernel) -> int:
     return int(getattr(kernel, "dynamic_shared", 0))
 
 
+def use_dynamic_shared(kernel, nbytes: int, sim: bool):
+    """Have every launch of ``kernel`` (which declares ``cuda.shared.array(0, ...)``) allocate
+    ``nbytes`` of shared memory; nothing when ``nbytes`` is 0. On the GPU the function is also
+    opted in to that size (:meth:`~.compiled.CompiledKernel.use_dynamic_shared`); the
+    simulator's launch reads the attribute to size the array. Returns ``kernel``."""
+    if nbytes:
+        if sim:
+            kernel.dynamic_shared = int(nbytes)
+        else:
+            kernel.use_dynamic_shared(nbytes)
+    return kernel
+
+
 def _dim3(dims) -> tuple[int, int, int]:
     """A grid or block size as three ints (missing dimensions are 1)."""
     dims = tuple(int(x) for x in (dims if isinstance(dims, (tuple, list)) else (dims,)))
@@ -279,4 +292,4 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-__all__ = ["PreparedLaunch", "ARRAY_FIELDS", "dynamic_shared"]
+__all__ = ["PreparedLaunch", "ARRAY_FIELDS", "dynamic_shared", "use_dynamic_shared"]

@@ -158,16 +158,12 @@ def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
 def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     """Compile (once per spec) the tensor-core prefill kernel; arguments as
     :func:`nbinfer.kernels.prefill.build_prefill_kernel`, launched with ``spec.num_threads``."""
+    from .launch import use_dynamic_shared  # host code: not part of the kernel's source key
+
     opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
     kernel = compile_kernel("prefill_mma", spec, prefill_signature(spec),
                             lambda: prefill_mma_kernel_source(spec), __name__, **opts)
-    nbytes = shared_layout(spec)["dynamic"]
-    if nbytes:
-        if spec.sim:
-            kernel.dynamic_shared = nbytes  # the simulator's launch sizes cuda.shared.array(0)
-        else:
-            kernel.use_dynamic_shared(nbytes)
-    return kernel
+    return use_dynamic_shared(kernel, shared_layout(spec)["dynamic"], spec.sim)
 
 
 def shared_layout(spec: MmaPrefillSpec) -> dict:
