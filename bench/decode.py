@@ -122,7 +122,8 @@ def bench_case(batch, kv_len, sdpa=True, group=4, layout="NHD"):
     t = median_ms(lambda: w.run(q, cache, out=out, lse=lse))
     tg = gpu_ms(lambda: w.run(q, cache, out=out, lse=lse))
     res = dict(batch=batch, kv_len=kv_len, group=group, layout=layout,
-               stages=int(w.step_plan.spec.stages), kv_bytes=kv_bytes, nbinfer_ms=t,
+               stages=int(w.step_plan.spec.stages),
+               page_groups=bool(w.step_plan.spec.page_groups), kv_bytes=kv_bytes, nbinfer_ms=t,
                nbinfer_tbps=kv_bytes / t / 1e9, nbinfer_gpu_ms=tg,
                nbinfer_gpu_tbps=kv_bytes / tg / 1e9, floor_ms=kv_bytes / COPY_CEILING * 1e3,
                work_items=int(w.schedule.num_work), chunk=int(w.schedule.kv_chunk),
@@ -327,6 +328,9 @@ def main():
     ap.add_argument("--stages", default="",
                     help="--sweep: the decode kernel's KV ring depths to run, comma-separated "
                          "(default: the API's)")
+    ap.add_argument("--page-groups", default="",
+                    help="--sweep / --fp8: DecodeSpec.page_groups values to run, comma-separated "
+                         "0/1 (default: the API's)")
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
                     help="the sweep's paged KV layout (NHD: a page's token rows hold every KV "
                          "head; HND: one KV head's page is one contiguous block)")
@@ -341,14 +345,21 @@ def main():
         ap.error("--kv-split goes with --tensor-cores")
     if args.stages and not args.sweep:
         ap.error("--stages goes with --sweep")
+    if args.page_groups and not (args.sweep or args.fp8):
+        ap.error("--page-groups goes with --sweep or --fp8")
+    page_groups = [bool(int(x)) for x in args.page_groups.split(",") if x] or [None]
     if args.fp8:
-        rows = [fp8_case(b, l, fmt) for fmt in ("float8_e4m3fn", "float8_e5m2")
-                for b, l in CASES]
+        rows = []
+        for pg in page_groups:
+            decode_api.DECODE_PAGE_GROUPS = pg
+            rows += [dict(fp8_case(b, l, fmt), page_groups=pg)
+                     for fmt in ("float8_e4m3fn", "float8_e5m2") for b, l in CASES]
         save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
-        print("format         case          fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
+        print("format         case          pg     fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
               "fp8 TB/s  regs/local  rel err")
         for r in rows:
-            print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} {r['fp16_gpu_ms']:10.3f} "
+            print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} pg {r['page_groups']!s:5s}"
+                  f" {r['fp16_gpu_ms']:10.3f} "
                   f"{r['fp8_gpu_ms']:11.3f} {r['speedup_gpu']:8.2f} ({r['speedup_call']:.2f})"
                   f"   {r['fp8_gpu_tbps']:9.2f}  {r['fp8_regs']}/{r['fp8_local_bytes']}"
                   f"   {r['fp8_rel_err']:.1e}")
@@ -369,13 +380,16 @@ def main():
     if args.sweep:
         rows = []
         for stages in [int(x) for x in args.stages.split(",") if x] or [None]:
-            decode_api.DECODE_STAGES = stages
-            rows += [bench_case(b, l, group=args.group, layout=args.layout) for b, l in CASES]
+            for pg in page_groups:
+                decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
+                rows += [bench_case(b, l, group=args.group, layout=args.layout)
+                         for b, l in CASES]
         payload = dict(copy_ceiling=COPY_CEILING, decode=rows)
         save_json(args.out, **payload)
         for r in payload["decode"]:
             cud = r["kv_bytes"] / r.get("sdpa_cudnn_gpu_ms", float("nan")) / 1e9
-            print(f"G{r['group']} B{r['batch']} L{r['kv_len']} {r['layout']} S{r['stages']}: "
+            print(f"G{r['group']} B{r['batch']} L{r['kv_len']} {r['layout']} S{r['stages']}"
+                  f"{' page groups' if r['page_groups'] else ''}: "
                   f"GPU time back to "
                   f"back: nbinfer {r['nbinfer_gpu_ms']:.3f} ms {r['nbinfer_gpu_tbps']:.2f} TB/s "
                   f"({r['regs']} regs, {r['num_ctas']} CTAs), cuDNN "

@@ -102,6 +102,8 @@ def main():
     ap.add_argument("--layout", default="NHD")
     ap.add_argument("--variant", default="standard")
     ap.add_argument("--stages", type=int, default=2, help="cp.async stages (decode and prefill)")
+    ap.add_argument("--page-groups", action="store_true",
+                    help="decode: DecodeSpec(page_groups=True), one page-table read per group")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -127,7 +129,8 @@ def main():
                               q_shared=args.q_shared, kv_split=args.kv_split, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
-                          args.layout, variant, stages=args.stages, **extra)
+                          args.layout, variant, stages=args.stages,
+                          page_groups=args.page_groups, **extra)
     ptx = compile_spec(spec)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")

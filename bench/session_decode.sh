@@ -5,13 +5,14 @@
 #      KV layout, load instruction, CTA size and ring depth (NO_GATHER=1 skips);
 #   2. bench/decode.py: spot checks against the float64 reference, the three cases against
 #      cuDNN and flash SDPA, run() host cost (NO_FULL=1 skips);
-#   3. bench/decode.py --sweep --stages $STAGES: the three cases per KV ring depth, cuDNN in the
-#      same run (when STAGES is set); LAYOUT=HND for an HND cache;
-#   4. tests/test_gpu_decode.py, two processes: the decode matrix, then the rest of the file
-#      (NO_TESTS=1 skips).
+#   3. bench/decode.py --sweep --stages $STAGES --page-groups $PAGE_GROUPS: the three cases per
+#      KV ring depth and addressing (DecodeSpec.page_groups 0/1), cuDNN in the same run (when
+#      STAGES is set); LAYOUT=HND for an HND cache; FP8=1 also runs --fp8 per addressing;
+#   4. tests/test_gpu_decode.py, two processes (the decode matrix; the rest of the file), and
+#      tests/test_gpu_fp8.py in a third (NO_TESTS=1 skips).
 # Logs and JSON in $OUT/r and $OUT/results.tgz; CACHE_BACK=1 returns the kernel cache as
 # $OUT/cache.tgz. Exit status non-zero when anything failed.
-#   STAGES=2,3,4 CACHE_BACK=1 bash bench/session_decode.sh
+#   STAGES=2 PAGE_GROUPS=0,1 FP8=1 NO_GATHER=1 CACHE_BACK=1 bash bench/session_decode.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT/r"
@@ -30,9 +31,15 @@ if [ -z "${NO_FULL:-}" ]; then
   echo "decode: $((SECONDS - t0)) s"
 fi
 if [ -n "${STAGES:-}" ]; then
-  python3 bench/decode.py --sweep --stages "$STAGES" --layout "${LAYOUT:-NHD}" \
-    --out "$OUT/r/decode_stages.json" >"$OUT/r/decode_stages.log" 2>&1 || status=1
+  python3 bench/decode.py --sweep --stages "$STAGES" --page-groups "${PAGE_GROUPS:-}" \
+    --layout "${LAYOUT:-NHD}" --out "$OUT/r/decode_stages.json" >"$OUT/r/decode_stages.log" \
+    2>&1 || status=1
   echo "decode --stages $STAGES: $((SECONDS - t0)) s"
+fi
+if [ -n "${FP8:-}" ]; then
+  python3 bench/decode.py --fp8 --page-groups "${PAGE_GROUPS:-}" --out "$OUT/r/decode_fp8.json" \
+    >"$OUT/r/decode_fp8.log" 2>&1 || status=1
+  echo "decode --fp8: $((SECONDS - t0)) s"
 fi
 if [ -z "${NO_TESTS:-}" ]; then
   t() { timeout "${TEST_S:-330}" python3 -m pytest -v -m gpu -p no:cacheprovider "$@"; }
@@ -40,14 +47,17 @@ if [ -z "${NO_TESTS:-}" ]; then
   a=$!
   t tests/test_gpu_decode.py -k "not decode_matrix" >"$OUT/r/gpu_d2.log" 2>&1 &
   b=$!
-  for p in $a $b; do wait "$p" || status=1; done  # a failure or a cut-off (124)
-  for f in gpu_d1 gpu_d2; do
+  t tests/test_gpu_fp8.py >"$OUT/r/gpu_d3.log" 2>&1 &
+  c=$!
+  for p in $a $b $c; do wait "$p" || status=1; done  # a failure or a cut-off (124)
+  for f in gpu_d1 gpu_d2 gpu_d3; do
     echo "$f: $(grep -c PASSED "$OUT/r/$f.log") passed, $(grep -c FAILED "$OUT/r/$f.log")" \
       "failed; $(tail -1 "$OUT/r/$f.log" | cut -c1-90)"
   done
   grep -h "FAILED" "$OUT"/r/gpu_d*.log | head -10
 fi
 [ -f "$OUT/r/gather.log" ] && sed -n '/^best/,$p' "$OUT/r/gather.log"
+[ -f "$OUT/r/decode_fp8.log" ] && grep -v -i warn "$OUT/r/decode_fp8.log" | tail -13
 [ -f "$OUT/r/decode_stages.log" ] && grep -v -i warn "$OUT/r/decode_stages.log" | tail -9
 [ -f "$OUT/r/decode.log" ] && grep -v -i warn "$OUT/r/decode.log" | tail -7
 echo "all: $((SECONDS - t0)) s, status $status"

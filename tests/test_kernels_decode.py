@@ -113,6 +113,40 @@ def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_lens, hkv, d, ps, dtype, layout, kv_dtype", [
+    ([5, 200, 40], 2, 128, 16, np.float16, "NHD", None),  # 8-token groups, 16-token pages
+    ([33, 150], 1, 64, 32, np.float32, "HND", None),  # 8-token groups, two per page
+    ([70, 9], 2, 128, 16, np.float16, "HND", "float8_e4m3fn"),  # FP8: 16-token groups
+    ([30, 61], 2, 64, 5, np.float16, "NHD", None),  # pages smaller than a group: general path
+    ([3, 40], 1, 256, 16, np.float32, "NHD", None),  # rows of 64 chunks: general path
+])
+def test_decode_page_groups_equal_the_general_addressing(rng, monkeypatch, kv_lens, hkv, d, ps,
+                                                         dtype, layout, kv_dtype):
+    # DecodeSpec.page_groups changes only how a group's copies are addressed (one page-table
+    # read per group inside a page), so the outputs are the same bits as the general path's,
+    # tail groups, split rows (fixed_split_size) and paths it must not take included.
+    from nbinfer.api import decode as decode_api
+
+    pt, cache, q = _case(rng, kv_lens, 4 * hkv, hkv, d, ps, dtype, layout)
+    kw = dict(fixed_split_size=64)
+    if kv_dtype:
+        from nbinfer.reference import fp8
+
+        cache = fp8.encode(cache, kv_dtype)
+        kw["kv_data_type"] = kv_dtype
+    outs = []
+    for flag in (False, True):
+        monkeypatch.setattr(decode_api, "DECODE_PAGE_GROUPS", flag)
+        w, (out, lse) = _run(pt, cache, q, hkv, ps, layout, **kw)
+        assert w.step_plan.spec.page_groups == flag
+        outs.append((out, lse))
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    kv = fp8.decode(cache, kv_dtype) if kv_dtype else cache
+    ref = reference.batch_decode_with_paged_kv_cache(q, kv, pt.indptr, pt.indices,
+                                                     pt.last_page_len, kv_layout=layout)
+    assert rel_err(outs[1][0], ref) <= TOLERANCE[np.dtype(dtype).name]
+
+
 def test_fixed_split_size_is_batch_invariant(rng):
     # The same request decoded alone and inside a batch gives the same bits.
     pt, cache, q = _case(rng, [600, 50, 900], 2, 1, 64, 16, np.float32, "NHD")

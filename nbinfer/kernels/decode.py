@@ -76,6 +76,10 @@ class DecodeSpec(AttentionSpec):
     # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
     max_registers: int | None = 128
+    # A whole token group inside one page reads the page table once and steps a constant stride
+    # per further chunk (~45 fewer of the hot loop's ~640 instructions per group, counted
+    # offline). Off until measured on the H200 (bench/NOTES.md, issue 13, session 12).
+    page_groups: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -244,7 +248,7 @@ def decode_kernel_source(spec: DecodeSpec):
     ROW_STEP = 32 // CR if 32 % CR == 0 else 0
     IN_PAGE = max(PS - TG, 0)  # a group starting at page slot <= this ends in the same page
     # Groups can take the one-page path below: not when a page holds fewer tokens than a group.
-    FAST_GROUPS = ROW_STEP > 0 and (not SPARSE or PS >= TG)
+    FAST_GROUPS = spec.page_groups and ROW_STEP > 0 and (not SPARSE or PS >= TG)
 
     @jit_dev
     def issue_group(kvs, sbase, k, v, kv_indices, ib, gstart, last, lane, row_stride, head_off,
