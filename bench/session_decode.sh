@@ -13,13 +13,9 @@
 # Logs and JSON in $OUT/r and $OUT/results.tgz; CACHE_BACK=1 returns the kernel cache as
 # $OUT/cache.tgz. Exit status non-zero when anything failed.
 #   STAGES=2 PAGE_GROUPS=0,1 FP8=1 NO_GATHER=1 CACHE_BACK=1 bash bench/session_decode.sh
-set -uo pipefail
-OUT=${OUT:-/tmp/nbinfer-out}
-mkdir -p "$OUT/r"
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
-t0=$SECONDS
-status=0
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+session_start
 if [ -z "${NO_GATHER:-}" ]; then
   # shellcheck disable=SC2086  # GATHER_ARGS is a list of options
   python3 bench/read_gather.py ${GATHER_ARGS:-} --out "$OUT/r/read_gather.json" \
@@ -60,9 +56,4 @@ fi
 [ -f "$OUT/r/decode_fp8.log" ] && grep -v -i warn "$OUT/r/decode_fp8.log" | tail -13
 [ -f "$OUT/r/decode_stages.log" ] && grep -v -i warn "$OUT/r/decode_stages.log" | tail -9
 [ -f "$OUT/r/decode.log" ] && grep -v -i warn "$OUT/r/decode.log" | tail -7
-echo "all: $((SECONDS - t0)) s, status $status"
-(cd "$OUT" && tar czf results.tgz r)
-if [ -n "${CACHE_BACK:-}" ]; then
-  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
-fi
-exit $status
+KEEP_R=1 session_end

@@ -5,13 +5,9 @@
 # that run merges, in four processes, each cut off at TEST_S seconds (a cold cache compiles
 # every kernel spec again). Logs and JSON in $OUT/results.tgz; CACHE_BACK=1 returns the cache.
 #   TEST_S=330 CACHE_BACK=1 bash bench/session_merge.sh
-set -uo pipefail
-OUT=${OUT:-/tmp/nbinfer-out}
-mkdir -p "$OUT/r"
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
-t0=$SECONDS
-status=0
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+session_start
 python3 bench/cascade_sweep.py --tiles 32s168m --splits 0 --overheads=- \
   --out "$OUT/r/cascade_sweep.json" >"$OUT/r/sweep.log" 2>&1 || status=1
 grep -v Warn "$OUT/r/sweep.log" | tail -3
@@ -35,9 +31,4 @@ for f in gpu_m1 gpu_m2 gpu_m3 gpu_m4; do
     "$(tail -1 "$OUT/r/$f.log" | cut -c1-90)"
 done
 grep -h "FAILED" "$OUT"/r/gpu_m*.log | head -10
-echo "all: $((SECONDS - t0)) s"
-(cd "$OUT" && tar czf results.tgz r && rm -rf r)
-if [ -n "${CACHE_BACK:-}" ]; then
-  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
-fi
-exit $status
+session_end

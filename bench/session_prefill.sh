@@ -10,14 +10,10 @@
 # default JSON (the committed defaults; BUDGET_S=0 leaves it out; SWEEP_OVH=-,64 sweeps the
 # planner's item cost too). NO_AB=1 leaves out the prefill A/B (the cascade's
 # timeline under the tile configs still runs).
-set -uo pipefail
-OUT=${OUT:-/tmp/nbinfer-out}
-mkdir -p "$OUT/r"
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+session_start
 tiles=${1:-64,32x4}
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
-t0=$SECONDS
-status=0
 if [ -n "${MEMCHECK:-}" ]; then
   (OUT=$OUT/r bash bench/memcheck.sh >"$OUT/r/memcheck_summary.txt" 2>&1) &
   m=$!
@@ -70,9 +66,4 @@ elif [ $status = 0 ]; then
 else
   grep -h -E "FAILED|Error" "$OUT"/r/gpu_*.log | head -20
 fi
-echo "all: $((SECONDS - t0)) s"
-(cd "$OUT" && tar czf results.tgz r && rm -rf r)
-if [ -n "${CACHE_BACK:-}" ]; then
-  tar czf "$OUT/cache.tgz" -C "$(dirname "$NBINFER_CACHE_DIR")" "$(basename "$NBINFER_CACHE_DIR")"
-fi
-exit $status
+session_end
