@@ -347,7 +347,12 @@ def main():
         ap.error("--stages goes with --sweep")
     if args.page_groups and not (args.sweep or args.fp8):
         ap.error("--page-groups goes with --sweep or --fp8")
-    page_groups = [bool(int(x)) for x in args.page_groups.split(",") if x] or [None]
+    if args.layout != "NHD" and not args.sweep:
+        ap.error("--layout goes with --sweep")
+    bad = [x for x in args.page_groups.split(",") if x and x not in ("0", "1")]
+    if bad:
+        ap.error(f"--page-groups: values are 0 or 1, got {', '.join(bad)}")
+    page_groups = [x == "1" for x in args.page_groups.split(",") if x] or [None]
     if args.fp8:
         rows = []
         for pg in page_groups:

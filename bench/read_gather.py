@@ -194,6 +194,10 @@ def measure(cp, bufs, batch, kv_len, layout, mode, unroll, tokens=256, stages=2)
     cases), ``stages`` deep for the cp.async modes."""
     hkv, d = bufs["hkv"], bufs["d"]
     tokens = min(tokens, kv_len)
+    step = 128 // (d // 8) * unroll  # tokens one pass of the CTA's loop covers
+    if kv_len % tokens or tokens % step:
+        raise ValueError(f"tokens per CTA ({tokens}) must divide kv_len ({kv_len}) and be a "
+                         f"multiple of {step} (rows per pass x unroll): the kernel has no tail")
     kern = kernel(cp, layout, mode, unroll, d, stages)
     grid = batch * hkv * (kv_len // tokens)
     out = cp.zeros(grid * 128, cp.uint32)

@@ -7,7 +7,8 @@
 #      cuDNN and flash SDPA, run() host cost (NO_FULL=1 skips);
 #   3. bench/decode.py --sweep --stages $STAGES --page-groups $PAGE_GROUPS: the three cases per
 #      KV ring depth and addressing (DecodeSpec.page_groups 0/1), cuDNN in the same run (when
-#      STAGES is set); LAYOUT=HND for an HND cache; FP8=1 also runs --fp8 per addressing;
+#      STAGES is set); LAYOUT=HND for an HND cache; FP8=1 also runs --fp8 per addressing
+#      (PAGE_GROUPS applies to these two runs only);
 #   4. tests/test_gpu_decode.py, two processes (the decode matrix; the rest of the file), and
 #      tests/test_gpu_fp8.py in a third (NO_TESTS=1 skips).
 # Logs and JSON in $OUT/r and $OUT/results.tgz; CACHE_BACK=1 returns the kernel cache as
@@ -54,6 +55,6 @@ if [ -z "${NO_TESTS:-}" ]; then
 fi
 [ -f "$OUT/r/gather.log" ] && sed -n '/^best/,$p' "$OUT/r/gather.log"
 [ -f "$OUT/r/decode_fp8.log" ] && grep -v -i warn "$OUT/r/decode_fp8.log" | tail -13
-[ -f "$OUT/r/decode_stages.log" ] && grep -v -i warn "$OUT/r/decode_stages.log" | tail -9
+[ -f "$OUT/r/decode_stages.log" ] && grep -v -i warn "$OUT/r/decode_stages.log" | tail -24
 [ -f "$OUT/r/decode.log" ] && grep -v -i warn "$OUT/r/decode.log" | tail -7
 KEEP_R=1 session_end

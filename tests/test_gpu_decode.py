@@ -119,25 +119,31 @@ def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype, layout, per_s
     np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=0, atol=5e-3)
 
 
-@pytest.mark.parametrize("batch, max_len, hq, hkv, d, ps, dtype, layout", [
-    (64, 4096, 32, 8, 128, 16, "float16", "NHD"),  # the benchmark's shape, one item per row
-    (16, 20000, 32, 8, 128, 16, "float16", "HND"),  # split rows
-    (9, 3000, 64, 8, 128, 16, "bfloat16", "NHD"),  # group 8
-    (7, 3000, 32, 4, 64, 32, "float16", "HND"),  # 16-token groups, two per page
-    (5, 2500, 32, 8, 128, 5, "float16", "NHD"),  # pages smaller than a group: general path
+@pytest.mark.parametrize("batch, max_len, hq, hkv, d, ps, dtype, layout, fmt", [
+    (64, 4096, 32, 8, 128, 16, "float16", "NHD", None),  # the benchmark's shape
+    (16, 20000, 32, 8, 128, 16, "float16", "HND", None),  # split rows
+    (9, 3000, 64, 8, 128, 16, "bfloat16", "NHD", None),  # group 8
+    (7, 3000, 32, 4, 64, 32, "float16", "HND", None),  # 16-token groups, two per page
+    (8, 3000, 32, 8, 128, 16, "float16", "NHD", "float8_e4m3fn"),  # FP8: 16-token groups
+    (5, 2500, 32, 8, 128, 5, "float16", "NHD", None),  # pages smaller than a group
 ])
-def test_decode_page_groups_gpu(rng, monkeypatch, batch, max_len, hq, hkv, d, ps, dtype, layout):
+def test_decode_page_groups_gpu(rng, monkeypatch, batch, max_len, hq, hkv, d, ps, dtype, layout,
+                                fmt):
     """DecodeSpec.page_groups (one page-table read per token group inside a page) gives the same
     bits as the general addressing, and matches the reference."""
     from nbinfer.api import decode as decode_api
 
     pt, cache, q = _case(rng, batch, max_len, hkv, hq, d, ps, dtype, layout)
+    kw = {}
+    if fmt:
+        cache, kw = cache.to(getattr(torch, fmt)), dict(kv_data_type=fmt)
     outs = []
     for flag in (False, True):
         monkeypatch.setattr(decode_api, "DECODE_PAGE_GROUPS", flag)
         w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
                                                            device="cuda"), layout)
-        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=q.dtype)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=q.dtype,
+               **kw)
         assert w.step_plan.spec.page_groups == flag
         outs.append(w.run(q, cache, return_lse=True))
     torch.cuda.synchronize()

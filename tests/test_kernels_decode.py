@@ -113,20 +113,50 @@ def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
 
 
-@pytest.mark.parametrize("kv_lens, hkv, d, ps, dtype, layout, kv_dtype", [
-    ([5, 200, 40], 2, 128, 16, np.float16, "NHD", None),  # 8-token groups, 16-token pages
-    ([33, 150], 1, 64, 32, np.float32, "HND", None),  # 8-token groups, two per page
-    ([70, 9], 2, 128, 16, np.float16, "HND", "float8_e4m3fn"),  # FP8: 16-token groups
-    ([30, 61], 2, 64, 5, np.float16, "NHD", None),  # pages smaller than a group: general path
-    ([3, 40], 1, 256, 16, np.float32, "NHD", None),  # rows of 64 chunks: general path
+def _count_page_table_reads(request, monkeypatch):
+    """A list that grows by one per call of the loading module's ``token_offset`` (a page-table
+    read on a paged cache) in decode kernels built from here on (simulator: device functions
+    are Python); decode kernels built meanwhile are dropped again at the test's end."""
+    from types import SimpleNamespace
+
+    from nbinfer.kernels import decode as decode_kernels
+
+    calls, real = [], decode_kernels.loading_module
+
+    def counting(sparse, page_size, sim):
+        mod = real(sparse, page_size, sim)
+
+        def token_offset(*args):
+            calls.append(1)
+            return mod.token_offset(*args)
+
+        return SimpleNamespace(request_kv_len=mod.request_kv_len, request_base=mod.request_base,
+                               token_offset=token_offset)
+
+    monkeypatch.setattr(decode_kernels, "loading_module", counting)
+    decode_kernels.build_decode_kernel.cache_clear()
+    request.addfinalizer(decode_kernels.build_decode_kernel.cache_clear)
+    return calls
+
+
+@pytest.mark.parametrize("kv_lens, hkv, d, ps, dtype, layout, kv_dtype, one_page", [
+    ([5, 200, 40], 2, 128, 16, np.float16, "NHD", None, True),  # 8-token groups, 16-token pages
+    ([33, 150], 1, 64, 32, np.float32, "HND", None, True),  # 8-token groups, two per page
+    ([70, 9], 2, 128, 16, np.float16, "HND", "float8_e4m3fn", True),  # FP8: 16-token groups
+    ([30, 61], 2, 64, 5, np.float16, "NHD", None, False),  # pages smaller than a group
+    ([3, 40], 1, 256, 16, np.float32, "NHD", None, False),  # rows of 64 chunks
 ])
-def test_decode_page_groups_equal_the_general_addressing(rng, monkeypatch, kv_lens, hkv, d, ps,
-                                                         dtype, layout, kv_dtype):
+def test_decode_page_groups_equal_the_general_addressing(request, rng, monkeypatch, kv_lens, hkv,
+                                                         d, ps, dtype, layout, kv_dtype,
+                                                         one_page):
     # DecodeSpec.page_groups changes only how a group's copies are addressed (one page-table
     # read per group inside a page), so the outputs are the same bits as the general path's,
-    # tail groups, split rows (fixed_split_size) and paths it must not take included.
+    # tail groups and split rows (fixed_split_size) included. Counting the page-table reads
+    # shows which path ran: fewer with page_groups where groups fit their pages, the same
+    # number where they cannot (a page smaller than a group; fp32 D 256's 64-chunk rows).
     from nbinfer.api import decode as decode_api
 
+    calls = _count_page_table_reads(request, monkeypatch)
     pt, cache, q = _case(rng, kv_lens, 4 * hkv, hkv, d, ps, dtype, layout)
     kw = dict(fixed_split_size=64)
     if kv_dtype:
@@ -134,12 +164,16 @@ def test_decode_page_groups_equal_the_general_addressing(rng, monkeypatch, kv_le
 
         cache = fp8.encode(cache, kv_dtype)
         kw["kv_data_type"] = kv_dtype
-    outs = []
+    outs, reads = [], []
     for flag in (False, True):
         monkeypatch.setattr(decode_api, "DECODE_PAGE_GROUPS", flag)
+        before = len(calls)
         w, (out, lse) = _run(pt, cache, q, hkv, ps, layout, **kw)
+        reads.append(len(calls) - before)
         assert w.step_plan.spec.page_groups == flag
         outs.append((out, lse))
+    assert reads[0] > 0
+    assert (reads[1] < reads[0]) if one_page else (reads[1] == reads[0])
     assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
     kv = fp8.decode(cache, kv_dtype) if kv_dtype else cache
     ref = reference.batch_decode_with_paged_kv_cache(q, kv, pt.indptr, pt.indices,

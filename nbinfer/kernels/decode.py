@@ -77,8 +77,8 @@ class DecodeSpec(AttentionSpec):
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
     max_registers: int | None = 128
     # A whole token group inside one page reads the page table once and steps a constant stride
-    # per further chunk (~45 fewer of the hot loop's ~640 instructions per group, counted
-    # offline). Off until measured on the H200 (bench/NOTES.md, issue 13, session 12).
+    # per further chunk (613 instead of 639 hot-loop instructions per group, counted offline).
+    # Off until measured on the H200 (bench/NOTES.md, issue 13, session 12).
     page_groups: bool = False
 
     def __post_init__(self):

@@ -271,8 +271,9 @@ class _Driver:
     def prefer_shared(self, kernel: int, percent: int, device: int) -> None:
         """Ask that ``kernel`` run with ``percent`` of each SM's unified L1 / shared memory as
         shared memory (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT; -1: the driver's
-        own choice). The occupancy calculator counts the largest carveout, so a kernel whose
-        resident CTAs need most of it must ask for it, or the driver may run fewer."""
+        own choice). A hint the driver may override; used by ``bench/carveout_ab.py``, which
+        found no effect on nbinfer's kernels (the driver already picks a carveout that holds
+        the resident CTAs the occupancy calculator promises)."""
         check(self._set_attribute(9, int(percent), kernel, int(device)), "cuKernelSetAttribute")
 
     def event(self) -> int:
