@@ -77,7 +77,7 @@ class DecodeSpec(AttentionSpec):
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
     max_registers: int | None = 128
     # A whole token group inside one page reads the page table once and steps a constant stride
-    # per further chunk (613 instead of 639 hot-loop instructions per group, counted offline).
+    # per further chunk (596 instead of 639 hot-loop instructions per group, counted offline).
     # Off until measured on the H200 (bench/NOTES.md, issue 13, session 12).
     page_groups: bool = False
 
@@ -255,17 +255,19 @@ def decode_kernel_source(spec: DecodeSpec):
                     page_stride, row_step):
         # Chunk ci = lane + 32 j of the group's K is row ci // CR, column (ci % CR) * CE; rows
         # are contiguous in shared memory, so its destination is simply sbase + 16 ci.
-        whole = FAST_GROUPS and gstart + U32(TG - 1) <= last
+        # (U32(...) around sums and operands: Numba widens uint32 arithmetic to 64 bits, and a
+        # signed operand makes `//` and `%` signed; truncated, LLVM keeps them 32-bit shifts.)
+        whole = FAST_GROUPS and U32(gstart + U32(TG - 1)) <= U32(last)
         if SPARSE and whole:
-            whole = gstart % U32(PS) <= U32(IN_PAGE)
+            whole = U32(U32(gstart) % U32(PS)) <= U32(IN_PAGE)
         if whole:
             # The group's TG tokens are all valid and in one page (decode groups start at
             # multiples of TG, so with TG | page size always but at the step's end): one
             # page-table read and one 64-bit offset per group, then each chunk is ROW_STEP rows
             # past the last (row_step elements). Per chunk the general path below costs a
             # page-table read and ~25 instructions of 64-bit offset math (4 chunks per lane).
-            off = token_offset(kv_indices, ib, gstart + U32(lane // CR), row_stride, head_off,
-                               page_stride)
+            off = token_offset(kv_indices, ib, U32(gstart + U32(lane // CR)), row_stride,
+                               head_off, page_stride)
             for j in range(CPL):
                 dst = sbase + 16 * (lane + 32 * j)
                 cp16(kvs, dst, k, off)
