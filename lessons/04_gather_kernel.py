@@ -643,9 +643,16 @@ for case in bench["decode"]:
 # With a GPU (and torch) present, the cell runs `bench/decode.py --sweep` in a separate process
 # (this one runs the simulator): the production kernel (v3's descendant) on the three benchmark
 # shapes, fp16, Hq 32, Hkv 8, D 128, pages of 16, against torch SDPA's cuDNN back end on the
-# same keys and values stored contiguously, CUDA events around one call of each (median), as
-# bandwidth over the KV bytes. Without one it shows the same figures from the committed H200
-# JSON, and says so. Nothing asserts on a measured speed.
+# same keys and values stored contiguously, as bandwidth over the KV bytes: GPU time of calls
+# issued back to back (bars) and one call from an idle GPU, host cost included (dots). Without
+# one it shows the same figures from the committed H200 JSON, and says so. Nothing asserts on a
+# measured speed.
+#
+# Which roof? Decode only *reads* its KV, and a device copy both reads and writes, so the copy
+# ceiling (dashed) is not the limit: `bench/read_gather.py` measured a kernel that does nothing
+# but read the same bytes, page by page in the decode's order (ticks, recorded on the H200).
+# That is the roof a decode kernel is judged against; the distance from a bar to its tick is
+# what the kernel's own instructions and schedule cost.
 
 # %%
 from nbinfer.lessons_tool import gpu_present, run_bench  # noqa: E402
@@ -656,24 +663,74 @@ if gpu_present():
 else:
     live, source = bench, f"recorded on the H200 ({bench_path.name}), no GPU here"
 print(source)
-fig, ax = subplots(figsize=(8, 3.6))
+gather_path = (repo_root() / "bench" / "results" / "issue13" / "session12" / "call2" /
+               "read_gather_h200.json")
+gather = json.loads(gather_path.read_text())["read_gather"]
+
+
+def read_roof(batch, kv_len):
+    """The best read-only TB/s of one case over pages drawn at random (the decode's layout)."""
+    rows = [r for r in gather if (r["batch"], r["kv_len"], r["layout"]) == (batch, kv_len, "NHD")]
+    return max(r["tbps"] for r in rows) if rows else np.nan
+
+
+fig, ax = subplots(figsize=(8, 4.6))
 cases = live["decode"]
-for j, (key, label, color) in enumerate((("nbinfer_tbps", "nbinfer run(), per call", "C0"),
-                                         ("sdpa_cudnn_tbps", "torch SDPA cuDNN, per call",
-                                          "0.6"))):
-    ax.bar(np.arange(len(cases)) + (j - 0.5) * 0.38, [c.get(key, np.nan) for c in cases], 0.38,
-           label=label, color=color)
+x = np.arange(len(cases))
+for j, (gpu_key, call_key, label, color) in enumerate((
+        ("nbinfer_gpu_ms", "nbinfer_ms", "nbinfer", "C0"),
+        ("sdpa_cudnn_gpu_ms", "sdpa_cudnn_ms", "torch SDPA cuDNN (contiguous KV)", "0.55"))):
+    xs = x + (j - 0.5) * 0.38
+    ax.bar(xs, [c["kv_bytes"] / c[gpu_key] / 1e9 if gpu_key in c else np.nan for c in cases],
+           0.38, color=color, label=f"{label}, GPU time")
+    ax.plot(xs, [c["kv_bytes"] / c[call_key] / 1e9 if call_key in c else np.nan for c in cases],
+            "o", color="k", ms=4, label="one call, host included" if j else None)
+roofs = [read_roof(c["batch"], c["kv_len"]) for c in cases]
+ax.hlines(roofs, x - 0.42, x + 0.42, color="C3", lw=2.5,
+          label="read-only kernel, same bytes (bench/read_gather.py, H200)")
 ax.axhline(live["copy_ceiling"] / 1e12, color="k", ls="--", lw=1,
-           label=f"device copy ceiling, {live['copy_ceiling'] / 1e12:.2f} TB/s")
-ax.set_xticks(range(len(cases)), [f"batch {c['batch']}, KV {c['kv_len']}" for c in cases])
-ax.set_ylabel("TB/s of K and V read")
-ax.set_ylim(0, live["copy_ceiling"] / 1e12 * 1.25)
+           label=f"device copy (read + write), {live['copy_ceiling'] / 1e12:.2f} TB/s")
+ax.set_xticks(x, [f"batch {c['batch']}, KV {c['kv_len']}" for c in cases])
+ax.set_ylabel("TB/s of K and V read (axis from 3)")
+ax.set_ylim(3.0, 4.8)
 ax.set_title(f"paged decode, fp16, Hq 32 / Hkv 8 / D 128: {source}", fontsize=9)
-ax.legend(fontsize=8, loc="upper left", ncol=2)
+ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
 save_figure(fig, "04_decode_live.png")
 show(fig)
+for c, roof_tbps in zip(cases, roofs, strict=True):
+    print(f"batch {c['batch']:4d}, KV {c['kv_len']:6d}: read-only roof {roof_tbps:.2f} TB/s; "
+          f"nbinfer GPU time {c['kv_bytes'] / c['nbinfer_gpu_ms'] / 1e9:.2f}, cuDNN "
+          f"{c['kv_bytes'] / c['sdpa_cudnn_gpu_ms'] / 1e9:.2f} TB/s")
 for c in cases:  # the bandwidth is the KV bytes over the time of one call
     assert math.isclose(c["nbinfer_tbps"], c["kv_bytes"] / c["nbinfer_ms"] / 1e9, rel_tol=1e-6)
+# The recorded roofs: a stream that only reads beats the copy ceiling, which moves every byte
+# twice; so a decode kernel above the dashed line is not measuring wrong, it is under a higher
+# roof.
+assert all(r * 1e12 > bench["copy_ceiling"] for r in roofs if np.isfinite(r))
+
+# %% [markdown]
+# Reading the recorded run (the H200, `decode_h200_v5.json`): cuDNN's GPU time sits within about
+# 1 % of the read-only roof at (64, 4096) and (16, 32768), and 4 % under it at (256, 1024);
+# nbinfer's sits 4-9 % under it everywhere: that gap, not the bytes, is what is left to win
+# (bench/NOTES.md follows it: the kernel issues about 640 instructions per 4 KiB group, and
+# Nsight Compute finds its issue slots 71 % busy). One call from an idle GPU (dots) adds the
+# host's launch to each, which at these 0.25-0.5 ms steps costs more than the whole gap; at
+# (256, 1024) nbinfer's call is the faster of the two. The cell checks these sentences
+# against the recorded JSON (a live run is only shown).
+
+# %%
+gap = {(c["batch"], c["kv_len"]): (1 - c["kv_bytes"] / c["nbinfer_gpu_ms"] / 1e9 / r,
+                                   1 - c["kv_bytes"] / c["sdpa_cudnn_gpu_ms"] / 1e9 / r)
+       for c, r in zip(bench["decode"], [read_roof(c["batch"], c["kv_len"])
+                                         for c in bench["decode"]], strict=True)}
+for (b, n), (ours, cudnn) in gap.items():
+    print(f"batch {b:4d}, KV {n:6d}: below the read-only roof: nbinfer {ours:.1%}, "
+          f"cuDNN {cudnn:.1%}")
+assert all(0.03 < ours < 0.09 for ours, _ in gap.values())
+assert gap[(64, 4096)][1] < 0.015 and gap[(16, 32768)][1] < 0.015
+assert 0.03 < gap[(256, 1024)][1] < 0.05
+c256 = next(c for c in bench["decode"] if c["batch"] == 256)
+assert c256["nbinfer_ms"] < c256["sdpa_cudnn_ms"]
 
 # %% [markdown]
 # ## 8. FP8 caches: half the bytes, the same instructions
