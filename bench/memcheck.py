@@ -233,13 +233,12 @@ def batch_decode(ctx, rng, kv_lens, layout):
 def deeper_ring_decode(ctx, rng, stages=3):
     """:func:`batch_decode` over the split lengths with a ``stages``-deep KV ring per warp (48
     KiB at three stages, allocated at launch)."""
+    from unittest import mock
+
     from nbinfer.api import decode as decode_api
 
-    saved, decode_api.DECODE_STAGES = decode_api.DECODE_STAGES, stages
-    try:
+    with mock.patch.object(decode_api, "DECODE_STAGES", stages):
         return batch_decode(ctx, rng, SPLIT_LENS, "NHD")
-    finally:
-        decode_api.DECODE_STAGES = saved
 
 
 PLAIN_LENS = [1, 16, 17, 0, 100, 255, 33, 64]  # 0: an empty request (O = 0, LSE = -inf)

@@ -346,9 +346,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim",
-                              **({"stages": DECODE_STAGES} if DECODE_STAGES else {}),
-                              **({} if DECODE_PAGE_GROUPS is None
-                                 else {"page_groups": bool(DECODE_PAGE_GROUPS)}))
+                              stages=DECODE_STAGES or 2, page_groups=bool(DECODE_PAGE_GROUPS))
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,

@@ -61,10 +61,6 @@ from .warp import head_maxima, warp_collectives
 NUM_WARPS = 4
 NUM_THREADS = 32 * NUM_WARPS
 GROUP_K_BYTES = 2048  # K bytes of one token group: 16-byte chunks x 32 lanes x 4
-# A kernel may declare at most 48 KiB of static shared memory; past that (the KV ring at three
-# or four stages: 48 / 64 KiB for four warps) the ring is allocated at launch instead, and the
-# function opts in to the size. The other buffers (logits, merge, scratch: ~3.5 KiB) stay static.
-STATIC_SHARED_LIMIT = 48 * 1024
 
 
 @dataclass(frozen=True)
@@ -117,7 +113,10 @@ def ring_bytes(spec: DecodeSpec) -> int:
 
 def dynamic_ring_bytes(spec: DecodeSpec) -> int:
     """Bytes of dynamic shared memory the kernel is launched with: the KV ring when it passes
-    the static limit (less a margin for the static buffers), else 0."""
+    the static limit (less a margin for the other buffers, logits, merge and scratch, ~3.5 KiB,
+    which stay static), else 0: at three or four stages (48 / 64 KiB for four warps)."""
+    from .launch import STATIC_SHARED_LIMIT  # host code: not part of the kernel's source key
+
     n = ring_bytes(spec)
     return n if n > STATIC_SHARED_LIMIT - 8 * 1024 else 0
 

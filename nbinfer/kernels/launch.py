@@ -179,6 +179,12 @@ def dynamic_shared(kernel) -> int:
     return int(getattr(kernel, "dynamic_shared", 0))
 
 
+# Bytes of static shared memory a kernel may declare; a buffer past it is allocated at launch
+# (:func:`use_dynamic_shared`). The kernel modules import it inside functions, so this host-side
+# module stays out of their source keys (kernels/cache.py).
+STATIC_SHARED_LIMIT = 48 * 1024
+
+
 def use_dynamic_shared(kernel, nbytes: int, sim: bool):
     """Have every launch of ``kernel`` (which declares ``cuda.shared.array(0, ...)``) allocate
     ``nbytes`` of shared memory; nothing when ``nbytes`` is 0. On the GPU the function is also
@@ -293,4 +299,5 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-__all__ = ["PreparedLaunch", "ARRAY_FIELDS", "dynamic_shared", "use_dynamic_shared"]
+__all__ = ["PreparedLaunch", "ARRAY_FIELDS", "STATIC_SHARED_LIMIT", "dynamic_shared",
+           "use_dynamic_shared"]

@@ -74,7 +74,6 @@ TILE_KV = 32
 KV_TILES = (32, 64)
 STAGES = (2, 3, 4)
 MMA_HEAD_DIMS = (64, 128)
-STATIC_SHARED_LIMIT = 48 * 1024  # bytes of static shared memory a kernel may declare
 
 
 @dataclass(frozen=True)
@@ -171,6 +170,8 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
     (where Q is staged: aliasing the last stage, the first one loaded after Q has moved to
     registers, or after the stages when Q stays in shared memory), ``total`` and ``dynamic``
     (``total`` when it is allocated at launch, past the static limit; else 0)."""
+    from .launch import STATIC_SHARED_LIMIT  # host code: not part of the kernel's source key
+
     n = spec.stages
 
     def sizes(row_bytes):
