@@ -41,7 +41,7 @@ __all__ = ["BatchDecodeWithPagedKVCacheWrapper", "MIN_CHUNK", "kernel_ctas", "pe
 MIN_CHUNK = 256
 CTAS_PER_SM = 4
 DECODE_STAGES = None  # the KV ring's depth per warp (None: DecodeSpec's default, 2)
-DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, off)
+DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, on)
 
 
 def persistent_ctas(backend: str, per_sm: int = 0) -> int:
@@ -346,7 +346,8 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
             spec = DecodeSpec(head_dim=head_dim, group_size=group, page_size=page_size,
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim",
-                              stages=DECODE_STAGES or 2, page_groups=bool(DECODE_PAGE_GROUPS))
+                              stages=DECODE_STAGES or 2,
+                              page_groups=DECODE_PAGE_GROUPS is None or bool(DECODE_PAGE_GROUPS))
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,

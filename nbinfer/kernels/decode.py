@@ -74,8 +74,9 @@ class DecodeSpec(AttentionSpec):
     max_registers: int | None = 128
     # A whole token group inside one page reads the page table once and steps a constant stride
     # per further chunk (596 instead of 639 hot-loop instructions per group, counted offline).
-    # Off until measured on the H200 (bench/NOTES.md, issue 13, session 12).
-    page_groups: bool = False
+    # Measured on the H200 (bench/NOTES.md, issue 13, session 13): fp16 unchanged (within 1 %),
+    # FP8 4-15 % faster (1178 -> 1110-odd instructions matter there: that kernel is issue-bound).
+    page_groups: bool = True
 
     def __post_init__(self):
         super().__post_init__()
