@@ -75,7 +75,7 @@ class DecodeSpec(AttentionSpec):
     # A whole token group inside one page reads the page table once and steps a constant stride
     # per further chunk (596 instead of 639 hot-loop instructions per group, counted offline).
     # Measured on the H200 (bench/NOTES.md, issue 13, session 13): fp16 unchanged (within 1 %),
-    # FP8 4-15 % faster (1178 -> 1110-odd instructions matter there: that kernel is issue-bound).
+    # FP8 3-15 % faster (that kernel, 1178 instructions per 4 KiB group, is issue-bound).
     page_groups: bool = True
 
     def __post_init__(self):
