@@ -123,7 +123,8 @@ def bench_case(batch, kv_len, sdpa=True, group=4, layout="NHD"):
     tg = gpu_ms(lambda: w.run(q, cache, out=out, lse=lse))
     res = dict(batch=batch, kv_len=kv_len, group=group, layout=layout,
                stages=int(w.step_plan.spec.stages),
-               page_groups=bool(w.step_plan.spec.page_groups), kv_bytes=kv_bytes, nbinfer_ms=t,
+               page_groups=bool(w.step_plan.spec.page_groups), mma=bool(w.step_plan.spec.mma),
+               kv_bytes=kv_bytes, nbinfer_ms=t,
                nbinfer_tbps=kv_bytes / t / 1e9, nbinfer_gpu_ms=tg,
                nbinfer_gpu_tbps=kv_bytes / tg / 1e9, floor_ms=kv_bytes / COPY_CEILING * 1e3,
                work_items=int(w.schedule.num_work), chunk=int(w.schedule.kv_chunk),
@@ -331,6 +332,9 @@ def main():
     ap.add_argument("--page-groups", default="",
                     help="--sweep / --fp8: DecodeSpec.page_groups values to run, comma-separated "
                          "0/1 (default: the API's)")
+    ap.add_argument("--mma", default="",
+                    help="--sweep / --fp8: DecodeSpec.mma values to run (q.k and p.v on tensor "
+                         "cores), comma-separated 0/1 (default: the API's, off)")
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
                     help="the sweep's paged KV layout (NHD: a page's token rows hold every KV "
                          "head; HND: one KV head's page is one contiguous block)")
@@ -347,23 +351,31 @@ def main():
         ap.error("--stages goes with --sweep")
     if args.page_groups and not (args.sweep or args.fp8):
         ap.error("--page-groups goes with --sweep or --fp8")
+    if args.mma and not (args.sweep or args.fp8):
+        ap.error("--mma goes with --sweep or --fp8")
     if args.layout != "NHD" and not args.sweep:
         ap.error("--layout goes with --sweep")
     bad = [x for x in args.page_groups.split(",") if x and x not in ("0", "1")]
     if bad:
         ap.error(f"--page-groups: values are 0 or 1, got {', '.join(bad)}")
     page_groups = [x == "1" for x in args.page_groups.split(",") if x] or [None]
+    bad = [x for x in args.mma.split(",") if x and x not in ("0", "1")]
+    if bad:
+        ap.error(f"--mma: values are 0 or 1, got {', '.join(bad)}")
+    mmas = [x == "1" for x in args.mma.split(",") if x] or [False]
     if args.fp8:
         rows = []
         for pg in page_groups:
-            decode_api.DECODE_PAGE_GROUPS = pg
-            rows += [dict(fp8_case(b, l, fmt), page_groups=pg)
-                     for fmt in ("float8_e4m3fn", "float8_e5m2") for b, l in CASES]
+            for mma in mmas:
+                decode_api.DECODE_PAGE_GROUPS, decode_api.DECODE_MMA = pg, mma
+                rows += [dict(fp8_case(b, l, fmt), page_groups=pg, mma=mma)
+                         for fmt in ("float8_e4m3fn", "float8_e5m2") for b, l in CASES]
         save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
-        print("format         case          pg     fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
+        print("format         case          pg     mma    fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
               "fp8 TB/s  regs/local  rel err")
         for r in rows:
             print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} pg {r['page_groups']!s:5s}"
+                  f" {r['mma']!s:5s}"
                   f" {r['fp16_gpu_ms']:10.3f} "
                   f"{r['fp8_gpu_ms']:11.3f} {r['speedup_gpu']:8.2f} ({r['speedup_call']:.2f})"
                   f"   {r['fp8_gpu_tbps']:9.2f}  {r['fp8_regs']}/{r['fp8_local_bytes']}"
@@ -386,15 +398,17 @@ def main():
         rows = []
         for stages in [int(x) for x in args.stages.split(",") if x] or [None]:
             for pg in page_groups:
-                decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
-                rows += [bench_case(b, l, group=args.group, layout=args.layout)
-                         for b, l in CASES]
+                for mma in mmas:
+                    decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
+                    decode_api.DECODE_MMA = mma
+                    rows += [bench_case(b, l, group=args.group, layout=args.layout)
+                             for b, l in CASES]
         payload = dict(copy_ceiling=COPY_CEILING, decode=rows)
         save_json(args.out, **payload)
         for r in payload["decode"]:
             cud = r["kv_bytes"] / r.get("sdpa_cudnn_gpu_ms", float("nan")) / 1e9
             print(f"G{r['group']} B{r['batch']} L{r['kv_len']} {r['layout']} S{r['stages']}"
-                  f"{' page groups' if r['page_groups'] else ''}: "
+                  f"{' page groups' if r['page_groups'] else ''}{' mma' if r['mma'] else ''}: "
                   f"GPU time back to "
                   f"back: nbinfer {r['nbinfer_gpu_ms']:.3f} ms {r['nbinfer_gpu_tbps']:.2f} TB/s "
                   f"({r['regs']} regs, {r['num_ctas']} CTAs), cuDNN "

@@ -105,6 +105,8 @@ def main():
     ap.add_argument("--page-groups", type=int, choices=(0, 1), default=1,
                     help="decode: DecodeSpec.page_groups (1, the default: one page-table read "
                          "per group inside a page; 0: the general addressing)")
+    ap.add_argument("--mma", action="store_true",
+                    help="decode: DecodeSpec(mma=True), q.k and p.v on tensor cores")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -131,7 +133,8 @@ def main():
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages,
-                          page_groups=bool(args.page_groups), **extra)
+                          page_groups=bool(args.page_groups), mma=args.mma,
+                          **extra)
     ptx = compile_spec(spec)
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")

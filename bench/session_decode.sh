@@ -8,9 +8,10 @@
 #   3. bench/decode.py --sweep --stages $STAGES --page-groups $PAGE_GROUPS: the three cases per
 #      KV ring depth and addressing (DecodeSpec.page_groups 0/1), cuDNN in the same run (when
 #      STAGES is set); LAYOUT=HND for an HND cache; FP8=1 also runs --fp8 per addressing
-#      (PAGE_GROUPS applies to these two runs only);
-#   4. tests/test_gpu_decode.py, two processes (the decode matrix; the rest of the file), and
-#      tests/test_gpu_fp8.py in a third (NO_TESTS=1 skips).
+#      (PAGE_GROUPS applies to these two runs only; MMA=0,1 likewise runs both DecodeSpec.mma);
+#   4. tests/test_gpu_decode.py, two processes (the decode matrix; the rest of the file, or with
+#      TEST_MMA=1 only test_decode_mma_gpu), and tests/test_gpu_fp8.py in a third (NO_TESTS=1
+#      skips).
 # Logs and JSON in $OUT/r and $OUT/results.tgz; CACHE_BACK=1 returns the kernel cache as
 # $OUT/cache.tgz. Exit status non-zero when anything failed.
 #   STAGES=2 PAGE_GROUPS=0,1 FP8=1 NO_GATHER=1 CACHE_BACK=1 bash bench/session_decode.sh
@@ -29,12 +30,12 @@ if [ -z "${NO_FULL:-}" ]; then
 fi
 if [ -n "${STAGES:-}" ]; then
   python3 bench/decode.py --sweep --stages "$STAGES" --page-groups "${PAGE_GROUPS:-}" \
-    --layout "${LAYOUT:-NHD}" --out "$OUT/r/decode_stages.json" >"$OUT/r/decode_stages.log" \
+    --mma "${MMA:-}" --layout "${LAYOUT:-NHD}" --out "$OUT/r/decode_stages.json" >"$OUT/r/decode_stages.log" \
     2>&1 || status=1
   echo "decode --stages $STAGES: $((SECONDS - t0)) s"
 fi
 if [ -n "${FP8:-}" ]; then
-  python3 bench/decode.py --fp8 --page-groups "${PAGE_GROUPS:-}" --out "$OUT/r/decode_fp8.json" \
+  python3 bench/decode.py --fp8 --page-groups "${PAGE_GROUPS:-}" --mma "${MMA:-}" --out "$OUT/r/decode_fp8.json" \
     >"$OUT/r/decode_fp8.log" 2>&1 || status=1
   echo "decode --fp8: $((SECONDS - t0)) s"
 fi
@@ -42,7 +43,9 @@ if [ -z "${NO_TESTS:-}" ]; then
   t() { timeout "${TEST_S:-330}" python3 -m pytest -v -m gpu -p no:cacheprovider "$@"; }
   t tests/test_gpu_decode.py -k "decode_matrix" >"$OUT/r/gpu_d1.log" 2>&1 &
   a=$!
-  t tests/test_gpu_decode.py -k "not decode_matrix" >"$OUT/r/gpu_d2.log" 2>&1 &
+  rest="not decode_matrix"
+  [ -n "${TEST_MMA:-}" ] && rest="decode_mma"
+  t tests/test_gpu_decode.py -k "$rest" >"$OUT/r/gpu_d2.log" 2>&1 &
   b=$!
   t tests/test_gpu_fp8.py >"$OUT/r/gpu_d3.log" 2>&1 &
   c=$!

@@ -152,6 +152,50 @@ def test_decode_page_groups_gpu(rng, monkeypatch, batch, max_len, hq, hkv, d, ps
     assert rel_err(outs[1][0].float().cpu().numpy(), ref) <= TOLERANCE[dtype]
 
 
+# DecodeSpec(mma=True): q.k and p.v of the CUDA-core decode's pipeline on tensor cores. Both
+# head dims, groups 1-8, page sizes 1, 16 and odd, both layouts, fp16/bf16 and both FP8 formats,
+# the variants it takes (soft cap, sigmoid, sinks), a long request split over CTAs.
+MMA_MATRIX = [
+    (9, 3000, 32, 8, 128, 16, "float16", "NHD", None, {}),
+    (1, 16384, 32, 8, 128, 16, "float16", "HND", None, {}),
+    (7, 2000, 64, 8, 128, 1, "bfloat16", "HND", None, {}),  # group 8
+    (5, 2500, 16, 8, 64, 16, "float16", "HND", None, {}),  # group 2
+    (6, 1800, 8, 8, 64, 5, "bfloat16", "NHD", None, {}),  # group 1
+    (8, 3000, 32, 8, 128, 16, "float16", "NHD", "float8_e4m3fn", {}),
+    (5, 2500, 64, 8, 128, 16, "float16", "HND", "float8_e5m2", {}),
+    (4, 2000, 32, 8, 64, 1, "float16", "NHD", "float8_e4m3fn", {}),
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD", None, dict(logits_soft_cap=30.0)),
+    (3, 2500, 32, 8, 128, 1, "float16", "NHD", None,
+     dict(variant=V.sigmoid_attention(0.5, -1.0))),
+    (3, 2500, 32, 8, 128, 16, "float16", "NHD", None,
+     dict(variant=V.attention_sink(np.linspace(-1.0, 2.0, 32)))),
+]
+
+
+@pytest.mark.parametrize("batch, max_len, hq, hkv, d, ps, dtype, layout, fmt, kw", MMA_MATRIX)
+def test_decode_mma_gpu(rng, monkeypatch, batch, max_len, hq, hkv, d, ps, dtype, layout, fmt,
+                        kw):
+    """DecodeSpec(mma=True) matches the float64 reference (on the dequantised cache for FP8),
+    output and LSE, within the CUDA-core path's tolerance."""
+    from nbinfer.api import decode as decode_api
+
+    monkeypatch.setattr(decode_api, "DECODE_MMA", True)
+    pt, cache, q = _case(rng, batch, max_len, hkv, hq, d, ps, dtype, layout)
+    plan_kw = dict(kw)
+    if fmt:
+        cache, plan_kw["kv_data_type"] = cache.to(getattr(torch, fmt)), fmt
+    w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
+                                                       device="cuda"), layout)
+    w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=q.dtype,
+           **plan_kw)
+    assert w.step_plan.spec.mma
+    out, lse = w.run(q, cache, return_lse=True)
+    torch.cuda.synchronize()
+    ref, ref_lse = _reference(q, cache, pt, layout, **kw)
+    assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE[dtype]
+    assert np.allclose(lse.cpu().numpy(), ref_lse, atol=1e-3, rtol=0)
+
+
 # use_tensor_cores=True: page sizes 1 and 16, D 64/128 (tensor cores) and 256 (the CUDA-core
 # prefill kernel), groups 1-8, both layouts, fp16 and bf16, every built-in variant
 TENSOR_CORE_MATRIX = [

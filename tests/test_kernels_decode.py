@@ -315,3 +315,53 @@ def test_decode_on_tensor_cores_uses_the_paged_prefill_kernel(rng):
     p = BatchPrefillWithPagedKVCacheWrapper(np.zeros(1 << 22, np.uint8))
     p.plan(np.array([0, 3, 6]), *args, q_data_type="float16", logits_soft_cap=30.0)
     assert w.step_plan.spec == p.step_plan.spec
+
+
+@pytest.mark.parametrize("kv_lens, hq, hkv, d, ps, dtype, layout, kv_dtype, kw", [
+    ([5, 21], 4, 1, 128, 16, np.float16, "NHD", None, {}),  # fp16 D 128: one k8 step
+    ([19], 2, 1, 128, 16, np.float16, "HND", "float8_e4m3fn", {}),  # FP8 16-token groups
+    ([17, 3], 8, 1, 64, 8, np.float16, "NHD", "float8_e5m2", dict(logits_soft_cap=5.0)),
+])
+def test_decode_mma_matches_reference(rng, monkeypatch, kv_lens, hq, hkv, d, ps, dtype, layout,
+                                      kv_dtype, kw):
+    # DecodeSpec(mma=True) in the simulator: the twins compute each lane's fragment elements
+    # directly, so this checks the swizzled gather, the masking, the per-quad softmax, the
+    # factors of the O^T columns' heads and the epilogue's dim map (out_dim) against the
+    # reference; the fragment layouts themselves are the gpu test's (test_decode_mma_gpu).
+    from nbinfer.api import decode as decode_api
+
+    monkeypatch.setattr(decode_api, "DECODE_MMA", True)
+    pt, cache, q = _case(rng, kv_lens, hq, hkv, d, ps, dtype, layout)
+    plan_kw = dict(kw, fixed_split_size=16)
+    kv = cache
+    if kv_dtype:
+        from nbinfer.reference import fp8
+
+        cache = fp8.encode(cache, kv_dtype)
+        kv = fp8.decode(cache, kv_dtype)
+        plan_kw["kv_data_type"] = kv_dtype
+    w, (out, lse) = _run(pt, cache, q, hkv, ps, layout, **plan_kw)
+    assert w.step_plan.spec.mma
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, kv, pt.indptr, pt.indices, pt.last_page_len, kv_layout=layout, return_lse=True, **kw)
+    assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
+    assert np.allclose(lse, ref_lse, atol=1e-4, rtol=0)
+
+
+def test_decode_mma_refuses_what_it_cannot_run():
+    from nbinfer.kernels.decode import DecodeSpec, decode_kernel_source
+    from nbinfer.kernels.decode_mma import mma_decode_supported
+    from nbinfer.variants import builtins
+
+    std, rope = builtins.standard(), builtins.rope_llama()
+    assert mma_decode_supported(128, 4, "float16", "float16", std)
+    assert mma_decode_supported(64, 8, "float8_e4m3fn", "float16", std)
+    assert not mma_decode_supported(256, 4, "float16", "float16", std)  # D 256
+    assert not mma_decode_supported(128, 16, "float16", "float16", std)  # G > 8
+    assert not mma_decode_supported(128, 4, "float32", "float32", std)
+    assert not mma_decode_supported(128, 4, "float8_e4m3fn", "bfloat16", std)
+    assert not mma_decode_supported(128, 4, "float16", "float16", rope)  # K transform
+    assert not mma_decode_supported(128, 4, "float16", "float16", builtins.sliding_window(8))
+    with pytest.raises(ValueError, match="mma"):
+        decode_kernel_source(DecodeSpec(256, 4, 16, "float16", "float16", "NHD", std, sim=True,
+                                        mma=True))

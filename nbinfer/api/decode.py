@@ -22,6 +22,7 @@ from .._checks import (
     check_sm_scale,
 )
 from ..kernels.decode import NUM_THREADS, DecodeSpec, build_decode_kernel
+from ..kernels.decode_mma import mma_decode_supported
 from ..scheduler import PlanLayout, compiled
 from ..variants import compose, from_flashinfer_args
 from ..variants import resolve as resolve_variant
@@ -42,6 +43,9 @@ MIN_CHUNK = 256
 CTAS_PER_SM = 4
 DECODE_STAGES = None  # the KV ring's depth per warp (None: DecodeSpec's default, 2)
 DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, on)
+# DecodeSpec.mma (q.k and p.v on tensor cores) where kernels.decode_mma supports the spec; off
+# by default until measured on the H200.
+DECODE_MMA = False
 
 
 def persistent_ctas(backend: str, per_sm: int = 0) -> int:
@@ -347,7 +351,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                               kv_dtype=kv_dtype, q_dtype=q_dtype, kv_layout=self._kv_layout,
                               variant=var, sparse=True, sim=self._backend == "sim",
                               stages=DECODE_STAGES or 2,
-                              page_groups=DECODE_PAGE_GROUPS is None or bool(DECODE_PAGE_GROUPS))
+                              page_groups=DECODE_PAGE_GROUPS is None or bool(DECODE_PAGE_GROUPS),
+                              mma=bool(DECODE_MMA) and mma_decode_supported(
+                                  head_dim, group, kv_dtype, q_dtype, var))
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,

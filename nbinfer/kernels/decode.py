@@ -52,6 +52,7 @@ from .common import (
     kept_weights,
     state_finalize,
 )
+from .decode_mma import decode_mma_ops, mma_decode_supported
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -77,6 +78,9 @@ class DecodeSpec(AttentionSpec):
     # Measured on the H200 (bench/NOTES.md, issue 13, session 13): fp16 unchanged (within 1 %),
     # FP8 3-15 % faster (that kernel, 1178 instructions per 4 KiB group, is issue-bound).
     page_groups: bool = True
+    # q.k and p.v on tensor cores (kernels/decode_mma.py): fp16/bf16 or FP8 KV at D 64/128,
+    # G <= 8, variants without q/K transforms or masks (decode_mma.mma_decode_supported).
+    mma: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -231,6 +235,19 @@ def decode_kernel_source(spec: DecodeSpec):
     SPARSE = spec.sparse
     finalize = state_finalize(sim)
     jit_dev = device_jit(sim)
+    MMA = spec.mma
+    if MMA and not mma_decode_supported(D, G, spec.kv_dtype, spec.q_dtype, spec.variant):
+        raise ValueError(f"DecodeSpec(mma=True) does not support this spec: {spec}")
+    if MMA:
+        mo = decode_mma_ops(D, TG, G, spec.kv_dtype, spec.q_dtype, NW, sim)
+        QFM, QFM_T, NSM, NOM, MSCR = mo.QF, mo.QF_T, mo.NS, mo.NO, mo.SCRATCH
+        mma_scores, mma_pv, quad_max, quad_sum = mo.scores, mo.pv, mo.quad_max, mo.quad_sum
+        head_alphas = mo.head_alphas
+        load_qm, clear_qm, chunk_addr, out_dim = mo.load_q, mo.clear_q, mo.chunk_addr, mo.out_dim
+    else:  # never called: the MMA branches below are compiled out
+        QFM, QFM_T, NSM, NOM, MSCR = 1, float32, 1, 1, 1
+        mma_scores = mma_pv = quad_max = quad_sum = load_qm = clear_qm = head_alphas = None
+        chunk_addr = out_dim = None
 
     @jit_dev
     def syncwarp():
@@ -269,7 +286,11 @@ def decode_kernel_source(spec: DecodeSpec):
             off = token_offset(kv_indices, ib, U32(gstart + U32(lane // CR)), row_stride,
                                head_off, page_stride)
             for j in range(CPL):
-                dst = sbase + 16 * (lane + 32 * j)
+                if MMA:  # the swizzled rows decode_mma reads
+                    ci = lane + 32 * j
+                    dst = chunk_addr(sbase, ci // CR, ci % CR)
+                else:
+                    dst = sbase + 16 * (lane + 32 * j)
                 cp16(kvs, dst, k, off)
                 cp16(kvs, dst + K_BYTES, v, off)
                 off += row_step
@@ -282,7 +303,10 @@ def decode_kernel_source(spec: DecodeSpec):
                 # head_off holds column (lane % CR) * CE; rows wider than 32 chunks (fp32,
                 # D=256) continue at column (lane + 32 j) % CR = lane % CR + (32 j) % CR.
                 off += ((32 * j) % CR) * CE
-                dst = sbase + 16 * ci
+                if MMA:
+                    dst = chunk_addr(sbase, ci // CR, ci % CR)
+                else:
+                    dst = sbase + 16 * ci
                 cp16(kvs, dst, k, off)
                 cp16(kvs, dst + K_BYTES, v, off)
 
@@ -316,6 +340,10 @@ def decode_kernel_source(spec: DecodeSpec):
         last_flag = cuda.shared.array(1, int32)
         mnum = cuda.local.array(OUTS, float32)
         outv = cuda.local.array(OD, float32)
+        qm = cuda.local.array(QFM, QFM_T)  # MMA: this lane's Q fragment
+        sm = cuda.local.array(NSM, float32)  # MMA: S, then P, of head lane // 4
+        accm = cuda.local.array(NOM, float32)  # MMA: O^T, heads 2 (lane % 4) + (0, 1)
+        mscr = cuda.shared.array(MSCR, float32)  # MMA: the simulator's cross-lane scratch
 
         tid = cuda.threadIdx.x
         lane = tid % 32
@@ -336,18 +364,30 @@ def decode_kernel_source(spec: DecodeSpec):
             q_pos = kv_len - 1
             qscale = sm_scale * Q_LOG2E
 
-            for h in range(G):
-                qbase = int64(b) * q_stride_n + int64(hk * G + h) * q_stride_h  # strided q
-                for e in range(DPL):
-                    d = u * DPL + e
-                    x = q_to_f32(q[qbase + d])
-                    if HAS_Q:
-                        xp = q_to_f32(q[qbase + (d + HALF) % D])
-                        x = float32(hook_query(x, xp, d, D, q_pos, hk * G + h))
-                    qv[h * DPL + e] = x * qscale
-                for e in range(NV):
-                    acc[h * NV + e] = ZERO
-                m[h] = NEG_INF
+            gq = lane // 4  # MMA: this lane's head (rows >= G are padding)
+            m_own = NEG_INF
+            l_own = ZERO
+            if MMA:
+                if gq < G:
+                    load_qm(q, int64(b) * q_stride_n + int64(hk * G + gq) * q_stride_h, lane,
+                            qm)
+                else:
+                    clear_qm(qm)
+                for e in range(NOM):
+                    accm[e] = ZERO
+            if not MMA:
+                for h in range(G):
+                    qbase = int64(b) * q_stride_n + int64(hk * G + h) * q_stride_h  # strided q
+                    for e in range(DPL):
+                        d = u * DPL + e
+                        x = q_to_f32(q[qbase + d])
+                        if HAS_Q:
+                            xp = q_to_f32(q[qbase + (d + HALF) % D])
+                            x = float32(hook_query(x, xp, d, D, q_pos, hk * G + h))
+                        qv[h * DPL + e] = x * qscale
+                    for e in range(NV):
+                        acc[h * NV + e] = ZERO
+                    m[h] = NEG_INF
             for r in range(R):
                 slot = (u // REP) * R + r
                 slot_h[r] = slot // TPL
@@ -386,90 +426,125 @@ def decode_kernel_source(spec: DecodeSpec):
                                 last, lane, row_stride, head_off, page_stride, row_step)
                 commit()
 
-                # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
-                for i in range(TPL):
-                    t = half + NH * i
-                    kx = lds_k(kvs, sb + (t * D + u * DPL) * IS)
-                    if HAS_K:
-                        kp = lds_k(kvs, sb + (t * D + (u * DPL + HALF) % D) * IS)
-                    for e in range(DPL):
-                        x = kx[e]
-                        if HAS_K:
-                            x = float32(hook_key(x, kp[e], u * DPL + e, D, gstart + t, hk))
-                        kf[e] = x
-                    for h in range(GP):
-                        dot = ZERO
-                        if h < G:
-                            for e in range(DPL):
-                                dot += qv[h * DPL + e] * kf[e]
-                        part[h * TPL + i] = dot
-                reduce_scatter(part, sc, lane, warp, scratch)
-
-                # Each lane now owns R whole logits: run the variant on each exactly once.
-                for rr in range(R):
-                    h = slot_h[rr]
-                    pos = gstart + slot_t[rr]
-                    s = sc[rr]
-                    if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
-                        s = NAN
-                    keep = pos <= last and h < G
-                    # Padding heads (h >= G when G is not a power of two) are masked; the hooks
-                    # see a real head (a slope table has Hq entries).
-                    hh = hk * G + min(h, G - 1)
-                    if HAS_LOGITS:
-                        s = float32(hook_logits(s, q_pos, pos, hh)) * POST_LOG2E
-                    if HAS_MASK:
-                        keep = keep and hook_mask(q_pos, pos, hh)
-                    if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
-                        s = kept_logit(s)
-                    sc[rr] = s if keep else MASKED
-
-                if SOFTMAX:
-                    # Every head's maximum of the group in every lane, by shuffles among the
-                    # lanes that own the head's logits (no shared-memory round trip).
-                    lm = sc[0]
-                    for rr in range(1, R):
-                        lm = max(lm, sc[rr])
-                    head_max(lm, lane, warp, hscratch, gmax)
-                    own = slot_h[0]  # the one head of this lane's logits (>= G: padding)
-                    own_mref = ZERO
-                    own_alpha = ONE
-                    for h in range(G):
-                        mt = max(m[h], gmax[h])
-                        # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
+                if MMA:
+                    # S of head gq for the group's tokens 8 nt + 2 (lane % 4) + i (unscaled).
+                    mma_scores(kvs, sb, lane, qm, sm)
+                    for idx in range(NSM):
+                        pos = gstart + U32(8 * (idx // 2) + 2 * (lane % 4) + idx % 2)
+                        s = sm[idx]
+                        if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                            s = NAN
+                        s *= qscale
+                        keep = pos <= last and gq < G
+                        if HAS_LOGITS:
+                            s = float32(hook_logits(s, q_pos, pos, hk * G + min(gq, G - 1))) \
+                                * POST_LOG2E
+                        sm[idx] = s if keep else MASKED
+                    if SOFTMAX:
+                        lm = sm[0]
+                        for idx in range(1, NSM):
+                            lm = max(lm, sm[idx])
+                        mt = max(m_own, quad_max(lm, lane, warp, mscr))
                         mref = mt if mt > NEG_INF else ZERO
-                        alpha = exp2(m[h] - mref)
-                        m[h] = mt
-                        for e in range(NV):
-                            acc[h * NV + e] *= alpha
-                        if own == h:
-                            own_mref = mref
-                            own_alpha = alpha
-                    for rr in range(R):
-                        p = exp2(sc[rr] - own_mref)
-                        p_pv = p
-                        if GUARD:  # a kept key of weight 0 is still read in p.V
-                            p, p_pv = split_weight(sc[rr], p)
-                        lpart[rr] = lpart[rr] * own_alpha + p
-                        sc[rr] = p_pv
-                for rr in range(R):
-                    sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
-                syncwarp()
+                        alpha = exp2(m_own - mref)
+                        m_own = mt
+                        a_even, a_odd = head_alphas(alpha, lane, mscr)
+                        for e in range(NOM // 2):
+                            accm[2 * e] *= a_even
+                            accm[2 * e + 1] *= a_odd
+                        psum = ZERO
+                        for idx in range(NSM):
+                            p = exp2(sm[idx] - mref)
+                            psum += p
+                            sm[idx] = p
+                        l_own = l_own * alpha + psum
+                    mma_pv(kvs, sb + U32(K_BYTES), lane, sm, accm, mscr)
+                else:
+                    # q.k partials: TPL tokens x GP heads (padding heads are 0) over DPL dims.
+                    for i in range(TPL):
+                        t = half + NH * i
+                        kx = lds_k(kvs, sb + (t * D + u * DPL) * IS)
+                        if HAS_K:
+                            kp = lds_k(kvs, sb + (t * D + (u * DPL + HALF) % D) * IS)
+                        for e in range(DPL):
+                            x = kx[e]
+                            if HAS_K:
+                                x = float32(hook_key(x, kp[e], u * DPL + e, D, gstart + t, hk))
+                            kf[e] = x
+                        for h in range(GP):
+                            dot = ZERO
+                            if h < G:
+                                for e in range(DPL):
+                                    dot += qv[h * DPL + e] * kf[e]
+                            part[h * TPL + i] = dot
+                    reduce_scatter(part, sc, lane, warp, scratch)
 
-                # acc += p * v on this lane's NV dims (all G x TG probabilities loaded first: one
-                # straight-line block, no inner loop left for the compiler to keep rolled).
-                for h in range(G):
-                    pv = lds_p(pbuf, pb + U32(4 * h * TG))
-                    for j in range(TG):
-                        pl[h * TG + j] = pv[j]
-                vb = sb + U32(K_BYTES + lane * NV * IS)
-                for t in range(TG):
-                    vx = lds_v(kvs, vb + U32(t * D * IS))
-                    for h in range(G):
-                        p = pl[h * TG + t]
-                        if not GUARD or p != ZERO:  # an unkept key's V may be NaN
+                    # Each lane now owns R whole logits: run the variant on each exactly once.
+                    for rr in range(R):
+                        h = slot_h[rr]
+                        pos = gstart + slot_t[rr]
+                        s = sc[rr]
+                        if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                            s = NAN
+                        keep = pos <= last and h < G
+                        # Padding heads (h >= G when G is not a power of two) are masked; the hooks
+                        # see a real head (a slope table has Hq entries).
+                        hh = hk * G + min(h, G - 1)
+                        if HAS_LOGITS:
+                            s = float32(hook_logits(s, q_pos, pos, hh)) * POST_LOG2E
+                        if HAS_MASK:
+                            keep = keep and hook_mask(q_pos, pos, hh)
+                        if GUARD and keep:  # p == 0 in p.V marks an unkept key (common)
+                            s = kept_logit(s)
+                        sc[rr] = s if keep else MASKED
+
+                    if SOFTMAX:
+                        # Every head's maximum of the group in every lane, by shuffles among the
+                        # lanes that own the head's logits (no shared-memory round trip).
+                        lm = sc[0]
+                        for rr in range(1, R):
+                            lm = max(lm, sc[rr])
+                        head_max(lm, lane, warp, hscratch, gmax)
+                        own = slot_h[0]  # the one head of this lane's logits (>= G: padding)
+                        own_mref = ZERO
+                        own_alpha = ONE
+                        for h in range(G):
+                            mt = max(m[h], gmax[h])
+                            # An all-masked head keeps m = -inf; 0 as the reference avoids NaN.
+                            mref = mt if mt > NEG_INF else ZERO
+                            alpha = exp2(m[h] - mref)
+                            m[h] = mt
                             for e in range(NV):
-                                acc[h * NV + e] += p * vx[e]
+                                acc[h * NV + e] *= alpha
+                            if own == h:
+                                own_mref = mref
+                                own_alpha = alpha
+                        for rr in range(R):
+                            p = exp2(sc[rr] - own_mref)
+                            p_pv = p
+                            if GUARD:  # a kept key of weight 0 is still read in p.V
+                                p, p_pv = split_weight(sc[rr], p)
+                            lpart[rr] = lpart[rr] * own_alpha + p
+                            sc[rr] = p_pv
+                    for rr in range(R):
+                        sts_f32(pbuf, pb + 4 * (slot_h[rr] * TG + slot_t[rr]), sc[rr])
+                    syncwarp()
+
+                    # acc += p * v on this lane's NV dims (all G x TG probabilities loaded first:
+                    # one straight-line block, no inner loop left for the compiler to keep
+                    # rolled).
+                    for h in range(G):
+                        pv = lds_p(pbuf, pb + U32(4 * h * TG))
+                        for j in range(TG):
+                            pl[h * TG + j] = pv[j]
+                    vb = sb + U32(K_BYTES + lane * NV * IS)
+                    for t in range(TG):
+                        vx = lds_v(kvs, vb + U32(t * D * IS))
+                        for h in range(G):
+                            p = pl[h * TG + t]
+                            if not GUARD or p != ZERO:  # an unkept key's V may be NaN
+                                for e in range(NV):
+                                    acc[h * NV + e] += p * vx[e]
                 gstart += U32(NW * TG)
                 sb += U32(STAGE_BYTES)
                 if sb >= kv_base + U32(S * STAGE_BYTES):
@@ -478,22 +553,36 @@ def decode_kernel_source(spec: DecodeSpec):
             # Per-head sums of the owners' running l (slots shared by REP lanes are written once
             # per address, so each slot counts once).
             if SOFTMAX:
-                for rr in range(R):
-                    sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), lpart[rr])
+                if MMA:
+                    l_own = quad_sum(l_own, lane, warp, mscr)  # head gq's sum in its 4 lanes
+                else:
+                    for rr in range(R):
+                        sts_f32(pbuf, pa + 4 * (slot_h[rr] * TG + slot_t[rr]), lpart[rr])
             syncwarp()
 
             # Merge the four warps' states, one head at a time.
             for h in range(G):
-                lsum = ZERO
-                if SOFTMAX:
-                    sv = lds_p(pbuf, pa + U32(4 * h * TG))
-                    for j in range(TG):
-                        lsum += sv[j]
-                for e in range(NV):
-                    msmem[warp * (D + 2) + lane * NV + e] = acc[h * NV + e]
-                if lane == 0:
-                    msmem[warp * (D + 2) + D] = m[h]
-                    msmem[warp * (D + 2) + D + 1] = lsum
+                if MMA:
+                    if lane % 4 == h // 2:  # head h is column h % 2 of lanes 4g + h // 2
+                        for i in range(NOM // 4):
+                            for r in range(2):
+                                msmem[warp * (D + 2) + out_dim(i, r, gq)] = \
+                                    accm[4 * i + 2 * r + h % 2]
+                    if gq == h:
+                        if lane % 4 == 0:
+                            msmem[warp * (D + 2) + D] = m_own
+                            msmem[warp * (D + 2) + D + 1] = l_own
+                else:
+                    lsum = ZERO
+                    if SOFTMAX:
+                        sv = lds_p(pbuf, pa + U32(4 * h * TG))
+                        for j in range(TG):
+                            lsum += sv[j]
+                    for e in range(NV):
+                        msmem[warp * (D + 2) + lane * NV + e] = acc[h * NV + e]
+                    if lane == 0:
+                        msmem[warp * (D + 2) + D] = m[h]
+                        msmem[warp * (D + 2) + D + 1] = lsum
                 cuda.syncthreads()
                 qo_head = hk * G + h
                 mmax = NEG_INF
