@@ -298,6 +298,7 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
         res.update({f"{name}_ms": t, f"{name}_gpu_ms": tg, f"{name}_kv_bytes": kv_bytes,
                     f"{name}_gpu_tbps": kv_bytes / tg / 1e9,
                     f"{name}_regs": int(w.step_plan.launch.launch.kernel.regs),
+                    f"{name}_mma": bool(w.step_plan.spec.mma),
                     f"{name}_local_bytes": int(w.step_plan.launch.launch.kernel.local_bytes)})
         outs[name] = out
     res["speedup_gpu"] = res["fp16_gpu_ms"] / res["fp8_gpu_ms"]
@@ -334,7 +335,7 @@ def main():
                          "0/1 (default: the API's)")
     ap.add_argument("--mma", default="",
                     help="--sweep / --fp8: DecodeSpec.mma values to run (q.k and p.v on tensor "
-                         "cores), comma-separated 0/1 (default: the API's, off)")
+                         "cores), comma-separated 0/1 (default: the API's: FP8 caches only)")
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
                     help="the sweep's paged KV layout (NHD: a page's token rows hold every KV "
                          "head; HND: one KV head's page is one contiguous block)")
@@ -362,20 +363,20 @@ def main():
     bad = [x for x in args.mma.split(",") if x and x not in ("0", "1")]
     if bad:
         ap.error(f"--mma: values are 0 or 1, got {', '.join(bad)}")
-    mmas = [x == "1" for x in args.mma.split(",") if x] or [False]
+    mmas = [x == "1" for x in args.mma.split(",") if x] or [None]
     if args.fp8:
         rows = []
         for pg in page_groups:
             for mma in mmas:
                 decode_api.DECODE_PAGE_GROUPS, decode_api.DECODE_MMA = pg, mma
-                rows += [dict(fp8_case(b, l, fmt), page_groups=pg, mma=mma)
+                rows += [dict(fp8_case(b, l, fmt), page_groups=pg)
                          for fmt in ("float8_e4m3fn", "float8_e5m2") for b, l in CASES]
         save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
-        print("format         case          pg     mma    fp16 gpu ms  fp8 gpu ms  speedup gpu (call)  "
-              "fp8 TB/s  regs/local  rel err")
+        print("format         case          pg     mma fp16/fp8  fp16 gpu ms  fp8 gpu ms  "
+              "speedup gpu (call)  fp8 TB/s  regs/local  rel err")
         for r in rows:
             print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} pg {r['page_groups']!s:5s}"
-                  f" {r['mma']!s:5s}"
+                  f" {r['fp16_mma']!s:5s}/{r['fp8_mma']!s:5s}"
                   f" {r['fp16_gpu_ms']:10.3f} "
                   f"{r['fp8_gpu_ms']:11.3f} {r['speedup_gpu']:8.2f} ({r['speedup_call']:.2f})"
                   f"   {r['fp8_gpu_tbps']:9.2f}  {r['fp8_regs']}/{r['fp8_local_bytes']}"

@@ -214,19 +214,25 @@ def state(out, lse, ref, dtype):
 
 # ---------------------------------------------------------------------------------------------
 # Cases. Each returns [(what, result, reference, tolerance)]; results of any kind (ctx.host).
-def batch_decode(ctx, rng, kv_lens, layout):
+def batch_decode(ctx, rng, kv_lens, layout, fmt=None):
     """fp16, Hq 8 Hkv 2 D 128, page 16, permuted pages; every request under 256 tokens runs
-    unsplit, a long one is cut into KV chunks merged inside the kernel."""
+    unsplit, a long one is cut into KV chunks merged inside the kernel. ``fmt``: an FP8 cache
+    of that format (values rounded to it first; fp16 under --dry)."""
     d, ps, dt = 128, 16, "float16"
     (t,), _, used = allocate(rng, [kv_lens], ps)
     cache = paged_cache(rng, used, HKV, d, layout, dt)
+    kw, kv_dt = {}, dt
+    if fmt and not ctx.dry:
+        from nbinfer.reference import fp8
+
+        cache, kw, kv_dt = fp8.decode(fp8.encode(cache, fmt), fmt), dict(kv_data_type=fmt), fmt
     q = randn(rng, len(kv_lens), HQ, d, dtype=dt)
     ref = reference.batch_decode_with_paged_kv_cache(q, clean(cache), *t, kv_layout=layout,
                                                      return_lse=True)
     w = planned(ctx, lambda ws: nbinfer.BatchDecodeWithPagedKVCacheWrapper(
         ws, layout, backend=ctx.backend),
-        lambda w: w.plan(*t, HQ, HKV, d, ps, q_data_type=ctx.dt(dt)))
-    out, lse = w.run(ctx.dev(q, dt), ctx.dev(cache, dt), return_lse=True)
+        lambda w: w.plan(*t, HQ, HKV, d, ps, q_data_type=ctx.dt(dt), **kw))
+    out, lse = w.run(ctx.dev(q, dt), ctx.dev(cache, kv_dt), return_lse=True)
     return state(out, lse, ref, dt)
 
 
@@ -239,6 +245,17 @@ def deeper_ring_decode(ctx, rng, stages=3):
 
     with mock.patch.object(decode_api, "DECODE_STAGES", stages):
         return batch_decode(ctx, rng, SPLIT_LENS, "NHD")
+
+
+def mma_decode(ctx, rng, kv_lens, layout, fmt=None, on=True):
+    """:func:`batch_decode` with q.k and p.v on tensor cores (``DecodeSpec(mma=True)``) or,
+    ``on=False``, on CUDA cores (FP8 caches default to tensor cores)."""
+    from unittest import mock
+
+    from nbinfer.api import decode as decode_api
+
+    with mock.patch.object(decode_api, "DECODE_MMA", on):
+        return batch_decode(ctx, rng, kv_lens, layout, fmt)
 
 
 PLAIN_LENS = [1, 16, 17, 0, 100, 255, 33, 64]  # 0: an empty request (O = 0, LSE = -inf)
@@ -488,6 +505,12 @@ CASES = [
      lambda c, r: batch_decode(c, r, SPLIT_LENS, "NHD")),
     ("decode_graph_nhd", "decode fp16 D128 G4 page 16 NHD", graph_decode),
     ("decode_deeper_ring", "decode fp16 D128 G4 page 16 NHD, 3 stages", deeper_ring_decode),
+    ("decode_mma_split_nhd", "decode fp16 D128 G4 page 16 NHD, tensor cores",
+     lambda c, r: mma_decode(c, r, SPLIT_LENS, "NHD")),
+    ("decode_mma_fp8_hnd", "decode e4m3 D128 G4 page 16 HND, tensor cores",
+     lambda c, r: mma_decode(c, r, SPLIT_LENS, "HND", "float8_e4m3fn")),
+    ("decode_fp8_plain_nhd", "decode e5m2 D128 G4 page 16 NHD, CUDA cores",
+     lambda c, r: mma_decode(c, r, PLAIN_LENS, "NHD", "float8_e5m2", on=False)),
     ("decode_plain_hnd", "decode fp16 D128 G4 page 16 HND",
      lambda c, r: batch_decode(c, r, PLAIN_LENS, "HND")),
     ("decode_split_hnd", "decode fp16 D128 G4 page 16 HND",

@@ -43,9 +43,17 @@ MIN_CHUNK = 256
 CTAS_PER_SM = 4
 DECODE_STAGES = None  # the KV ring's depth per warp (None: DecodeSpec's default, 2)
 DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, on)
-# DecodeSpec.mma (q.k and p.v on tensor cores) where kernels.decode_mma supports the spec; off
-# by default until measured on the H200.
-DECODE_MMA = False
+# DecodeSpec.mma (q.k and p.v on tensor cores) where kernels.decode_mma supports the spec. None
+# (default): for FP8 caches only, where it measured 1.6-1.8x faster than CUDA cores on the H200
+# (bench/NOTES.md, issue 13, session 13); 16-bit caches measured the same either way. True:
+# wherever supported; False: never.
+DECODE_MMA = None
+
+
+def _use_mma(head_dim, group, kv_dtype, q_dtype, variant) -> bool:
+    """DECODE_MMA's rule (above) for one decode configuration."""
+    wanted = kv_dtype.startswith("float8") if DECODE_MMA is None else bool(DECODE_MMA)
+    return wanted and mma_decode_supported(head_dim, group, kv_dtype, q_dtype, variant)
 
 
 def persistent_ctas(backend: str, per_sm: int = 0) -> int:
@@ -352,8 +360,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                               variant=var, sparse=True, sim=self._backend == "sim",
                               stages=DECODE_STAGES or 2,
                               page_groups=DECODE_PAGE_GROUPS is None or bool(DECODE_PAGE_GROUPS),
-                              mma=bool(DECODE_MMA) and mma_decode_supported(
-                                  head_dim, group, kv_dtype, q_dtype, var))
+                              mma=_use_mma(head_dim, group, kv_dtype, q_dtype, var))
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,

@@ -449,9 +449,12 @@ def decode_kernel_source(spec: DecodeSpec):
                         alpha = exp2(m_own - mref)
                         m_own = mt
                         a_even, a_odd = head_alphas(alpha, lane, mscr)
-                        for e in range(NOM // 2):
-                            accm[2 * e] *= a_even
-                            accm[2 * e + 1] *= a_odd
+                        # Once the maxima settle the factors are 1: skip the D / 4 multiplies
+                        # (a branch, exact either way).
+                        if a_even != ONE or a_odd != ONE:
+                            for e in range(NOM // 2):
+                                accm[2 * e] *= a_even
+                                accm[2 * e + 1] *= a_odd
                         psum = ZERO
                         for idx in range(NSM):
                             p = exp2(sm[idx] - mref)

@@ -250,26 +250,31 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dty
         g, t = lane // 4, lane % 4
         for nt in range(NTS):
             row = 8 * nt + g
+            # c2, c3 (rows g + 8 of A, all zero) are chained like c0, c1 rather than passed as
+            # fresh zeros: they stay 0 (or NaN from an inf in K, never read) and the mma
+            # accumulates its register quad in place, with no zeroing per k-step.
             c0 = ZERO
             c1 = ZERO
+            c2 = ZERO
+            c3 = ZERO
             for i in range(KCH):
                 w0, w1, w2, w3 = lds4(chunk_addr(kbase, row, 4 * i + t))
                 if FP8:  # four k-steps of four codes each
                     ks = 4 * i
-                    c0, c1, _, _ = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, f8_lo(w0), f8_hi(w0),
-                                         c0, c1, ZERO, ZERO)
-                    c0, c1, _, _ = mma16(qf[2 * ks + 2], Z, qf[2 * ks + 3], Z, f8_lo(w1),
-                                         f8_hi(w1), c0, c1, ZERO, ZERO)
-                    c0, c1, _, _ = mma16(qf[2 * ks + 4], Z, qf[2 * ks + 5], Z, f8_lo(w2),
-                                         f8_hi(w2), c0, c1, ZERO, ZERO)
-                    c0, c1, _, _ = mma16(qf[2 * ks + 6], Z, qf[2 * ks + 7], Z, f8_lo(w3),
-                                         f8_hi(w3), c0, c1, ZERO, ZERO)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, f8_lo(w0),
+                                           f8_hi(w0), c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks + 2], Z, qf[2 * ks + 3], Z, f8_lo(w1),
+                                           f8_hi(w1), c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks + 4], Z, qf[2 * ks + 5], Z, f8_lo(w2),
+                                           f8_hi(w2), c0, c1, c2, c3)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks + 6], Z, qf[2 * ks + 7], Z, f8_lo(w3),
+                                           f8_hi(w3), c0, c1, c2, c3)
                 else:  # two k-steps of four halves each
                     ks = 2 * i
-                    c0, c1, _, _ = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, w0, w1, c0, c1,
-                                         ZERO, ZERO)
-                    c0, c1, _, _ = mma16(qf[2 * ks + 2], Z, qf[2 * ks + 3], Z, w2, w3, c0, c1,
-                                         ZERO, ZERO)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, w0, w1, c0, c1,
+                                           c2, c3)
+                    c0, c1, c2, c3 = mma16(qf[2 * ks + 2], Z, qf[2 * ks + 3], Z, w2, w3, c0,
+                                           c1, c2, c3)
             s[2 * nt] = c0
             s[2 * nt + 1] = c1
 
