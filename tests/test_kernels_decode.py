@@ -365,3 +365,22 @@ def test_decode_mma_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="mma"):
         decode_kernel_source(DecodeSpec(256, 4, 16, "float16", "float16", "NHD", std, sim=True,
                                         mma=True))
+
+
+def test_decode_mma_non_finite_rule_with_a_negative_scale(rng, monkeypatch):
+    # The tensor-core path scales q.k after the product; an inf in q must still poison its
+    # head when the scale is negative (+inf q.k -> -inf logit), as on CUDA cores.
+    from nbinfer.api import decode as decode_api
+
+    monkeypatch.setattr(decode_api, "DECODE_MMA", True)
+    pt, cache, q = _case(rng, [9, 20], 4, 1, 64, 16, np.float16, "NHD")
+    q[1, 2, 7] = np.inf
+    cache[:, 0, :, :, 7] = np.abs(cache[:, 0, :, :, 7]) + 0.5  # every q.k of that head is +inf
+    w, (out, lse) = _run(pt, cache, q, 1, 16, "NHD", sm_scale=-0.1)
+    assert w.step_plan.spec.mma
+    ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q, cache, pt.indptr, pt.indices, pt.last_page_len, sm_scale=-0.1, return_lse=True)
+    assert np.array_equal(np.isnan(lse), np.isnan(ref_lse)) and np.isnan(lse[1, 2])
+    ok = ~np.isnan(ref_lse)
+    assert np.allclose(lse[ok], ref_lse[ok], atol=1e-4, rtol=0)
+    assert rel_err(out[0], ref[0]) <= TOLERANCE["float16"]

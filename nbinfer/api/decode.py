@@ -44,9 +44,10 @@ CTAS_PER_SM = 4
 DECODE_STAGES = None  # the KV ring's depth per warp (None: DecodeSpec's default, 2)
 DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, on)
 # DecodeSpec.mma (q.k and p.v on tensor cores) where kernels.decode_mma supports the spec. None
-# (default): for FP8 caches only, where it measured 1.6-1.8x faster than CUDA cores on the H200
-# (bench/NOTES.md, issue 13, session 13); 16-bit caches measured the same either way. True:
-# wherever supported; False: never.
+# (default): for FP8 caches only, where it measured 1.2-1.4x faster than CUDA cores on the H200
+# (1.6-1.8x an fp16 cache; bench/NOTES.md, issue 13, session 13); 16-bit caches measured the
+# same either way. True: wherever supported; False: never. Batch decode only (the wrappers);
+# single_decode_with_kv_cache stays on CUDA cores.
 DECODE_MMA = None
 
 

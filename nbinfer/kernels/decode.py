@@ -431,10 +431,11 @@ def decode_kernel_source(spec: DecodeSpec):
                     mma_scores(kvs, sb, lane, qm, sm)
                     for idx in range(NSM):
                         pos = gstart + U32(8 * (idx // 2) + 2 * (lane % 4) + idx % 2)
-                        s = sm[idx]
-                        if s == NEG_INF:  # only inf in q or K gives it: poison, as NaN does
+                        # Scaled first, as the CUDA-core path's q is: with a negative scale a
+                        # kept +inf q.k is -inf here, which only inf in q or K gives: poison.
+                        s = sm[idx] * qscale
+                        if s == NEG_INF:
                             s = NAN
-                        s *= qscale
                         keep = pos <= last and gq < G
                         if HAS_LOGITS:
                             s = float32(hook_logits(s, q_pos, pos, hk * G + min(gq, G - 1))) \
@@ -446,7 +447,9 @@ def decode_kernel_source(spec: DecodeSpec):
                             lm = max(lm, sm[idx])
                         mt = max(m_own, quad_max(lm, lane, warp, mscr))
                         mref = mt if mt > NEG_INF else ZERO
-                        alpha = exp2(m_own - mref)
+                        # A head with no kept key yet (padding heads g >= G always) has l = 0
+                        # and O = 0: factor 1, exact, so that the skip below can fire at G < 8.
+                        alpha = ONE if mt == NEG_INF else exp2(m_own - mref)
                         m_own = mt
                         a_even, a_odd = head_alphas(alpha, lane, mscr)
                         # Once the maxima settle the factors are 1: skip the D / 4 multiplies

@@ -283,7 +283,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dty
         # O^T += V^T P^T: B = P^T is the S accumulator as it is (head g, tokens 2t, 2t+1 and
         # 2t+8, 2t+9), A = V^T (m-tile i: dims out_dim(i, 0, g), out_dim(i, 1, g)).
         g, t = lane // 4, lane % 4
-        if TG == 8:  # fp16/bf16 D 128: one k8 step; ldmatrix.trans, two m-tiles per x4
+        if TG == 8:  # 8-token groups (fp16/bf16 at D 128): one k8 step; two m-tiles per x4
             b0 = pack(p[0], p[1])
             for iq in range(NTM // 2):
                 a0, a1, a2, a3 = ldsm_t(chunk_addr(vbase, lane % 8, 4 * iq + lane // 8))
