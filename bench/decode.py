@@ -356,14 +356,15 @@ def main():
         ap.error("--mma goes with --sweep or --fp8")
     if args.layout != "NHD" and not args.sweep:
         ap.error("--layout goes with --sweep")
-    bad = [x for x in args.page_groups.split(",") if x and x not in ("0", "1")]
-    if bad:
-        ap.error(f"--page-groups: values are 0 or 1, got {', '.join(bad)}")
-    page_groups = [x == "1" for x in args.page_groups.split(",") if x] or [None]
-    bad = [x for x in args.mma.split(",") if x and x not in ("0", "1")]
-    if bad:
-        ap.error(f"--mma: values are 0 or 1, got {', '.join(bad)}")
-    mmas = [x == "1" for x in args.mma.split(",") if x] or [None]
+
+    def flags(option, text):
+        # A comma-separated 0/1 list as booleans; empty: [None], the API's default.
+        bad = [x for x in text.split(",") if x and x not in ("0", "1")]
+        if bad:
+            ap.error(f"{option}: values are 0 or 1, got {', '.join(bad)}")
+        return [x == "1" for x in text.split(",") if x] or [None]
+
+    page_groups, mmas = flags("--page-groups", args.page_groups), flags("--mma", args.mma)
     if args.fp8:
         rows = []
         for pg in page_groups:

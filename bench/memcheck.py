@@ -236,25 +236,16 @@ def batch_decode(ctx, rng, kv_lens, layout, fmt=None):
     return state(out, lse, ref, dt)
 
 
-def deeper_ring_decode(ctx, rng, stages=3):
-    """:func:`batch_decode` over the split lengths with a ``stages``-deep KV ring per warp (48
-    KiB at three stages, allocated at launch)."""
+def decode_with(ctx, rng, kv_lens, layout, fmt=None, **settings):
+    """:func:`batch_decode` with ``nbinfer.api.decode``'s module settings overridden, e.g.
+    ``DECODE_STAGES=3`` (a deeper KV ring, 48 KiB at three stages, allocated at launch) or
+    ``DECODE_MMA=True`` (q.k and p.v on tensor cores; ``False``: CUDA cores, which FP8 caches
+    otherwise leave by default)."""
     from unittest import mock
 
     from nbinfer.api import decode as decode_api
 
-    with mock.patch.object(decode_api, "DECODE_STAGES", stages):
-        return batch_decode(ctx, rng, SPLIT_LENS, "NHD")
-
-
-def mma_decode(ctx, rng, kv_lens, layout, fmt=None, on=True):
-    """:func:`batch_decode` with q.k and p.v on tensor cores (``DecodeSpec(mma=True)``) or,
-    ``on=False``, on CUDA cores (FP8 caches default to tensor cores)."""
-    from unittest import mock
-
-    from nbinfer.api import decode as decode_api
-
-    with mock.patch.object(decode_api, "DECODE_MMA", on):
+    with mock.patch.multiple(decode_api, **settings):
         return batch_decode(ctx, rng, kv_lens, layout, fmt)
 
 
@@ -504,13 +495,14 @@ CASES = [
     ("decode_split_nhd", "decode fp16 D128 G4 page 16 NHD",
      lambda c, r: batch_decode(c, r, SPLIT_LENS, "NHD")),
     ("decode_graph_nhd", "decode fp16 D128 G4 page 16 NHD", graph_decode),
-    ("decode_deeper_ring", "decode fp16 D128 G4 page 16 NHD, 3 stages", deeper_ring_decode),
+    ("decode_deeper_ring", "decode fp16 D128 G4 page 16 NHD, 3 stages",
+     lambda c, r: decode_with(c, r, SPLIT_LENS, "NHD", DECODE_STAGES=3)),
     ("decode_mma_split_nhd", "decode fp16 D128 G4 page 16 NHD, tensor cores",
-     lambda c, r: mma_decode(c, r, SPLIT_LENS, "NHD")),
+     lambda c, r: decode_with(c, r, SPLIT_LENS, "NHD", DECODE_MMA=True)),
     ("decode_mma_fp8_hnd", "decode e4m3 D128 G4 page 16 HND, tensor cores",
-     lambda c, r: mma_decode(c, r, SPLIT_LENS, "HND", "float8_e4m3fn")),
+     lambda c, r: decode_with(c, r, SPLIT_LENS, "HND", "float8_e4m3fn", DECODE_MMA=True)),
     ("decode_fp8_plain_nhd", "decode e5m2 D128 G4 page 16 NHD, CUDA cores",
-     lambda c, r: mma_decode(c, r, PLAIN_LENS, "NHD", "float8_e5m2", on=False)),
+     lambda c, r: decode_with(c, r, PLAIN_LENS, "NHD", "float8_e5m2", DECODE_MMA=False)),
     ("decode_plain_hnd", "decode fp16 D128 G4 page 16 HND",
      lambda c, r: batch_decode(c, r, PLAIN_LENS, "HND")),
     ("decode_split_hnd", "decode fp16 D128 G4 page 16 HND",

@@ -239,7 +239,7 @@ def decode_kernel_source(spec: DecodeSpec):
     if MMA and not mma_decode_supported(D, G, spec.kv_dtype, spec.q_dtype, spec.variant):
         raise ValueError(f"DecodeSpec(mma=True) does not support this spec: {spec}")
     if MMA:
-        mo = decode_mma_ops(D, TG, G, spec.kv_dtype, spec.q_dtype, NW, sim)
+        mo = decode_mma_ops(D, TG, spec.kv_dtype, spec.q_dtype, NW, sim)
         QFM, QFM_T, NSM, NOM, MSCR = mo.QF, mo.QF_T, mo.NS, mo.NO, mo.SCRATCH
         mma_scores, mma_pv, quad_max, quad_sum = mo.scores, mo.pv, mo.quad_max, mo.quad_sum
         head_alphas = mo.head_alphas

@@ -158,8 +158,8 @@ def _gpu_decode_intrinsics():
 
 
 @functools.cache
-def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dtype: str,
-                   q_dtype: str, num_warps: int, sim: bool):
+def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype: str,
+                   num_warps: int, sim: bool):
     """The tensor-core products of one warp's token group, as a namespace of device functions.
 
     - ``chunk_addr(base, row, chunk)``: shared byte address of 16-byte chunk ``chunk`` of KV row
@@ -178,7 +178,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dty
 
     ``scratch`` is a shared float32 array of ``SCRATCH`` elements (1 on the GPU).
     """
-    D, TG, G, NW = head_dim, tokens_per_group, group_size, num_warps
+    D, TG, NW = head_dim, tokens_per_group, num_warps
     prims = primitives(sim)
     IS = 1 if kv_dtype.startswith("float8") else 2
     FP8 = IS == 1
@@ -215,7 +215,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dty
     # function costs far more per call than the arithmetic inside.
     swz = swizzle if sim else jit_dev(swizzle)
     if sim:
-        return _sim_ops(D, TG, G, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO,
+        return _sim_ops(D, TG, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO,
                         CE, IS)
 
     chunk_addr, out_dim = jit_dev(chunk_addr), jit_dev(out_dim)
@@ -357,7 +357,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, group_size: int, kv_dty
                            quad_sum=quad_sum)
 
 
-def _sim_ops(D, TG, G, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO, CE, IS):
+def _sim_ops(D, TG, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO, CE, IS):
     to_f32 = prims.convert[q_dtype]
     kv_f32 = prims.convert[kv_dtype]
     bf16 = q_dtype == "bfloat16"
