@@ -13,6 +13,8 @@ larger than the 60 MB L2, so repeated calls stream from HBM.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import os
 import time
@@ -268,25 +270,32 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16, kv_split=False):
     return res
 
 
-def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
+def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4, fp8_settings=None,
+             layout="NHD"):
     """The same decode step over an fp16 cache and over its FP8 quantisation (``fmt``, with
     k_scale / v_scale): GPU time back to back and per call of each, the speedup, and the FP8
-    output's error against the float64 reference on the dequantised cache (two requests)."""
+    output's error against the float64 reference on the dequantised cache (two requests).
+    ``fp8_settings``: ``nbinfer.api.decode`` settings (``DECODE_STAGES=3``, ...) for the FP8
+    plan only; the fp16 step, the speedup's base, keeps the API's defaults."""
+    from unittest import mock
+
     hq = group * hkv
-    pt, cache16, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
+    pt, cache16, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps, layout=layout)
     ks, vs = 0.5, 0.25
     # quantise K / ks and V / vs, as a serving system stores a scaled cache
     scale = torch.tensor([1 / ks, 1 / vs], device="cuda").view(1, 2, 1, 1, 1)
     cache8 = (cache16.float() * scale).to(getattr(torch, fmt))
-    res = dict(batch=batch, kv_len=kv_len, group=group, format=fmt)
+    res = dict(batch=batch, kv_len=kv_len, group=group, format=fmt, layout=layout)
     outs = {}
     for name, cache, kv_dtype, run_kw in (
             ("fp16", cache16, torch.float16, {}),
             ("fp8", cache8, fmt, dict(k_scale=ks, v_scale=vs))):
         w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
-                                                           device="cuda"), "NHD")
-        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
-               q_data_type=torch.float16, kv_data_type=kv_dtype)
+                                                           device="cuda"), layout)
+        settings = (fp8_settings or {}) if name == "fp8" else {}
+        with mock.patch.multiple(decode_api, **settings) if settings else contextlib.nullcontext():
+            w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+                   q_data_type=torch.float16, kv_data_type=kv_dtype)
         out = torch.empty_like(q)
         lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
 
@@ -299,6 +308,7 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
                     f"{name}_gpu_tbps": kv_bytes / tg / 1e9,
                     f"{name}_regs": int(w.step_plan.launch.launch.kernel.regs),
                     f"{name}_mma": bool(w.step_plan.spec.mma),
+                    f"{name}_ctas": int(w.schedule.num_ctas),
                     f"{name}_local_bytes": int(w.step_plan.launch.launch.kernel.local_bytes)})
         outs[name] = out
     res["speedup_gpu"] = res["fp16_gpu_ms"] / res["fp8_gpu_ms"]
@@ -312,7 +322,8 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4):
     pages = np.concatenate([pt.indices[pt.indptr[b]:pt.indptr[b + 1]] for b in rows])
     kv = (fp8_ref.decode(codes[pages, 0], fmt, ks), fp8_ref.decode(codes[pages, 1], fmt, vs))
     ref = reference.batch_decode_with_paged_kv_cache(
-        q[rows].double().cpu().numpy(), kv, sub.indptr, np.arange(pages.size), sub.last_page_len)
+        q[rows].double().cpu().numpy(), kv, sub.indptr, np.arange(pages.size), sub.last_page_len,
+        kv_layout=layout)
     got = outs["fp8"][rows].double().cpu().numpy()
     res["fp8_rel_err"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
     torch.cuda.empty_cache()
@@ -328,8 +339,19 @@ def main():
     ap.add_argument("--group", type=int, default=4,
                     help="GQA group of the sweep (Hkv 8, Hq 8 x group)")
     ap.add_argument("--stages", default="",
-                    help="--sweep: the decode kernel's KV ring depths to run, comma-separated "
-                         "(default: the API's)")
+                    help="--sweep / --fp8: the decode kernel's KV ring depths to run, "
+                         "comma-separated (default: the API's)")
+    ap.add_argument("--max-registers", default="",
+                    help="--fp8: DecodeSpec.max_registers values to run, comma-separated (0: no "
+                         "cap; default: the API's, 128)")
+    ap.add_argument("--ctas-per-sm", default="",
+                    help="--sweep / --fp8: the decode grid's most CTAs per SM, comma-separated "
+                         "(default: the API's, 4; fewer leave more of the SM's 256 KiB to L1)")
+    ap.add_argument("--cases", default="",
+                    help="--sweep / --fp8: the cases to run as B:L, comma-separated (default: "
+                         "(64, 4096), (256, 1024), (16, 32768))")
+    ap.add_argument("--formats", default="float8_e4m3fn,float8_e5m2",
+                    help="--fp8: the FP8 formats to run, comma-separated")
     ap.add_argument("--page-groups", default="",
                     help="--sweep / --fp8: DecodeSpec.page_groups values to run, comma-separated "
                          "0/1 (default: the API's)")
@@ -337,7 +359,7 @@ def main():
                     help="--sweep / --fp8: DecodeSpec.mma values to run (q.k and p.v on tensor "
                          "cores), comma-separated 0/1 (default: the API's: FP8 caches only)")
     ap.add_argument("--layout", default="NHD", choices=("NHD", "HND"),
-                    help="the sweep's paged KV layout (NHD: a page's token rows hold every KV "
+                    help="--sweep / --fp8: the paged KV layout (NHD: a page's token rows hold every KV "
                          "head; HND: one KV head's page is one contiguous block)")
     ap.add_argument("--tensor-cores", action="store_true",
                     help="only use_tensor_cores=True against the CUDA-core decode, groups 4 and 8")
@@ -348,14 +370,20 @@ def main():
     args = ap.parse_args()
     if args.kv_split and not args.tensor_cores:
         ap.error("--kv-split goes with --tensor-cores")
-    if args.stages and not args.sweep:
-        ap.error("--stages goes with --sweep")
+    if args.stages and not (args.sweep or args.fp8):
+        ap.error("--stages goes with --sweep or --fp8")
+    if args.max_registers and not args.fp8:
+        ap.error("--max-registers goes with --fp8")
+    if args.ctas_per_sm and not (args.sweep or args.fp8):
+        ap.error("--ctas-per-sm goes with --sweep or --fp8")
+    if args.cases and not (args.sweep or args.fp8):
+        ap.error("--cases goes with --sweep or --fp8")
     if args.page_groups and not (args.sweep or args.fp8):
         ap.error("--page-groups goes with --sweep or --fp8")
     if args.mma and not (args.sweep or args.fp8):
         ap.error("--mma goes with --sweep or --fp8")
-    if args.layout != "NHD" and not args.sweep:
-        ap.error("--layout goes with --sweep")
+    if args.layout != "NHD" and not (args.sweep or args.fp8):
+        ap.error("--layout goes with --sweep or --fp8")
 
     def flags(option, text):
         # A comma-separated 0/1 list as booleans; empty: [None], the API's default.
@@ -364,23 +392,53 @@ def main():
             ap.error(f"{option}: values are 0 or 1, got {', '.join(bad)}")
         return [x == "1" for x in text.split(",") if x] or [None]
 
+    def ints(option, text):
+        # A comma-separated list of non-negative integers; empty: [None], the API's default.
+        try:
+            vals = [int(x) for x in text.split(",") if x]
+        except ValueError:
+            ap.error(f"{option}: comma-separated integers expected, got {text!r}")
+        if any(v < 0 for v in vals):
+            ap.error(f"{option}: values must be >= 0, got {text!r}")
+        return vals or [None]
+
     page_groups, mmas = flags("--page-groups", args.page_groups), flags("--mma", args.mma)
+    stage_list, reg_list = ints("--stages", args.stages), ints("--max-registers", args.max_registers)
+    per_sm_list = ints("--ctas-per-sm", args.ctas_per_sm)
+    if any(v is not None and v < 1 for v in per_sm_list):
+        ap.error(f"--ctas-per-sm: values must be >= 1, got {args.ctas_per_sm!r}")
+    try:
+        cases = [tuple(int(v) for v in c.split(":")) for c in args.cases.split(",") if c] or CASES
+    except ValueError:
+        ap.error(f"--cases: B:L pairs expected, got {args.cases!r}")
+    if any(len(c) != 2 or min(c) < 1 for c in cases):
+        ap.error(f"--cases: B:L pairs of positive integers expected, got {args.cases!r}")
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or set(formats) - {"float8_e4m3fn", "float8_e5m2"}:
+        ap.error(f"--formats: float8_e4m3fn and/or float8_e5m2, got {args.formats!r}")
     if args.fp8:
         rows = []
-        for pg in page_groups:
-            for mma in mmas:
-                decode_api.DECODE_PAGE_GROUPS, decode_api.DECODE_MMA = pg, mma
-                rows += [dict(fp8_case(b, l, fmt), page_groups=pg)
-                         for fmt in ("float8_e4m3fn", "float8_e5m2") for b, l in CASES]
+        # The settings apply to the FP8 step only: its speedup is over fp16 with the defaults.
+        for stages, regs, per_sm, pg, mma in itertools.product(
+                stage_list, reg_list, per_sm_list, page_groups, mmas):
+            settings = dict(DECODE_PAGE_GROUPS=pg, DECODE_MMA=mma, DECODE_STAGES=stages,
+                            DECODE_MAX_REGISTERS=regs,
+                            CTAS_PER_SM=per_sm or decode_api.CTAS_PER_SM)
+            rows += [dict(fp8_case(b, l, fmt, fp8_settings=settings, layout=args.layout),
+                          page_groups=pg, stages=stages, max_registers=regs, ctas_per_sm=per_sm)
+                     for fmt in formats for b, l in cases]
         save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
-        print("format         case          pg     mma fp16/fp8  fp16 gpu ms  fp8 gpu ms  "
+        print("format         case          pg     mma fp16/fp8  S  cap  fp16 gpu ms  fp8 gpu ms  "
               "speedup gpu (call)  fp8 TB/s  regs/local  rel err")
         for r in rows:
-            print(f"{r['format']:14s} B{r['batch']:<4} L{r['kv_len']:<6} pg {r['page_groups']!s:5s}"
-                  f" {r['fp16_mma']!s:5s}/{r['fp8_mma']!s:5s}"
+            print(f"{r['format']:14s} {r['layout']} B{r['batch']:<4} L{r['kv_len']:<6} "
+                  f"pg {r['page_groups']!s:5s}"
+                  f" {r['fp16_mma']!s:5s}/{r['fp8_mma']!s:5s} {r['stages'] or '-'!s:2s}"
+                  f" {r['max_registers'] if r['max_registers'] is not None else '-'!s:4s}"
                   f" {r['fp16_gpu_ms']:10.3f} "
                   f"{r['fp8_gpu_ms']:11.3f} {r['speedup_gpu']:8.2f} ({r['speedup_call']:.2f})"
                   f"   {r['fp8_gpu_tbps']:9.2f}  {r['fp8_regs']}/{r['fp8_local_bytes']}"
+                  f" {r['fp8_ctas']} CTAs"
                   f"   {r['fp8_rel_err']:.1e}")
         return
     if args.tensor_cores:
@@ -398,13 +456,13 @@ def main():
         return
     if args.sweep:
         rows = []
-        for stages in [int(x) for x in args.stages.split(",") if x] or [None]:
-            for pg in page_groups:
-                for mma in mmas:
-                    decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
-                    decode_api.DECODE_MMA = mma
-                    rows += [bench_case(b, l, group=args.group, layout=args.layout)
-                             for b, l in CASES]
+        default_per_sm = decode_api.CTAS_PER_SM
+        for stages, per_sm, pg, mma in itertools.product(stage_list, per_sm_list, page_groups,
+                                                         mmas):
+            decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
+            decode_api.DECODE_MMA, decode_api.CTAS_PER_SM = mma, per_sm or default_per_sm
+            rows += [bench_case(b, l, group=args.group, layout=args.layout)
+                     for b, l in cases]
         payload = dict(copy_ceiling=COPY_CEILING, decode=rows)
         save_json(args.out, **payload)
         for r in payload["decode"]:

@@ -95,15 +95,19 @@ def test_grid_follows_occupancy(rng, hq):
     assert rel_err(out.float().cpu().numpy(), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("stages, d, dtype, layout, per_sm", [
-    (3, 128, "float16", "NHD", 4), (3, 64, "bfloat16", "HND", 4), (4, 128, "float16", "NHD", 3)])
-def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype, layout, per_sm):
+@pytest.mark.parametrize("stages, d, dtype, layout, per_sm, mma", [
+    (3, 128, "float16", "NHD", 4, False), (3, 64, "bfloat16", "HND", 4, False),
+    (4, 128, "float16", "NHD", 3, False),
+    # tensor cores on a ring allocated at launch: their XOR addressing needs its 256-B alignment
+    (3, 128, "float16", "HND", 4, True)])
+def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype, layout, per_sm, mma):
     """A KV ring of three or four groups per warp (allocated at launch: 48 / 64 KiB per CTA)
     matches the reference; the grid follows the occupancy it leaves (four CTAs per SM at three
     stages, three at four)."""
     from nbinfer.api import decode as decode_api
 
     monkeypatch.setattr(decode_api, "DECODE_STAGES", stages)
+    monkeypatch.setattr(decode_api, "DECODE_MMA", mma)
     pt, cache, q = _case(rng, 9, 5000, 8, 32, d, 16, dtype, layout)
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(64 << 20, dtype=torch.uint8,
                                                        device="cuda"), layout)
@@ -111,6 +115,7 @@ def test_decode_deeper_kv_ring(rng, monkeypatch, stages, d, dtype, layout, per_s
     kernel = w.step_plan.launch.launch.kernel
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert w.step_plan.spec.stages == stages and kernel.dynamic_shared == stages * 16 * 1024
+    assert w.step_plan.spec.mma == mma
     assert w.schedule.num_ctas == sms * per_sm
     out, lse = w.run(q, cache, return_lse=True)
     torch.cuda.synchronize()

@@ -43,6 +43,8 @@ MIN_CHUNK = 256
 CTAS_PER_SM = 4
 DECODE_STAGES = None  # the KV ring's depth per warp (None: DecodeSpec's default, 2)
 DECODE_PAGE_GROUPS = None  # DecodeSpec.page_groups (None: its default, on)
+# DecodeSpec.max_registers (None: its default, 128 = four CTAs per SM; 0: no cap). A bench knob.
+DECODE_MAX_REGISTERS = None
 # DecodeSpec.mma (q.k and p.v on tensor cores) where kernels.decode_mma supports the spec. None
 # (default): for FP8 caches only, where it measured 1.2-1.4x faster than CUDA cores on the H200
 # (1.6-1.8x an fp16 cache; bench/NOTES.md, issue 13, session 13); 16-bit caches measured the
@@ -67,14 +69,16 @@ def persistent_ctas(backend: str, per_sm: int = 0) -> int:
     return cuda.get_current_device().MULTIPROCESSOR_COUNT * (per_sm or CTAS_PER_SM)
 
 
-def kernel_ctas(backend: str, kernel, threads: int, most: int = CTAS_PER_SM) -> int:
+def kernel_ctas(backend: str, kernel, threads: int, most: int | None = None) -> int:
     """The persistent grid of a compiled ``kernel`` of ``threads`` threads per CTA: as many CTAs
     per SM as an SM holds at once (its registers and shared memory decide, through the driver's
-    occupancy calculator), at most ``most``; :func:`persistent_ctas` in the simulator. A grid
+    occupancy calculator), at most ``most`` (default :data:`CTAS_PER_SM`, read at the call);
+    :func:`persistent_ctas` in the simulator. A grid
     larger than what is resident would run its last CTAs as a second wave after the others'
     queues, twice as long for them."""
     if backend != "cuda":
         return persistent_ctas(backend)
+    most = CTAS_PER_SM if most is None else most
     return persistent_ctas(backend, max(1, min(most, kernel.resident_ctas(threads))))
 
 
@@ -361,7 +365,9 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                               variant=var, sparse=True, sim=self._backend == "sim",
                               stages=DECODE_STAGES or 2,
                               page_groups=DECODE_PAGE_GROUPS is None or bool(DECODE_PAGE_GROUPS),
-                              mma=_use_mma(head_dim, group, kv_dtype, q_dtype, var))
+                              mma=_use_mma(head_dim, group, kv_dtype, q_dtype, var),
+                              **({} if DECODE_MAX_REGISTERS is None
+                                 else {"max_registers": DECODE_MAX_REGISTERS or None}))
             granule = max(MIN_CHUNK, spec.tokens_per_group * 4)
         return SimpleNamespace(head_dim=head_dim, page_size=page_size, q_dtype=q_dtype,
                                kv_dtype=kv_dtype, sm_scale=sm_scale, variant=var, spec=spec,

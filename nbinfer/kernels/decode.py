@@ -52,7 +52,7 @@ from .common import (
     kept_weights,
     state_finalize,
 )
-from .decode_mma import decode_mma_ops, mma_decode_supported
+from .decode_mma import ROW_ALIGN, decode_mma_ops, mma_decode_supported
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -311,6 +311,8 @@ def decode_kernel_source(spec: DecodeSpec):
                 cp16(kvs, dst + K_BYTES, v, off)
 
     SMEM_ALIGN = prims.SMEM_ALIGN
+    # the tensor-core path derives its row addresses by XOR (decode_mma.ROW_ALIGN)
+    KV_ALIGN = max(SMEM_ALIGN, ROW_ALIGN) if MMA and SMEM_ALIGN else SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
     loader = loading_module(SPARSE, PS, sim)
@@ -321,7 +323,7 @@ def decode_kernel_source(spec: DecodeSpec):
                       counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n, q_stride_h,
                       sm_scale, v_scale, work_off, cta_indptr_off, cta_work_off, merge_rows_off,
                       merge_indptr_off, merge_indices_off, item_merge_off):
-        kvs = cuda.shared.array(KV_DECL, KV_T, alignment=SMEM_ALIGN)  # cp.async, ld.v4: 16 B
+        kvs = cuda.shared.array(KV_DECL, KV_T, alignment=KV_ALIGN)  # cp.async, ld.v4: 16 B
         pbuf = cuda.shared.array(P_SMEM, float32)
         msmem = cuda.shared.array(MERGE_SMEM, float32)
         scratch = cuda.shared.array(SCRATCH, float32)

@@ -62,6 +62,11 @@ def mma_decode_supported(head_dim: int, group_size: int, kv_dtype: str, q_dtype:
             and not (variant.query_transform or variant.key_transform or variant.logits_mask))
 
 
+# The KV ring's alignment the tensor-core path needs (bytes): its XOR address forms (below, in
+# decode_mma_ops) take the chunk index from bits 4 .. 4 + log2(CR) - 1 of the address, CR <= 16.
+ROW_ALIGN = 256
+
+
 def swizzle(row):
     """The XOR applied to 16-byte chunk indices of KV row ``row`` (low three bits). Rows
     ``2p, 2p + 1`` differ in bit 2 (the K reads), eight consecutive rows take eight values
@@ -245,11 +250,21 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
         for w in range(QF):
             qf[w] = Z
 
+    # Addresses by XOR, not one register per row and chunk. In the swizzled layout rows r and
+    # r + 8 share their swizzle, chunk 4 i + t of a row is chunk t's index XOR 4 i, and an even
+    # row's successor has the swizzle XOR 5; with the ring ROW_ALIGN-aligned (the chunk index
+    # is the address's bits 4 .. 4 + log2(CR) - 1, rows above it) every address of a group
+    # follows from one per lane by an XOR and constant offsets (tests/test_kernels_decode.py
+    # checks the identities). The XOR is applied after the group's base is added, so ptxas
+    # cannot hoist the lane's part out of the loop into a register of its own: it had kept five
+    # such offsets and, at the 128-register cap, reloaded them from local memory every group.
+    ROW_BYTES = 16 * CR
+
     @jit_dev
     def scores(kvs, kbase, lane, qf, s):
         g, t = lane // 4, lane % 4
+        a00 = chunk_addr(kbase, g, t)
         for nt in range(NTS):
-            row = 8 * nt + g
             # c2, c3 (rows g + 8 of A, all zero) are chained like c0, c1 rather than passed as
             # fresh zeros: they stay 0 (or NaN from an inf in K, never read) and the mma
             # accumulates its register quad in place, with no zeroing per k-step.
@@ -258,7 +273,8 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
             c2 = ZERO
             c3 = ZERO
             for i in range(KCH):
-                w0, w1, w2, w3 = lds4(chunk_addr(kbase, row, 4 * i + t))
+                # = chunk_addr(kbase, 8 nt + g, 4 i + t)
+                w0, w1, w2, w3 = lds4((a00 ^ U32(64 * i)) + U32(8 * nt * ROW_BYTES))
                 if FP8:  # four k-steps of four codes each
                     ks = 4 * i
                     c0, c1, c2, c3 = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, f8_lo(w0),
@@ -301,17 +317,19 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
                 if FP8:
                     # The lane's D/8 bytes (dims out_dim(i, r, g)) of rows 2t, 2t+1, 2t+8, 2t+9.
                     ci = g * VB // 16
+                    # rows r0 + 2t (+ 8) and r0 + 2t + 1 (+ 8), as chunk_addr places them
+                    v0 = chunk_addr(vbase, r0 + 2 * t, ci) + U32((g * VB) % 16)
+                    v1 = (v0 + U32(ROW_BYTES)) ^ U32(16 * (5 & CMASK))
                     if VB == 16:
-                        x0 = lds4(chunk_addr(vbase, r0 + 2 * t, ci))
-                        x1 = lds4(chunk_addr(vbase, r0 + 2 * t + 1, ci))
-                        x2 = lds4(chunk_addr(vbase, r0 + 2 * t + 8, ci))
-                        x3 = lds4(chunk_addr(vbase, r0 + 2 * t + 9, ci))
+                        x0 = lds4(v0)
+                        x1 = lds4(v1)
+                        x2 = lds4(v0 + U32(8 * ROW_BYTES))
+                        x3 = lds4(v1 + U32(8 * ROW_BYTES))
                     else:
-                        off = U32((g * VB) % 16)
-                        x0 = lds2(chunk_addr(vbase, r0 + 2 * t, ci) + off)
-                        x1 = lds2(chunk_addr(vbase, r0 + 2 * t + 1, ci) + off)
-                        x2 = lds2(chunk_addr(vbase, r0 + 2 * t + 8, ci) + off)
-                        x3 = lds2(chunk_addr(vbase, r0 + 2 * t + 9, ci) + off)
+                        x0 = lds2(v0)
+                        x1 = lds2(v1)
+                        x2 = lds2(v0 + U32(8 * ROW_BYTES))
+                        x3 = lds2(v1 + U32(8 * ROW_BYTES))
                     for w in range(VB // 4):
                         # Bytes 4w .. 4w+3 are m-tiles 2w (rows g, g+8) and 2w+1: one byte
                         # permute pairs two tokens' codes of two dims, one cvt per pair.
@@ -447,4 +465,4 @@ def _sim_ops(D, TG, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO, C
                            quad_max=make_quad(True), quad_sum=make_quad(False))
 
 
-__all__ = ["MMA_HEAD_DIMS", "decode_mma_ops", "mma_decode_supported", "swizzle"]
+__all__ = ["MMA_HEAD_DIMS", "ROW_ALIGN", "decode_mma_ops", "mma_decode_supported", "swizzle"]
