@@ -69,6 +69,8 @@ class DecodeSpec(AttentionSpec):
     """Everything that is compiled into one decode kernel (hashable: the kernel cache key)."""
 
     # KV groups per warp's ring: stages - 1 groups (4 KiB each) in flight while one is computed.
+    # Measured on the H200 at (64, 4096) with the ring 256-byte aligned: 3 stages 0.251 ms
+    # against 0.248 at 2 (fp16), 0.145 against 0.138 (e4m3): more in flight does not pay.
     stages: int = 2
     # 65536 registers / (128 threads x 4 CTAs): four resident CTAs per SM. Measured on the H200
     # at (64, 4096): uncapped (140 regs, 3 CTAs/SM) 3.32 TB/s, 128 -> 4.00, 96 -> 3.28 (spills).
@@ -311,8 +313,11 @@ def decode_kernel_source(spec: DecodeSpec):
                 cp16(kvs, dst + K_BYTES, v, off)
 
     SMEM_ALIGN = prims.SMEM_ALIGN
-    # the tensor-core path derives its row addresses by XOR (decode_mma.ROW_ALIGN)
-    KV_ALIGN = max(SMEM_ALIGN, ROW_ALIGN) if MMA and SMEM_ALIGN else SMEM_ALIGN
+    # The ring 256-byte aligned: the tensor-core path derives its row addresses by XOR
+    # (decode_mma.ROW_ALIGN), and a ring allocated at launch (3-4 stages) that followed the
+    # static arrays at 16 bytes (48 mod 128) made the L2 serve every KV sector twice: 3 stages
+    # took 0.323 ms at (64, 4096) fp16 misaligned, 0.251 aligned (H200; bench/NOTES.md).
+    KV_ALIGN = max(SMEM_ALIGN, ROW_ALIGN) if SMEM_ALIGN else SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS
     loader = loading_module(SPARSE, PS, sim)
