@@ -100,11 +100,12 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
     requests = _shared_prefix_requests(rng, 5, prefix_len=32)
     for r in requests:
         r.max_new_tokens = 8
-    results = {}
+    results, sizes = {}, []
     for cascade in ("auto", "off"):
         engine = Engine(NumpyRunner(model, 128, 4), 128, 4, prefix_cache=True, cascade=cascade)
         reports = []
         results[cascade] = engine.run(requests, on_step=reports.append)
+        sizes += [len(r.scheduled) for r in reports if r.attention == "cascade"]
         kinds = {r.attention for r in reports}
         if cascade == "off":
             assert kinds <= {"paged", ""} and engine.cascade_steps == 0
@@ -113,6 +114,17 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
             assert all(all(n == 1 for _, n in r.scheduled) for r in reports
                        if r.attention == "cascade")
     assert results["auto"] == results["off"] == _alone(model, requests)
+
+    # A step the runner replays from a CUDA graph stays paged (TorchRunner with cuda_graphs:
+    # batches up to its largest bucket); the schedule itself does not change.
+    for largest_replayed, cascades in ((max(sizes), 0), (min(sizes) - 1, len(sizes))):
+        class Replaying(NumpyRunner):
+            def replays_decode(self, batch, largest=largest_replayed):
+                return batch <= largest
+
+        engine = Engine(Replaying(model, 128, 4), 128, 4, prefix_cache=True)
+        assert engine.run(requests) == results["auto"]
+        assert engine.cascade_steps == cascades
     with pytest.raises(ValueError, match="cascade"):
         Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
 
@@ -229,6 +241,9 @@ def test_configs_and_hf_config():
         named_config("gpt2")
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig(10, 8, 8, 1, num_heads=3, num_kv_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match=r"rope_scaling lacks \['high_freq_factor'"):
+        ModelConfig(10, 8, 8, 1, num_heads=2, num_kv_heads=2, head_dim=4, rope_scaling={
+            "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192})
 
 
 def test_llama3_rope_scaling_keeps_high_and_slows_low_frequencies():

@@ -64,12 +64,9 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
-        if self.rope_scaling is not None:
-            need = {"factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings"}
-            missing = need - set(self.rope_scaling)
-            if missing:
-                raise ValueError(f"rope_scaling lacks {sorted(missing)} (Llama-3 scaling)")
+        if self.rope_scaling is not None and (missing := set(_LLAMA3_SCALING) -
+                                              set(self.rope_scaling)):
+            raise ValueError(f"rope_scaling lacks {sorted(missing)} (Llama-3 scaling)")
 
     @property
     def group_size(self) -> int:

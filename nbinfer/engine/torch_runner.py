@@ -79,13 +79,16 @@ class TorchRunner:
         self.attention_seconds = 0.0  # with timing=True (see above)
         self._events: list = []
 
+    def replays_decode(self, batch: int) -> bool:
+        """Whether a plain decode step of ``batch`` sequences replays a CUDA graph."""
+        return self.cuda_graphs and batch <= self.graph_batch_sizes[-1]
+
     def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                 levels=None, rows=None) -> torch.Tensor:
         """float32 logits ``[len(rows), vocab]`` (CUDA) of one step, as
         :meth:`NumpyRunner.forward`; the index arrays are host int32 arrays."""
         n, batch = len(tokens), len(qo_indptr) - 1
-        if self.cuda_graphs and levels is None and n == batch and \
-                batch <= self.graph_batch_sizes[-1]:
+        if levels is None and n == batch and self.replays_decode(batch):
             size = next(b for b in self.graph_batch_sizes if b >= batch)
             graph = self._graphs.get(size)
             if graph is None:
