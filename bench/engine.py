@@ -191,6 +191,9 @@ def main():
     results = dict(device=torch.cuda.get_device_name(), model=cfg.name, dtype="bfloat16",
                    requests=n, prompt=prompt, new_tokens=new, page_size=PAGE,
                    step_tokens=a.step_tokens)
+    # cascade=True is the engine's "auto" rule (Engine.CASCADE_RULE), which keeps a decode step
+    # that a CUDA graph replays paged: under graphs the prefix+cascade row cascades only the
+    # batches larger than the largest bucket (its JSON's cascade_steps says how many)
     runs = {
         "engine eager": dict(reqs=plain, graphs=False, prefix=False, cascade=False),
         "engine graphs": dict(reqs=plain, graphs=True, prefix=False, cascade=False),
