@@ -368,22 +368,15 @@ def main():
     ap.add_argument("--fp8", action="store_true",
                     help="only FP8 (e4m3fn, e5m2) caches against fp16, the three cases")
     args = ap.parse_args()
-    if args.kv_split and not args.tensor_cores:
-        ap.error("--kv-split goes with --tensor-cores")
-    if args.stages and not (args.sweep or args.fp8):
-        ap.error("--stages goes with --sweep or --fp8")
-    if args.max_registers and not args.fp8:
-        ap.error("--max-registers goes with --fp8")
-    if args.ctas_per_sm and not (args.sweep or args.fp8):
-        ap.error("--ctas-per-sm goes with --sweep or --fp8")
-    if args.cases and not (args.sweep or args.fp8):
-        ap.error("--cases goes with --sweep or --fp8")
-    if args.page_groups and not (args.sweep or args.fp8):
-        ap.error("--page-groups goes with --sweep or --fp8")
-    if args.mma and not (args.sweep or args.fp8):
-        ap.error("--mma goes with --sweep or --fp8")
-    if args.layout != "NHD" and not (args.sweep or args.fp8):
-        ap.error("--layout goes with --sweep or --fp8")
+    # options only some modes read, and the modes that read them (--formats has a default)
+    both = ("sweep", "fp8")
+    for opt, modes in (("kv_split", ("tensor_cores",)), ("stages", both), ("max_registers",
+                       ("fp8",)), ("ctas_per_sm", both), ("cases", both), ("page_groups", both),
+                       ("mma", both), ("layout", both)):
+        given = getattr(args, opt) != ap.get_default(opt)
+        if given and not any(getattr(args, m) for m in modes):
+            ap.error(f"--{opt.replace('_', '-')} goes with "
+                     + " or ".join(f"--{m.replace('_', '-')}" for m in modes))
 
     def flags(option, text):
         # A comma-separated 0/1 list as booleans; empty: [None], the API's default.
