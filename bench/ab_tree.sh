@@ -12,17 +12,20 @@ OLD=${OLD:-.ab_old}
 [ -d "$OLD" ] || { echo "ab_tree.sh: OLD=$OLD is not a directory"; exit 2; }
 [ $# -gt 0 ] || { echo "ab_tree.sh: no command"; exit 2; }
 mkdir -p "$OUT/r"
-base=${PYTHONPATH:-}
-root=$PWD
+OUT=$(cd "$OUT" && pwd)  # the sides run in their own folders
+old_dir=$(cd "$OLD" && pwd)
+new_dir=$PWD
 status=0
 for round in $(seq "${ROUNDS:-2}"); do
   for side in old new; do
-    dir=.
-    [ "$side" = old ] && dir=$OLD
-    # each side imports its own nbinfer (PYTHONPATH's checkout entry replaced by the side's)
-    (cd "$dir" && PYTHONPATH=${base//$root/$root/$dir} "$@" --out "$OUT/r/${side}_$round.json" \
-      >"$OUT/r/${side}_$round.log" 2>&1) || status=1
-    echo "== $side, round $round"
+    dir=$new_dir
+    [ "$side" = old ] && dir=$old_dir
+    # Each side imports its own nbinfer: its folder first on the path (an editable install of
+    # the working tree would otherwise serve both), and the log says which one it got.
+    (cd "$dir" && export PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" &&
+      python3 -c "import nbinfer; print('nbinfer from', nbinfer.__file__)" &&
+      "$@" --out "$OUT/r/${side}_$round.json") >"$OUT/r/${side}_$round.log" 2>&1 || status=1
+    echo "== $side, round $round ($(head -1 "$OUT/r/${side}_$round.log"))"
     grep -v -i warn "$OUT/r/${side}_$round.log" | tail -3
   done
 done

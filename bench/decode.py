@@ -366,13 +366,14 @@ def main():
     ap.add_argument("--kv-split", action="store_true",
                     help="--tensor-cores: also the tensor-core kernel with kv_split items")
     ap.add_argument("--fp8", action="store_true",
-                    help="only FP8 (e4m3fn, e5m2) caches against fp16, the three cases")
+                    help="only FP8 caches (--formats) against fp16 (the API's defaults), the "
+                         "three cases or --cases")
     args = ap.parse_args()
-    # options only some modes read, and the modes that read them (--formats has a default)
+    # options only some modes read, and the modes that read them
     both = ("sweep", "fp8")
     for opt, modes in (("kv_split", ("tensor_cores",)), ("stages", both), ("max_registers",
                        ("fp8",)), ("ctas_per_sm", both), ("cases", both), ("page_groups", both),
-                       ("mma", both), ("layout", both)):
+                       ("mma", both), ("layout", both), ("formats", ("fp8",))):
         given = getattr(args, opt) != ap.get_default(opt)
         if given and not any(getattr(args, m) for m in modes):
             ap.error(f"--{opt.replace('_', '-')} goes with "
@@ -398,6 +399,8 @@ def main():
     page_groups, mmas = flags("--page-groups", args.page_groups), flags("--mma", args.mma)
     stage_list, reg_list = ints("--stages", args.stages), ints("--max-registers", args.max_registers)
     per_sm_list = ints("--ctas-per-sm", args.ctas_per_sm)
+    if any(v not in (None, 2, 3, 4) for v in stage_list):
+        ap.error(f"--stages: 2, 3 or 4 (DecodeSpec.stages), got {args.stages!r}")
     if any(v is not None and v < 1 for v in per_sm_list):
         ap.error(f"--ctas-per-sm: values must be >= 1, got {args.ctas_per_sm!r}")
     try:
@@ -421,8 +424,8 @@ def main():
                           page_groups=pg, stages=stages, max_registers=regs, ctas_per_sm=per_sm)
                      for fmt in formats for b, l in cases]
         save_json(args.out, fp8=rows, copy_ceiling=COPY_CEILING)
-        print("format         case          pg     mma fp16/fp8  S  cap  fp16 gpu ms  fp8 gpu ms  "
-              "speedup gpu (call)  fp8 TB/s  regs/local  rel err")
+        print("format         layout case          pg     mma fp16/fp8  S  cap  fp16 gpu ms  "
+              "fp8 gpu ms  speedup gpu (call)  fp8 TB/s  regs/local CTAs  rel err")
         for r in rows:
             print(f"{r['format']:14s} {r['layout']} B{r['batch']:<4} L{r['kv_len']:<6} "
                   f"pg {r['page_groups']!s:5s}"

@@ -351,10 +351,11 @@ def test_decode_mma_matches_reference(rng, monkeypatch, kv_lens, hq, hkv, d, ps,
 @pytest.mark.parametrize("d, itemsize", [(64, 1), (128, 1), (64, 2), (128, 2)])
 def test_decode_mma_xor_addresses_follow_the_swizzled_rows(d, itemsize):
     # The tensor-core path's GPU code derives a group's shared addresses from one per lane by
-    # XOR and constant offsets (decode_mma_ops: K's chunk 4 i + t of rows 8 nt + g, FP8 V's rows
-    # 2t, 2t + 1, +8); the simulator's twins address every element through the swizzle itself,
-    # so these identities are what ties the two. Bases aligned as the kernel aligns its ring.
-    from nbinfer.kernels.decode_mma import ROW_ALIGN, swizzle
+    # XOR and constant offsets (key_chunk_addr, next_row_addr, which decode_mma_ops compiles:
+    # K's chunk 4 i + t of rows 8 nt + g, FP8 V's rows 2t, 2t + 1, +8, +16); the simulator's
+    # twins address every element through the swizzle itself, so these identities are what
+    # ties the two. Bases aligned as the kernel aligns its ring.
+    from nbinfer.kernels.decode_mma import ROW_ALIGN, key_chunk_addr, next_row_addr, swizzle
 
     ce = 16 // itemsize
     cr, tg = d // ce, 2048 // (d * itemsize)
@@ -369,16 +370,17 @@ def test_decode_mma_xor_addresses_follow_the_swizzled_rows(d, itemsize):
                 a00 = chunk_addr(base, g, t)
                 for nt in range(tg // 8):
                     for i in range(d * itemsize // 64):
-                        assert (a00 ^ 64 * i) + 8 * nt * row_bytes == \
+                        assert key_chunk_addr(a00, i, nt, row_bytes) == \
                             chunk_addr(base, 8 * nt + g, 4 * i + t)
                 if itemsize == 1:
                     vb = d // 8
                     ci, off = g * vb // 16, (g * vb) % 16
-                    v0 = chunk_addr(base, 2 * t, ci) + off
-                    v1 = (v0 + row_bytes) ^ (16 * (5 & cmask))
-                    assert v1 == chunk_addr(base, 2 * t + 1, ci) + off
-                    assert v0 + 8 * row_bytes == chunk_addr(base, 2 * t + 8, ci) + off
-                    assert v1 + 8 * row_bytes == chunk_addr(base, 2 * t + 9, ci) + off
+                    for r0 in range(0, tg, 16):
+                        v0 = chunk_addr(base, r0 + 2 * t, ci) + off
+                        v1 = next_row_addr(v0, row_bytes, cmask)
+                        assert v1 == chunk_addr(base, r0 + 2 * t + 1, ci) + off
+                        assert v0 + 8 * row_bytes == chunk_addr(base, r0 + 2 * t + 8, ci) + off
+                        assert v1 + 8 * row_bytes == chunk_addr(base, r0 + 2 * t + 9, ci) + off
 
 
 def test_decode_mma_refuses_what_it_cannot_run():

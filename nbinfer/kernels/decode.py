@@ -315,8 +315,9 @@ def decode_kernel_source(spec: DecodeSpec):
     SMEM_ALIGN = prims.SMEM_ALIGN
     # The ring 256-byte aligned: the tensor-core path derives its row addresses by XOR
     # (decode_mma.ROW_ALIGN), and a ring allocated at launch (3-4 stages) that followed the
-    # static arrays at 16 bytes (48 mod 128) made the L2 serve every KV sector twice: 3 stages
-    # took 0.323 ms at (64, 4096) fp16 misaligned, 0.251 aligned (H200; bench/NOTES.md).
+    # static arrays at 16 bytes (48 mod 128) was slow, most likely because the L2 then served
+    # each KV sector twice (ncu: 49 % L2 hits): 3 stages took 0.323 ms at (64, 4096) fp16
+    # misaligned, 0.251 aligned (H200; bench/NOTES.md).
     KV_ALIGN = max(SMEM_ALIGN, ROW_ALIGN) if SMEM_ALIGN else SMEM_ALIGN
     fused = build_merge_list(G, D, NT, MERGE_SMEM, spec.variant, spec.q_dtype, sim)
     finish_split_item, store, OUTS = fused.finish_split_item, fused.store, fused.OUTS

@@ -67,6 +67,19 @@ def mma_decode_supported(head_dim: int, group_size: int, kv_dtype: str, q_dtype:
 ROW_ALIGN = 256
 
 
+def key_chunk_addr(a00, i, nt, row_bytes):
+    """``chunk_addr(base, 8 nt + g, 4 i + t)`` from ``a00 = chunk_addr(base, g, t)`` (base
+    ROW_ALIGN-aligned): rows r and r + 8 share their swizzle, and chunk 4 i + t is chunk t's
+    index XOR 4 i."""
+    return (a00 ^ (64 * i)) + 8 * nt * row_bytes
+
+
+def next_row_addr(v0, row_bytes, cmask):
+    """``chunk_addr(base, r + 1, c)`` (+ any offset below 16) from ``v0 = chunk_addr(base, r,
+    c)`` for an even row r (base ROW_ALIGN-aligned): the successor's swizzle is r's XOR 5."""
+    return (v0 + row_bytes) ^ (16 * (5 & cmask))
+
+
 def swizzle(row):
     """The XOR applied to 16-byte chunk indices of KV row ``row`` (low three bits). Rows
     ``2p, 2p + 1`` differ in bit 2 (the K reads), eight consecutive rows take eight values
@@ -259,6 +272,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
     # cannot hoist the lane's part out of the loop into a register of its own: it had kept five
     # such offsets and, at the 128-register cap, reloaded them from local memory every group.
     ROW_BYTES = 16 * CR
+    key_addr, row_after = jit_dev(key_chunk_addr), jit_dev(next_row_addr)
 
     @jit_dev
     def scores(kvs, kbase, lane, qf, s):
@@ -274,7 +288,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
             c3 = ZERO
             for i in range(KCH):
                 # = chunk_addr(kbase, 8 nt + g, 4 i + t)
-                w0, w1, w2, w3 = lds4((a00 ^ U32(64 * i)) + U32(8 * nt * ROW_BYTES))
+                w0, w1, w2, w3 = lds4(key_addr(a00, U32(i), U32(nt), U32(ROW_BYTES)))
                 if FP8:  # four k-steps of four codes each
                     ks = 4 * i
                     c0, c1, c2, c3 = mma16(qf[2 * ks], Z, qf[2 * ks + 1], Z, f8_lo(w0),
@@ -319,7 +333,7 @@ def decode_mma_ops(head_dim: int, tokens_per_group: int, kv_dtype: str, q_dtype:
                     ci = g * VB // 16
                     # rows r0 + 2t (+ 8) and r0 + 2t + 1 (+ 8), as chunk_addr places them
                     v0 = chunk_addr(vbase, r0 + 2 * t, ci) + U32((g * VB) % 16)
-                    v1 = (v0 + U32(ROW_BYTES)) ^ U32(16 * (5 & CMASK))
+                    v1 = row_after(v0, U32(ROW_BYTES), U32(CMASK))
                     if VB == 16:
                         x0 = lds4(v0)
                         x1 = lds4(v1)
@@ -465,4 +479,5 @@ def _sim_ops(D, TG, NW, kv_dtype, q_dtype, prims, chunk_addr, out_dim, NS, NO, C
                            quad_max=make_quad(True), quad_sum=make_quad(False))
 
 
-__all__ = ["MMA_HEAD_DIMS", "ROW_ALIGN", "decode_mma_ops", "mma_decode_supported", "swizzle"]
+__all__ = ["MMA_HEAD_DIMS", "ROW_ALIGN", "decode_mma_ops", "key_chunk_addr", "mma_decode_supported",
+           "next_row_addr", "swizzle"]
