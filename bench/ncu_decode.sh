@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Nsight Compute on one warm decode step per configuration (bench/profile_decode.py), with the
 # memory and stall sections: where the fp16 and FP8 decode kernels wait.
-#   OUT=$OUT bash bench/ncu_decode.sh ["float16" "float8_e4m3fn" "float16 --mma 1" ...]
+#   OUT=$OUT [SOURCE=1] bash bench/ncu_decode.sh ["float16" "float8_e4m3fn" "float16 --mma 1" ...]
 # Each argument is the --kv-dtype value and any further profile_decode.py options. Writes
-# $OUT/ncu_decode_<n>.txt per configuration and prints the key lines of each.
+# $OUT/ncu_decode_<n>.txt per configuration and prints the key lines of each. SOURCE=1 adds the
+# per-instruction stall sampling (SourceCounters, and $OUT/ncu_decode_<n>.ncu-rep to open in
+# Nsight Compute's source view).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
@@ -16,14 +18,17 @@ n=0
 for cfg in "$@"; do
   n=$((n + 1))
   f="$OUT/ncu_decode_$n.txt"
-  # shellcheck disable=SC2086  # cfg is the dtype followed by options
-  set -- $cfg
-  dtype=$1; shift
-  ncu --clock-control none -k regex:decode -c 1 --launch-skip 2 --section SpeedOfLight \
+  read -r -a words <<<"$cfg"  # the dtype, then options (no globbing)
+  [ ${#words[@]} -gt 0 ] || { echo "ncu_decode.sh: empty configuration $n"; status=1; continue; }
+  dtype=${words[0]}
+  extra=()
+  [ -n "${SOURCE:-}" ] && extra=(--section SourceCounters --import-source yes
+                                 --export "$OUT/ncu_decode_$n" --force-overwrite)
+  ncu --clock-control none -k regex:decode -c 1 --launch-skip 2 "${extra[@]}" --section SpeedOfLight \
     --section MemoryWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
     --section Occupancy --section LaunchStats \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,lts__t_sector_hit_rate.pct \
-    python3 bench/profile_decode.py --kv-dtype "$dtype" "$@" >"$f" 2>&1 || status=1
+    python3 bench/profile_decode.py --kv-dtype "$dtype" "${words[@]:1}" >"$f" 2>&1 || status=1
   echo "== $cfg"
   grep -E "profiled:|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|lts__t_sector_hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occ|Eligible Warps|Active Warps Per|issue_stalled_" \
     "$f" | awk '$NF+0 > 0.1 || !/issue_stalled/' | head -40
