@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import time
+from unittest import mock
 
 import numpy as np
 import torch
@@ -270,6 +271,17 @@ def tensor_core_case(batch, kv_len, group, hkv=8, d=128, ps=16, kv_split=False):
     return res
 
 
+FP8_SCALES = (0.5, 0.25)  # k_scale, v_scale of the benchmarks' FP8 caches
+
+
+def fp8_cache(cache16, fmt, scales=FP8_SCALES):
+    """``cache16`` (``[P, 2, ...]``, K then V) quantised to ``fmt`` as a serving system stores a
+    scaled cache: K / k_scale and V / v_scale."""
+    ks, vs = scales
+    scale = torch.tensor([1 / ks, 1 / vs], device=cache16.device).view(1, 2, 1, 1, 1)
+    return (cache16.float() * scale).to(getattr(torch, fmt))
+
+
 def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4, fp8_settings=None,
              layout="NHD"):
     """The same decode step over an fp16 cache and over its FP8 quantisation (``fmt``, with
@@ -277,14 +289,10 @@ def fp8_case(batch, kv_len, fmt, hkv=8, d=128, ps=16, group=4, fp8_settings=None
     output's error against the float64 reference on the dequantised cache (two requests).
     ``fp8_settings``: ``nbinfer.api.decode`` settings (``DECODE_STAGES=3``, ...) for the FP8
     plan only; the fp16 step, the speedup's base, keeps the API's defaults."""
-    from unittest import mock
-
     hq = group * hkv
     pt, cache16, q = paged_case(batch, kv_len, hq=hq, hkv=hkv, d=d, ps=ps, layout=layout)
-    ks, vs = 0.5, 0.25
-    # quantise K / ks and V / vs, as a serving system stores a scaled cache
-    scale = torch.tensor([1 / ks, 1 / vs], device="cuda").view(1, 2, 1, 1, 1)
-    cache8 = (cache16.float() * scale).to(getattr(torch, fmt))
+    ks, vs = FP8_SCALES
+    cache8 = fp8_cache(cache16, fmt)
     res = dict(batch=batch, kv_len=kv_len, group=group, format=fmt, layout=layout)
     outs = {}
     for name, cache, kv_dtype, run_kw in (
@@ -452,13 +460,13 @@ def main():
         return
     if args.sweep:
         rows = []
-        default_per_sm = decode_api.CTAS_PER_SM
         for stages, per_sm, pg, mma in itertools.product(stage_list, per_sm_list, page_groups,
                                                          mmas):
-            decode_api.DECODE_STAGES, decode_api.DECODE_PAGE_GROUPS = stages, pg
-            decode_api.DECODE_MMA, decode_api.CTAS_PER_SM = mma, per_sm or default_per_sm
-            rows += [bench_case(b, l, group=args.group, layout=args.layout)
-                     for b, l in cases]
+            with mock.patch.multiple(decode_api, DECODE_STAGES=stages, DECODE_PAGE_GROUPS=pg,
+                                     DECODE_MMA=mma,
+                                     CTAS_PER_SM=per_sm or decode_api.CTAS_PER_SM):
+                rows += [bench_case(b, l, group=args.group, layout=args.layout)
+                         for b, l in cases]
         payload = dict(copy_ceiling=COPY_CEILING, decode=rows)
         save_json(args.out, **payload)
         for r in payload["decode"]:

@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 import torch  # noqa: E402
-from decode import paged_case  # noqa: E402
+from decode import FP8_SCALES, fp8_cache, paged_case  # noqa: E402
 
 from nbinfer.api import decode as decode_api  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
@@ -36,9 +36,8 @@ if __name__ == "__main__":
     pt, cache, q = paged_case(args.batch, args.kv_len, hq=hq, hkv=hkv, d=d, ps=ps)
     kw = {}
     if args.kv_dtype != "float16":
-        scale = torch.tensor([2.0, 4.0], device="cuda").view(1, 2, 1, 1, 1)
-        cache = (cache.float() * scale).to(getattr(torch, args.kv_dtype))
-        kw = dict(k_scale=0.5, v_scale=0.25)
+        cache = fp8_cache(cache, args.kv_dtype)
+        kw = dict(zip(("k_scale", "v_scale"), FP8_SCALES, strict=True))
     w = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                        device="cuda"), "NHD")
     w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type=torch.float16,
