@@ -5,7 +5,7 @@
 # Each argument is the --kv-dtype value and any further profile_decode.py options. Writes
 # $OUT/ncu_decode_<n>.txt per configuration and prints the key lines of each. SOURCE=1 adds the
 # per-instruction stall sampling (SourceCounters, and $OUT/ncu_decode_<n>.ncu-rep to open in
-# Nsight Compute's source view).
+# Nsight Compute's source view, and its SASS page as $OUT/ncu_decode_<n>_sass.csv).
 set -uo pipefail
 OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
@@ -29,6 +29,12 @@ for cfg in "$@"; do
     --section Occupancy --section LaunchStats \
     --metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio,lts__t_sector_hit_rate.pct \
     python3 bench/profile_decode.py --kv-dtype "$dtype" "${words[@]:1}" >"$f" 2>&1 || status=1
+  if [ -n "${SOURCE:-}" ] && [ -f "$OUT/ncu_decode_$n.ncu-rep" ]; then
+    # The per-instruction table (SASS with its stall samples by reason) as CSV, so that the
+    # hot instructions can be read without the GUI.
+    ncu -i "$OUT/ncu_decode_$n.ncu-rep" --page source --csv --print-source sass \
+      >"$OUT/ncu_decode_${n}_sass.csv" 2>&1 || status=1
+  fi
   echo "== $cfg"
   grep -E "profiled:|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|lts__t_sector_hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occ|Eligible Warps|Active Warps Per|issue_stalled_" \
     "$f" | awk '$NF+0 > 0.1 || !/issue_stalled/' | head -40

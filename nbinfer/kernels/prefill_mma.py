@@ -217,7 +217,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     DEFER_MERGE = spec.defer_merge
     SMEM_FLOATS = shared["total"] // 4
     SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
-    SMEM_ALIGN = prims.SMEM_ALIGN
+    # Tiles on a 256-byte boundary: allocated at launch they followed the static arrays at 16
+    # bytes, 32 past a 128-byte line (the decode's ring at 48 past one was slow: NOTES).
+    SMEM_ALIGN = max(prims.SMEM_ALIGN, 256) if prims.SMEM_ALIGN else prims.SMEM_ALIGN
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     CHUNK_BYTES = 8 * ELEM
@@ -486,8 +488,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                            cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
                            merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                            mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
-        # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. 16-byte aligned: cp.async
-        # destinations and ldmatrix rows must be.
+        # [stage 0 K|V, stage 1 K|V]; merge scratch after the loop. At least 16-byte aligned
+        # (cp.async destinations and ldmatrix rows must be); SMEM_ALIGN makes it 256.
         smem = cuda.shared.array(SMEM_DECL, float32, alignment=SMEM_ALIGN)
         # guarded twin: the tile's keys with bad V, one bit per key in 32-bit words
         bad_keys = cuda.shared.array(BAD_WORDS, U32)
