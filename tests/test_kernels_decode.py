@@ -354,15 +354,16 @@ def test_decode_mma_xor_addresses_follow_the_swizzled_rows(d, itemsize):
     # XOR and constant offsets (key_chunk_addr, next_row_addr, which decode_mma_ops compiles:
     # K's chunk 4 i + t of rows 8 nt + g, FP8 V's rows 2t, 2t + 1, +8, +16); the simulator's
     # twins address every element through the swizzle itself, so these identities are what
-    # ties the two. Bases aligned as the kernel aligns its ring.
-    from nbinfer.kernels.decode_mma import ROW_ALIGN, key_chunk_addr, next_row_addr, swizzle
+    # ties the two. chunk_addr is the ops' own (the function the GPU build compiles and the
+    # gather writes through). Bases aligned as the kernel aligns its ring.
+    from nbinfer.kernels.decode_mma import (ROW_ALIGN, decode_mma_ops, key_chunk_addr,
+                                            next_row_addr)
 
     ce = 16 // itemsize
     cr, tg = d // ce, 2048 // (d * itemsize)
     cmask, row_bytes = min(cr, 8) - 1, 16 * cr
-
-    def chunk_addr(base, row, chunk):
-        return base + 16 * (row * cr + (chunk ^ (swizzle(row) & cmask)))
+    kv_dtype = "float8_e4m3fn" if itemsize == 1 else "float16"
+    chunk_addr = decode_mma_ops(d, tg, kv_dtype, "float16", 4, sim=True).chunk_addr
 
     for base in (0, ROW_ALIGN, 5 * ROW_ALIGN + 4096):
         for g in range(8):
