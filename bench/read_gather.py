@@ -20,6 +20,11 @@ Each CTA reads ``--tokens`` tokens (256 by default; 0: a request's whole KV head
 (request, KV head) pair as the decode's plan makes them at these cases, which leaves the
 hardware no small blocks to even out the SMs' finishing times).
 
+The cp.async ring can also stand in for the decode kernel's loop: ``--order after`` waits for
+a group before issuing the next (the decode's order; ``ahead`` issues first), and ``--work N``
+adds N dependent FMAs per group and thread after its wait (the decode's arithmetic between
+rounds, as latency), to see what computing between groups costs a reader of this pattern.
+
 Each CTA (128 threads: 16 lanes per 256-byte row, 8 rows per pass) reads its tokens of one
 (request, KV head) pair; every loaded word is folded into a register that is written out only
 under a condition the compiler cannot decide, so no load is dead. Bytes counted: K and V of every
@@ -108,11 +113,18 @@ extern "C" __global__ void __launch_bounds__(128) gather_read(
         for (int u = 0; u < UNROLL; ++u) acc ^= kk[u].x ^ kk[u].w ^ vv[u].y ^ vv[u].z;
     }
 #else
-    // STAGES-deep ring of thread-private 16-byte slots: groups i + 1 .. i + STAGES - 1 are in
-    // flight while group i is read (the decode kernel's loop, without its arithmetic)
+    // STAGES-deep ring of thread-private 16-byte slots. AFTER 0: group i + STAGES - 1 is
+    // issued before group i is waited for (STAGES - 1 groups in flight while it is read);
+    // AFTER 1: the decode kernel's order, group i waited for first, then group i + STAGES - 1
+    // issued (STAGES - 2 in flight at the wait, STAGES - 1 during the work). WORK: that many
+    // dependent FMAs per group and thread on a value of the group (the decode's arithmetic
+    // between its rounds, as latency; 0: a pure reader).
     __shared__ uint4 ring[STAGES][2 * UNROLL][128];
     const int n = (t_end - t_begin) / step;
+    float f = 0.0f;
     for (int i = 0; i < n + STAGES - 1; ++i) {
+        const int r = i - (STAGES - 1);  // the group whose copies must have landed now
+        if (AFTER && r >= 0) asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 2));
         if (i < n) {
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) {
@@ -124,17 +136,20 @@ extern "C" __global__ void __launch_bounds__(128) gather_read(
             }
         }
         asm volatile("cp.async.commit_group;");
-        const int r = i - (STAGES - 1);  // the group whose copies must have landed now
         if (r >= 0) {
-            asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
+            if (!AFTER) asm volatile("cp.async.wait_group %0;" :: "n"(STAGES - 1));
 #pragma unroll
             for (int u = 0; u < 2 * UNROLL; ++u) {
                 uint4 x = ring[r % STAGES][u][threadIdx.x];
                 acc ^= x.x ^ x.w;
             }
+            f += __uint_as_float(acc & 0x3f7fffffu);  // the work depends on the group's data
+#pragma unroll 16
+            for (int w = 0; w < WORK; ++w) f = fmaf(f, 0.999f, 0.5f);
         }
     }
     asm volatile("cp.async.wait_group 0;");
+    if (f == 1.2345f) acc ^= 1u;  // keeps the work live
 #endif
     if (acc == 0x9e3779b9u) out[blockIdx.x * 128 + threadIdx.x] = acc;  // keeps every load live
 }
@@ -179,26 +194,29 @@ def prepare(cp, batch, kv_len, layout, hkv=8, d=128, ps=16, seed=0):
 _KERNELS = {}
 
 
-def kernel(cp, layout, mode, unroll, d, stages=2):
-    key = (LAYOUTS[layout], MODES[mode], unroll, d, stages)
+def kernel(cp, layout, mode, unroll, d, stages=2, work=0, after=False):
+    key = (LAYOUTS[layout], MODES[mode], unroll, d, stages, work, after)
     if key not in _KERNELS:
         opts = ("-std=c++17", f"-DLAYOUT={key[0]}", f"-DMODE={key[1]}", f"-DUNROLL={unroll}",
-                f"-DHEAD_DIM={d}", f"-DSTAGES={stages}")
+                f"-DHEAD_DIM={d}", f"-DSTAGES={stages}", f"-DWORK={work}",
+                f"-DAFTER={int(after)}")
         _KERNELS[key] = cp.RawModule(code=SOURCE, options=opts).get_function("gather_read")
     return _KERNELS[key]
 
 
-def measure(cp, bufs, batch, kv_len, layout, mode, unroll, tokens=256, stages=2):
+def measure(cp, bufs, batch, kv_len, layout, mode, unroll, tokens=256, stages=2, work=0,
+            after=False):
     """GPU ms and TB/s of reading every K and V row of a (batch, kv_len) decode step once,
     ``tokens`` per CTA (``kv_len``: one CTA per (request, KV head), as the decode plans these
-    cases), ``stages`` deep for the cp.async modes."""
+    cases), ``stages`` deep for the cp.async modes, with ``work`` dependent FMAs per group and
+    the next group issued ``after`` the wait (the decode's order) or before it."""
     hkv, d = bufs["hkv"], bufs["d"]
     tokens = min(tokens, kv_len)
     step = 128 // (d // 8) * unroll  # tokens one pass of the CTA's loop covers
     if kv_len % tokens or tokens % step:
         raise ValueError(f"tokens per CTA ({tokens}) must divide kv_len ({kv_len}) and be a "
                          f"multiple of {step} (rows per pass x unroll): the kernel has no tail")
-    kern = kernel(cp, layout, mode, unroll, d, stages)
+    kern = kernel(cp, layout, mode, unroll, d, stages, work, after)
     grid = batch * hkv * (kv_len // tokens)
     out = cp.zeros(grid * 128, cp.uint32)
     args = (bufs["k"], bufs["v"], bufs["indptr"], bufs["indices"], np.int32(hkv),
@@ -207,7 +225,8 @@ def measure(cp, bufs, batch, kv_len, layout, mode, unroll, tokens=256, stages=2)
     nbytes = batch * kv_len * hkv * d * 2 * 2
     return dict(batch=batch, kv_len=kv_len, layout=layout, mode=mode, unroll=unroll,
                 tokens=tokens, stages=stages if mode.startswith("cp.async") else None, ctas=grid,
-                ms=ms, bytes=nbytes, tbps=nbytes / ms / 1e9, regs=int(kern.num_regs))
+                work=work, after=after, ms=ms, bytes=nbytes, tbps=nbytes / ms / 1e9,
+                regs=int(kern.num_regs))
 
 
 def main():
@@ -221,7 +240,15 @@ def main():
                     help="tokens per CTA, comma-separated (0: a whole request's KV head per CTA, "
                          "the decode plan's item at these cases)")
     ap.add_argument("--stages", default="2", help="cp.async ring depths, comma-separated")
+    ap.add_argument("--work", default="0",
+                    help="cp.async modes: dependent FMAs per group and thread after its wait "
+                         "(the decode's arithmetic as latency), comma-separated")
+    ap.add_argument("--order", default="ahead", type=lambda x: x.split(","),
+                    help="cp.async modes: 'ahead' (the next group issued before the wait) "
+                         "and/or 'after' (issued after it, as the decode kernel does)")
     args = ap.parse_args()
+    if set(args.order) - {"ahead", "after"}:
+        ap.error(f"--order: choose from ahead, after (got {','.join(args.order)})")
     import cupy as cp
 
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
@@ -232,17 +259,20 @@ def main():
     rows = []
     for (b, l), lay in itertools.product(cases, args.layouts.split(",")):
         bufs = prepare(cp, b, l, lay)
-        for mode, u, tok, st in itertools.product(
+        for mode, u, tok, st, work, order in itertools.product(
                 args.modes.split(","), [int(x) for x in args.unrolls.split(",")],
-                [int(x) for x in args.tokens.split(",")], [int(x) for x in args.stages.split(",")]):
+                [int(x) for x in args.tokens.split(",")], [int(x) for x in args.stages.split(",")],
+                [int(x) for x in args.work.split(",")], args.order):
             cpa = mode.startswith("cp.async")
-            if (not cpa and st != 2) or (cpa and st * u > 12):
-                continue  # stages are cp.async's; its ring must fit 48 KiB of static shared memory
-            r = measure(cp, bufs, b, l, lay, mode, u, tok or l, st)
+            if not cpa and (st != 2 or work or order != "ahead"):
+                continue  # stages, work and order are the cp.async ring's
+            if cpa and st * u > 12:
+                continue  # the ring must fit 48 KiB of static shared memory
+            r = measure(cp, bufs, b, l, lay, mode, u, tok or l, st, work, order == "after")
             rows.append(r)
             print(f"B{b:<4} L{l:<6} {lay:10s} {mode:18s} U{u} T{r['tokens']:<5} S{st} "
-                  f"{r['ctas']:5d} CTAs {r['ms']:7.3f} ms  {r['tbps']:5.2f} TB/s  regs {r['regs']}",
-                  flush=True)
+                  f"W{work:<4} {order:5s} {r['ctas']:5d} CTAs {r['ms']:7.3f} ms  "
+                  f"{r['tbps']:5.2f} TB/s  regs {r['regs']}", flush=True)
         del bufs
         cp.get_default_memory_pool().free_all_blocks()
     if args.out:
