@@ -356,8 +356,7 @@ def test_decode_mma_xor_addresses_follow_the_swizzled_rows(d, itemsize):
     # twins address every element through the swizzle itself, so these identities are what
     # ties the two. chunk_addr is the ops' own (the function the GPU build compiles and the
     # gather writes through). Bases aligned as the kernel aligns its ring.
-    from nbinfer.kernels.decode_mma import (ROW_ALIGN, decode_mma_ops, key_chunk_addr,
-                                            next_row_addr)
+    from nbinfer.kernels.decode_mma import ROW_ALIGN, decode_mma_ops, key_chunk_addr, next_row_addr
 
     ce = 16 // itemsize
     cr, tg = d // ce, 2048 // (d * itemsize)

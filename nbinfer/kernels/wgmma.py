@@ -1,0 +1,326 @@
+"""Hopper's warpgroup MMA (``wgmma.mma_async``) from Numba: the first rung of issue 13's stretch.
+
+The tensor-core kernels of this package issue ``mma.sync.m16n8k16``: one warp, a 16 x 8 x 16
+product per instruction, both operands through registers (``ldmatrix``). On sm_90 a warpgroup
+(four consecutive warps, 128 threads) can instead issue ``wgmma.mma_async.m64nNk16``: a 64 x N x
+16 product per instruction (N up to 256), with A and B read by the tensor cores straight from
+shared memory through 64-bit *matrix descriptors*, asynchronously. A 64 x 64 x 16 step is one
+instruction per warp where ``mma.sync`` takes 8 ``HMMA`` and 4 ``ldmatrix``; this is how
+FlashAttention-3 and cuDNN reach 500-650 TFLOP/s on the H200 where ``mma.sync`` kernels stop
+near 330 (bench/NOTES.md, issue 13).
+
+What it takes from Numba, all of it here:
+
+- the ``sm_90a`` target: ``wgmma`` exists only for the architecture-specific target. Numba-CUDA
+  (0.30) compiles for ``compute_90a`` whenever the device's compute capability is 9.0 or more
+  (``CUDACodeLibrary._ensure_cc``), so a kernel built on the H200 may use it;
+- the instruction as inline PTX returning ``N / 2`` float32 accumulators per thread (32 at
+  N 64): an LLVM struct of that many floats, tied to the inputs so that it accumulates;
+- the ordering instructions: ``wgmma.fence`` (before a warpgroup's first ``wgmma`` and after its
+  accumulator registers were touched), ``wgmma.commit_group`` / ``wgmma.wait_group``, and
+  ``fence.proxy.async.shared::cta`` between ordinary shared-memory stores and a ``wgmma`` that
+  reads them (the tensor cores read through the async proxy);
+- descriptors of operands laid out in the canonical *no-swizzle, K-major* form: 8 x 8 core
+  matrices (8 rows of 16 bytes, 128 contiguous bytes), LBO bytes between core matrices adjacent
+  along K and SBO bytes between core matrices adjacent along M (A) or N (B).
+
+Attention needs two products of this kind: ``S = Q K^T`` with both operands in shared memory,
+K-major (``mma``), and ``O += P V`` with P straight from S's registers and V as it lies in
+memory, ``[keys, D]`` with D contiguous: an *MN-major* B, read with wgmma's transpose flag
+(``mma_rs``). The MN-major no-swizzle layout is taken to mirror the K-major one (core matrices
+of 8 K-rows x 16 bytes of N, LBO along K, SBO along N: :func:`core_offset_mn`); the gpu test of
+``build_pv_product`` is what confirms it.
+
+Layout of the result (PTX ISA, "wgmma .m64nNk16 register fragment D"): warp ``w`` of the
+warpgroup holds rows ``16 w .. 16 w + 15``; ``acc[4 j + 2 h + c]`` is row ``16 w + lane // 4
++ 8 h``, column ``8 j + 2 (lane % 4) + c`` - the ``mma.m16n8`` accumulator layout, repeated
+for each 8 columns.
+
+Only the GPU build exists (the simulator has no warpgroup MMA); ``tests/test_gpu_wgmma.py``
+checks a whole ``Q K^T`` tile against NumPy on the H200, and ``bench/wgmma_probe.py`` compiles
+that kernel for sm_90a on a machine without a GPU and counts its ``HGMMA`` instructions.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+from numba import float32, types
+
+U32 = types.uint32
+U64 = types.uint64
+
+# wgmma.mma_async's N values that this module builds (multiples of 8 up to 256 exist)
+WGMMA_N = (64, 128)
+
+
+def core_offset(row: int, k: int, sbo: int, lbo: int, itemsize: int = 2) -> int:
+    """Byte offset of element ``(row, k)`` of a K-major operand in the no-swizzle canonical
+    layout: core matrix ``(row // 8, k // CE)`` (``CE = 16 / itemsize`` elements of K) at
+    ``(row // 8) * sbo + (k // CE) * lbo``, 16 bytes per core-matrix row."""
+    ce = 16 // itemsize
+    return (row // 8) * sbo + (k // ce) * lbo + (row % 8) * 16 + (k % ce) * itemsize
+
+
+def core_offset_mn(k: int, col: int, sbo: int, lbo: int, itemsize: int = 2) -> int:
+    """Byte offset of element ``(k, col)`` of an MN-major operand (``col`` along N contiguous)
+    in the no-swizzle layout: core matrix ``(k // 8, col // CE)`` at ``(col // CE) * sbo +
+    (k // 8) * lbo``, each of 8 K-rows of 16 bytes (``CE = 16 / itemsize`` columns)."""
+    ce = 16 // itemsize
+    return (col // ce) * sbo + (k // 8) * lbo + (k % 8) * 16 + (col % ce) * itemsize
+
+
+def smem_descriptor(addr: int, lbo: int, sbo: int) -> int:
+    """The 64-bit matrix descriptor of an operand at shared byte address ``addr`` (16-byte
+    aligned), no swizzle: bits 0-13 ``addr >> 4``, 16-29 ``lbo >> 4``, 32-45 ``sbo >> 4``;
+    base offset and swizzle mode (bits 49-51, 62-63) zero. Plain arithmetic: callable from
+    Python (tests) and compiled into a kernel as it stands."""
+    return (((addr >> 4) & 0x3FFF) | (((lbo >> 4) & 0x3FFF) << 16)
+            | (((sbo >> 4) & 0x3FFF) << 32))
+
+
+@functools.cache
+def wgmma_intrinsics():
+    """The GPU intrinsics, as a namespace: ``mma[(n, kind)](desc_a, desc_b, acc) -> acc``
+    (``acc`` a UniTuple of ``n / 2`` float32; ``D = A B + acc``, both K-major in shared memory),
+    ``mma_rs[(n, kind)](a0, a1, a2, a3, desc_b, acc) -> acc`` (A from registers, B MN-major in
+    shared memory), ``zeros[n]()`` (that tuple of
+    zeros), ``fence()``, ``commit()``, ``wait0()`` (all of this warpgroup's committed groups
+    done) and ``proxy_fence()`` (shared stores made visible to the async proxy)."""
+    from llvmlite import ir
+    from numba.cuda.extending import intrinsic
+
+    f32 = ir.FloatType()
+    i64 = ir.IntType(64)
+
+    def make_void(text):
+        @intrinsic
+        def op(typingctx):
+            sig = types.void()
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [])
+                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return op
+
+    def make_mma(n: int, kind: str):
+        m = n // 2  # accumulators per thread
+        outs = ", ".join(f"${i}" for i in range(m))
+        # scale-d 1 (accumulate), scale-a / scale-b 1, no transposes (K-major A and B)
+        text = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, "
+                f"${m}, ${m + 1}, 1, 1, 1, 0, 0;")
+        constraints = ",".join(["=f"] * m + ["l", "l"] + [str(i) for i in range(m)])
+        acc_t = types.UniTuple(float32, m)
+
+        @intrinsic
+        def mma(typingctx, desc_a, desc_b, acc):
+            if acc != acc_t:
+                return None
+            sig = acc_t(desc_a, desc_b, acc)
+
+            def codegen(context, builder, sig, args):
+                da = context.cast(builder, args[0], sig.args[0], U64)
+                db = context.cast(builder, args[1], sig.args[1], U64)
+                ins = [builder.extract_value(args[2], i) for i in range(m)]
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), [i64, i64] + [f32] * m)
+                # side_effect: wgmma must stay between its fence and its commit
+                res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                                   [da, db] + ins)
+                vals = [builder.extract_value(res, i) for i in range(m)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return sig, codegen
+
+        return mma
+
+    def make_mma_rs(n: int, kind: str):
+        m = n // 2
+        outs = ", ".join(f"${i}" for i in range(m))
+        # A from four registers (this lane's m16k16 fragment of its warp's 16 rows, as
+        # mma.m16n8k16 takes it), B MN-major from shared memory (transpose flag 1)
+        text = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, "
+                f"{{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, 1, 1, 1, 1;")
+        constraints = ",".join(["=f"] * m + ["r"] * 4 + ["l"] + [str(i) for i in range(m)])
+        acc_t = types.UniTuple(float32, m)
+        i32 = ir.IntType(32)
+
+        @intrinsic
+        def mma_rs(typingctx, a0, a1, a2, a3, desc_b, acc):
+            if acc != acc_t:
+                return None
+            sig = acc_t(a0, a1, a2, a3, desc_b, acc)
+
+            def codegen(context, builder, sig, args):
+                regs = [context.cast(builder, args[i], sig.args[i], U32) for i in range(4)]
+                db = context.cast(builder, args[4], sig.args[4], U64)
+                ins = [builder.extract_value(args[5], i) for i in range(m)]
+                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
+                                       [i32] * 4 + [i64] + [f32] * m)
+                res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                                   regs + [db] + ins)
+                vals = [builder.extract_value(res, i) for i in range(m)]
+                return context.make_tuple(builder, sig.return_type, vals)
+
+            return sig, codegen
+
+        return mma_rs
+
+    def make_zeros(n: int):
+        m = n // 2
+        acc_t = types.UniTuple(float32, m)
+
+        @intrinsic
+        def zeros(typingctx):
+            sig = acc_t()
+
+            def codegen(context, builder, sig, args):
+                zero = ir.Constant(f32, 0.0)
+                return context.make_tuple(builder, sig.return_type, [zero] * m)
+
+            return sig, codegen
+
+        return zeros
+
+    return SimpleNamespace(
+        mma={(n, kind): make_mma(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")},
+        mma_rs={(n, kind): make_mma_rs(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")},
+        zeros={n: make_zeros(n) for n in WGMMA_N},
+        fence=make_void("wgmma.fence.sync.aligned;"),
+        commit=make_void("wgmma.commit_group.sync.aligned;"),
+        wait0=make_void("wgmma.wait_group.sync.aligned 0;"),
+        proxy_fence=make_void("fence.proxy.async.shared::cta;"))
+
+
+@functools.cache
+def build_tile_product(n: int, d: int, dtype: str = "float16"):
+    """A one-warpgroup kernel: ``S = A B^T`` for ``A [64, d]`` and ``B [n, d]`` (row-major,
+    16-bit: their bits as uint16), float32 ``S [64, n]`` - the ``Q K^T`` of one 64-row tile
+    against ``n`` keys, ``d / 16`` accumulating ``wgmma`` steps. Launch with one CTA of 128
+    threads: ``kernel[1, 128](a_bits, b_bits, s)``.
+
+    Both operands are staged into shared memory in the canonical no-swizzle K-major layout
+    (:func:`core_offset`, LBO 128 bytes: the two core matrices of a k-step adjacent; SBO
+    ``d / 8 * 128``: one 8-row block's whole K), by plain 2-byte stores (a teaching-grade
+    staging, not a fast one: the point is the product and its fragment layout)."""
+    from numba import cuda
+
+    from .primitives import primitives
+
+    if n not in WGMMA_N or d % 16 or not 16 <= d <= 256:
+        raise ValueError(f"build_tile_product: n must be one of {WGMMA_N} and d a multiple of "
+                         f"16 up to 256, got n={n}, d={d}")
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    intr = wgmma_intrinsics()
+    mma, zeros = intr.mma[(n, kind)], intr.zeros[n]
+    fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
+    shared_addr = primitives(False).shared_addr
+    LBO, SBO = 128, d // 8 * 128
+    A_ELEMS, B_ELEMS = 64 * d, n * d
+    SMEM_ELEMS = A_ELEMS + B_ELEMS  # array sizes must be single captured constants
+    KSTEPS = d // 16
+    KSTEP_BYTES = 2 * LBO  # a k-step's two core matrices along K
+    B_OFF = A_ELEMS * 2  # B's bytes after A's (both 128-byte multiples)
+
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+
+    @cuda.jit(device=True)
+    def place(row, k):  # uint16 index of element (row, k) of an operand in the layout
+        return ((row // 8) * SBO + (k // 8) * LBO + (row % 8) * 16 + (k % 8) * 2) // 2
+
+    @cuda.jit(lineinfo=False)
+    def tile_product(a, b, s):
+        smem = cuda.shared.array(SMEM_ELEMS, types.uint16, alignment=128)
+        tid = cuda.threadIdx.x
+        for e in range(tid, A_ELEMS, 128):
+            smem[place(e // d, e % d)] = a[e]
+        for e in range(tid, B_ELEMS, 128):
+            smem[A_ELEMS + place(e // d, e % d)] = b[e]
+        proxy_fence()  # the generic-proxy stores above, visible to the tensor cores' reads
+        cuda.syncthreads()
+        base = shared_addr(smem, 0)
+        acc = zeros()
+        fence()
+        for kk in range(KSTEPS):
+            da = descriptor(base + U32(kk * KSTEP_BYTES), LBO, SBO)
+            db = descriptor(base + U32(B_OFF + kk * KSTEP_BYTES), LBO, SBO)
+            acc = mma(U64(da), U64(db), acc)
+        commit()
+        wait0()
+        warp, lane = tid // 32, tid % 32
+        for j in range(n // 8):
+            for h in range(2):
+                for c in range(2):
+                    row = 16 * warp + lane // 4 + 8 * h
+                    col = 8 * j + 2 * (lane % 4) + c
+                    s[row * n + col] = acc[4 * j + 2 * h + c]
+
+    return tile_product
+
+
+@functools.cache
+def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
+    """A one-warpgroup kernel: ``O = P V`` for ``P [64, kdim]`` and ``V [kdim, n]`` (row-major,
+    16-bit bits as uint16), float32 ``O [64, n]`` - attention's second product, P from
+    registers in the fragment layout S's accumulators leave it in (each lane packs its own
+    elements; no shared memory), V staged MN-major (:func:`core_offset_mn`) and read with the
+    transpose flag. ``kernel[1, 128](p_bits, v_bits, o)``."""
+    from numba import cuda
+
+    from .primitives import primitives
+
+    if n not in WGMMA_N or kdim % 16 or not 16 <= kdim <= 256:
+        raise ValueError(f"build_pv_product: n must be one of {WGMMA_N} and kdim a multiple "
+                         f"of 16 up to 256, got n={n}, kdim={kdim}")
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    intr = wgmma_intrinsics()
+    mma_rs, zeros = intr.mma_rs[(n, kind)], intr.zeros[n]
+    fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
+    shared_addr = primitives(False).shared_addr
+    LBO, SBO = 128, kdim // 8 * 128
+    V_ELEMS = kdim * n
+    KSTEPS = kdim // 16
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+
+    @cuda.jit(device=True)
+    def place(k, col):  # uint16 index of V's element (k, col) in the MN-major layout
+        return ((col // 8) * SBO + (k // 8) * LBO + (k % 8) * 16 + (col % 8) * 2) // 2
+
+    @cuda.jit(device=True)
+    def pair(p, row, col):  # P[row, col], P[row, col + 1] as one b32 (lower column low)
+        return U32(p[row * kdim + col]) | (U32(p[row * kdim + col + 1]) << U32(16))
+
+    @cuda.jit(lineinfo=False)
+    def pv_product(p, v, o):
+        smem = cuda.shared.array(V_ELEMS, types.uint16, alignment=128)
+        tid = cuda.threadIdx.x
+        for e in range(tid, V_ELEMS, 128):
+            smem[place(e // n, e % n)] = v[e]
+        proxy_fence()
+        cuda.syncthreads()
+        base = shared_addr(smem, 0)
+        warp, lane = tid // 32, tid % 32
+        r0, t2 = 16 * warp + lane // 4, 2 * (lane % 4)
+        acc = zeros()
+        fence()
+        for kk in range(KSTEPS):
+            c0 = 16 * kk + t2
+            acc = mma_rs(pair(p, r0, c0), pair(p, r0 + 8, c0), pair(p, r0, c0 + 8),
+                         pair(p, r0 + 8, c0 + 8),
+                         U64(descriptor(base + U32(kk * 2 * LBO), LBO, SBO)), acc)
+        commit()
+        wait0()
+        for j in range(n // 8):
+            for h in range(2):
+                for c in range(2):
+                    o[(r0 + 8 * h) * n + 8 * j + t2 + c] = acc[4 * j + 2 * h + c]
+
+    return pv_product
+
+
+__all__ = ["WGMMA_N", "build_pv_product", "build_tile_product", "core_offset", "core_offset_mn",
+           "smem_descriptor", "wgmma_intrinsics"]

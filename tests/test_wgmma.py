@@ -1,0 +1,93 @@
+"""Hopper's warpgroup MMA from Numba (nbinfer.kernels.wgmma): the operand layout and descriptor
+on any machine, one warpgroup's Q K^T tile against NumPy on the H200."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer.kernels.wgmma import core_offset, core_offset_mn, smem_descriptor
+
+
+@pytest.mark.parametrize("rows, d", [(64, 16), (64, 128), (128, 64)])
+def test_core_layout_places_every_element_once(rows, d):
+    # The no-swizzle K-major layout with the tile kernel's strides (LBO 128: a k-step's two core
+    # matrices adjacent; SBO d / 8 * 128: an 8-row block's whole K) is a bijection onto the
+    # operand's bytes, 2-byte aligned, each 8 x 8 core matrix 128 contiguous bytes.
+    sbo = d // 8 * 128
+    offs = np.array([[core_offset(r, k, sbo, 128) for k in range(d)] for r in range(rows)])
+    assert np.array_equal(np.sort(offs.ravel()), np.arange(0, rows * d * 2, 2))
+    core = offs[8:16, 8:16]  # core matrix (1, 1)
+    assert core.min() == sbo + 128 and core.max() == sbo + 128 + 126
+    assert np.array_equal(core[:, 0], sbo + 128 + 16 * np.arange(8))  # rows 16 bytes apart
+
+
+@pytest.mark.parametrize("kdim, n", [(16, 64), (64, 128)])
+def test_mn_major_layout_places_every_element_once(kdim, n):
+    # V's layout for the P V product: core matrices of 8 K-rows x 8 columns (16 bytes, the
+    # columns contiguous), LBO 128 between K-neighbours, SBO kdim / 8 * 128 between N-neighbours.
+    sbo = kdim // 8 * 128
+    offs = np.array([[core_offset_mn(k, c, sbo, 128) for c in range(n)] for k in range(kdim)])
+    assert np.array_equal(np.sort(offs.ravel()), np.arange(0, kdim * n * 2, 2))
+    assert np.array_equal(offs[0, :8], 2 * np.arange(8))  # a core row: 8 columns, 16 bytes
+    assert offs[8, 0] == 128 and offs[0, 8] == sbo
+
+
+def test_smem_descriptor_fields():
+    desc = smem_descriptor(0x1230, lbo=128, sbo=2048)
+    assert desc & 0x3FFF == 0x1230 >> 4
+    assert (desc >> 16) & 0x3FFF == 128 >> 4
+    assert (desc >> 32) & 0x3FFF == 2048 >> 4
+    assert desc >> 46 == 0  # base offset 0, no swizzle
+    # addresses past the 14 bits the field holds (256 KiB of shared memory) do not spill over
+    assert smem_descriptor(1 << 18, 0, 0) == 0
+
+
+def _bits(x, dtype):
+    """16-bit storage of a float32 array and the values it holds, as float64."""
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    u = x.astype(np.float32).view(np.uint32)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    return u, (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, d, dtype", [(64, 128, "float16"), (128, 64, "float16"),
+                                         (64, 64, "bfloat16"), (128, 128, "bfloat16")])
+def test_wgmma_tile_product_matches_numpy(rng, n, d, dtype):
+    # S = A B^T by d / 16 accumulating wgmma.m64nNk16 steps, both operands read from shared
+    # memory through descriptors; the result's fragment layout (warp w: rows 16 w ..; the
+    # mma.m16n8 layout per 8 columns) is what the kernel's epilogue assumes. A wrong layout,
+    # stride or fragment map gives an error of order 1, not a rounding one.
+    from numba import cuda
+
+    from nbinfer.kernels.wgmma import build_tile_product
+
+    a_bits, a = _bits(rng.standard_normal((64, d)), dtype)
+    b_bits, b = _bits(rng.standard_normal((n, d)), dtype)
+    s = cuda.device_array(64 * n, np.float32)
+    build_tile_product(n, d, dtype)[1, 128](cuda.to_device(a_bits.ravel()),
+                                             cuda.to_device(b_bits.ravel()), s)
+    out = s.copy_to_host().reshape(64, n)
+    assert rel_err(out, a @ b.T) <= TOLERANCE["float32"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, kdim, dtype", [(128, 64, "float16"), (64, 128, "bfloat16")])
+def test_wgmma_pv_product_matches_numpy(rng, n, kdim, dtype):
+    # O = P V with P's fragments in registers (the layout S's accumulators leave them in) and
+    # V MN-major in shared memory, read with the transpose flag: attention's second product.
+    # Confirms the MN-major core-matrix layout (core_offset_mn) the module assumes.
+    from numba import cuda
+
+    from nbinfer.kernels.wgmma import build_pv_product
+
+    p_bits, p = _bits(rng.standard_normal((64, kdim)), dtype)
+    v_bits, v = _bits(rng.standard_normal((kdim, n)), dtype)
+    o = cuda.device_array(64 * n, np.float32)
+    build_pv_product(n, kdim, dtype)[1, 128](cuda.to_device(p_bits.ravel()),
+                                              cuda.to_device(v_bits.ravel()), o)
+    assert rel_err(o.copy_to_host().reshape(64, n), p @ v) <= TOLERANCE["float32"]
