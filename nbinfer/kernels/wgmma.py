@@ -82,13 +82,14 @@ def smem_descriptor(addr: int, lbo: int, sbo: int) -> int:
 
 @functools.cache
 def wgmma_intrinsics():
-    """The GPU intrinsics, as a namespace: ``mma[(n, kind)](desc_a, desc_b, acc) -> acc``
-    (``acc`` a UniTuple of ``n / 2`` float32; ``D = A B + acc``, both K-major in shared memory),
-    ``mma_rs[(n, kind)](a0, a1, a2, a3, desc_b, acc) -> acc`` (A from registers, B MN-major in
-    shared memory), ``zeros[n]()`` (that tuple of
-    zeros), ``fence()``, ``commit()``, ``wait0()`` (all of this warpgroup's committed groups
-    done) and ``proxy_fence()`` (shared stores made visible to the async proxy)."""
+    """The GPU intrinsics, as a namespace: ``mma[(n, kind)](desc_a, desc_b, acc)`` (``acc`` a
+    float32 array whose first ``n / 2`` elements are this thread's accumulators, updated in
+    place: ``D = A B + D``, A and B K-major in shared memory), ``mma_rs[(n, kind)](a0, a1, a2,
+    a3, desc_b, acc)`` (A from registers, B MN-major in shared memory), ``fence()``,
+    ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done) and
+    ``proxy_fence()`` (shared stores made visible to the async proxy)."""
     from llvmlite import ir
+    from numba.core import cgutils
     from numba.cuda.extending import intrinsic
 
     f32 = ir.FloatType()
@@ -108,88 +109,63 @@ def wgmma_intrinsics():
 
         return op
 
-    def make_mma(n: int, kind: str):
-        m = n // 2  # accumulators per thread
+    def make_mma(n: int, kind: str, a_regs: bool):
+        # In place on a float32 array (a local array: SROA keeps it in registers) of at least
+        # m = n / 2 elements, D = A B + D. a_regs False: A and B from shared memory through
+        # descriptors, both K-major. a_regs True: A from four registers (this lane's m16k16
+        # fragment of its warp's 16 rows, as mma.m16n8k16 takes it), B MN-major (transpose
+        # flag 1). scale-d, scale-a, scale-b 1.
+        m = n // 2
         outs = ", ".join(f"${i}" for i in range(m))
-        # scale-d 1 (accumulate), scale-a / scale-b 1, no transposes (K-major A and B)
-        text = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, "
-                f"${m}, ${m + 1}, 1, 1, 1, 0, 0;")
-        constraints = ",".join(["=f"] * m + ["l", "l"] + [str(i) for i in range(m)])
-        acc_t = types.UniTuple(float32, m)
+        if a_regs:
+            operands = f"{{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, 1, 1, 1, 1"
+            in_cons, in_types = ["r"] * 4 + ["l"], [ir.IntType(32)] * 4 + [i64]
+        else:
+            operands = f"${m}, ${m + 1}, 1, 1, 1, 0, 0"
+            in_cons, in_types = ["l", "l"], [i64, i64]
+        text = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, {operands};"
+        constraints = ",".join(["=f"] * m + in_cons + [str(i) for i in range(m)])
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), in_types + [f32] * m)
+        n_in = len(in_types)
+
+        def codegen(context, builder, sig, args):
+            ins = [context.cast(builder, args[i], sig.args[i], U32 if a_regs and i < 4 else U64)
+                   for i in range(n_in)]
+            arr = context.make_array(sig.args[n_in])(context, builder, value=args[n_in])
+            ptrs = [cgutils.get_item_pointer(context, builder, sig.args[n_in], arr,
+                                             [context.get_constant(types.intp, i)],
+                                             wraparound=False) for i in range(m)]
+            acc = [builder.load(ptr) for ptr in ptrs]
+            # side_effect: each wgmma stays between its fence and its commit
+            res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
+                               ins + acc)
+            for i, ptr in enumerate(ptrs):
+                builder.store(builder.extract_value(res, i), ptr)
+            return context.get_dummy_value()
+
+        def check(acc):
+            if not (isinstance(acc, types.Array) and acc.dtype == float32):
+                raise TypeError("wgmma: the accumulator must be a float32 array")
+
+        if a_regs:
+            @intrinsic
+            def mma_rs(typingctx, a0, a1, a2, a3, desc_b, acc):
+                check(acc)
+                return types.void(a0, a1, a2, a3, desc_b, acc), codegen
+
+            return mma_rs
 
         @intrinsic
         def mma(typingctx, desc_a, desc_b, acc):
-            if acc != acc_t:
-                return None
-            sig = acc_t(desc_a, desc_b, acc)
-
-            def codegen(context, builder, sig, args):
-                da = context.cast(builder, args[0], sig.args[0], U64)
-                db = context.cast(builder, args[1], sig.args[1], U64)
-                ins = [builder.extract_value(args[2], i) for i in range(m)]
-                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), [i64, i64] + [f32] * m)
-                # side_effect: wgmma must stay between its fence and its commit
-                res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
-                                   [da, db] + ins)
-                vals = [builder.extract_value(res, i) for i in range(m)]
-                return context.make_tuple(builder, sig.return_type, vals)
-
-            return sig, codegen
+            check(acc)
+            return types.void(desc_a, desc_b, acc), codegen
 
         return mma
 
-    def make_mma_rs(n: int, kind: str):
-        m = n // 2
-        outs = ", ".join(f"${i}" for i in range(m))
-        # A from four registers (this lane's m16k16 fragment of its warp's 16 rows, as
-        # mma.m16n8k16 takes it), B MN-major from shared memory (transpose flag 1)
-        text = (f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, "
-                f"{{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, 1, 1, 1, 1;")
-        constraints = ",".join(["=f"] * m + ["r"] * 4 + ["l"] + [str(i) for i in range(m)])
-        acc_t = types.UniTuple(float32, m)
-        i32 = ir.IntType(32)
-
-        @intrinsic
-        def mma_rs(typingctx, a0, a1, a2, a3, desc_b, acc):
-            if acc != acc_t:
-                return None
-            sig = acc_t(a0, a1, a2, a3, desc_b, acc)
-
-            def codegen(context, builder, sig, args):
-                regs = [context.cast(builder, args[i], sig.args[i], U32) for i in range(4)]
-                db = context.cast(builder, args[4], sig.args[4], U64)
-                ins = [builder.extract_value(args[5], i) for i in range(m)]
-                fnty = ir.FunctionType(ir.LiteralStructType([f32] * m),
-                                       [i32] * 4 + [i64] + [f32] * m)
-                res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
-                                   regs + [db] + ins)
-                vals = [builder.extract_value(res, i) for i in range(m)]
-                return context.make_tuple(builder, sig.return_type, vals)
-
-            return sig, codegen
-
-        return mma_rs
-
-    def make_zeros(n: int):
-        m = n // 2
-        acc_t = types.UniTuple(float32, m)
-
-        @intrinsic
-        def zeros(typingctx):
-            sig = acc_t()
-
-            def codegen(context, builder, sig, args):
-                zero = ir.Constant(f32, 0.0)
-                return context.make_tuple(builder, sig.return_type, [zero] * m)
-
-            return sig, codegen
-
-        return zeros
-
+    kinds = [(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")]
     return SimpleNamespace(
-        mma={(n, kind): make_mma(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")},
-        mma_rs={(n, kind): make_mma_rs(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")},
-        zeros={n: make_zeros(n) for n in WGMMA_N},
+        mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
+        mma_rs={nk: make_mma(*nk, a_regs=True) for nk in kinds},
         fence=make_void("wgmma.fence.sync.aligned;"),
         commit=make_void("wgmma.commit_group.sync.aligned;"),
         wait0=make_void("wgmma.wait_group.sync.aligned 0;"),
@@ -216,7 +192,7 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
                          f"16 up to 256, got n={n}, d={d}")
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     intr = wgmma_intrinsics()
-    mma, zeros = intr.mma[(n, kind)], intr.zeros[n]
+    mma = intr.mma[(n, kind)]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
     shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, d // 8 * 128
@@ -224,6 +200,7 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
     SMEM_ELEMS = A_ELEMS + B_ELEMS  # array sizes must be single captured constants
     KSTEPS = d // 16
     KSTEP_BYTES = 2 * LBO  # a k-step's two core matrices along K
+    ACC = n // 2  # accumulators per thread
     B_OFF = A_ELEMS * 2  # B's bytes after A's (both 128-byte multiples)
 
     descriptor = cuda.jit(device=True)(smem_descriptor)
@@ -243,12 +220,14 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
         proxy_fence()  # the generic-proxy stores above, visible to the tensor cores' reads
         cuda.syncthreads()
         base = shared_addr(smem, 0)
-        acc = zeros()
-        fence()
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = 0.0
+        fence()  # the accumulators were written by ordinary instructions
         for kk in range(KSTEPS):
             da = descriptor(base + U32(kk * KSTEP_BYTES), LBO, SBO)
             db = descriptor(base + U32(B_OFF + kk * KSTEP_BYTES), LBO, SBO)
-            acc = mma(U64(da), U64(db), acc)
+            mma(U64(da), U64(db), acc)
         commit()
         wait0()
         warp, lane = tid // 32, tid % 32
@@ -278,11 +257,12 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
                          f"of 16 up to 256, got n={n}, kdim={kdim}")
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     intr = wgmma_intrinsics()
-    mma_rs, zeros = intr.mma_rs[(n, kind)], intr.zeros[n]
+    mma_rs = intr.mma_rs[(n, kind)]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
     shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, kdim // 8 * 128
     V_ELEMS = kdim * n
+    ACC = n // 2
     KSTEPS = kdim // 16
     descriptor = cuda.jit(device=True)(smem_descriptor)
 
@@ -305,13 +285,15 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
         base = shared_addr(smem, 0)
         warp, lane = tid // 32, tid % 32
         r0, t2 = 16 * warp + lane // 4, 2 * (lane % 4)
-        acc = zeros()
+        acc = cuda.local.array(ACC, float32)
+        for i in range(ACC):
+            acc[i] = 0.0
         fence()
         for kk in range(KSTEPS):
             c0 = 16 * kk + t2
-            acc = mma_rs(pair(p, r0, c0), pair(p, r0 + 8, c0), pair(p, r0, c0 + 8),
-                         pair(p, r0 + 8, c0 + 8),
-                         U64(descriptor(base + U32(kk * 2 * LBO), LBO, SBO)), acc)
+            mma_rs(pair(p, r0, c0), pair(p, r0 + 8, c0), pair(p, r0, c0 + 8),
+                   pair(p, r0 + 8, c0 + 8), U64(descriptor(base + U32(kk * 2 * LBO), LBO, SBO)),
+                   acc)
         commit()
         wait0()
         for j in range(n // 8):
