@@ -14,7 +14,9 @@ from nbinfer.kernels.wgmma import core_offset, core_offset_mn, smem_descriptor
 def test_core_layout_places_every_element_once(rows, d):
     # The no-swizzle K-major layout with the tile kernel's strides (LBO 128: a k-step's two core
     # matrices adjacent; SBO d / 8 * 128: an 8-row block's whole K) is a bijection onto the
-    # operand's bytes, 2-byte aligned, each 8 x 8 core matrix 128 contiguous bytes.
+    # operand's bytes, 2-byte aligned, each 8 x 8 core matrix 128 contiguous bytes. (The
+    # kernels compile this function; whether LBO and SBO mean what it assumes only the gpu
+    # tests below can tell.)
     sbo = d // 8 * 128
     offs = np.array([[core_offset(r, k, sbo, 128) for k in range(d)] for r in range(rows)])
     assert np.array_equal(np.sort(offs.ravel()), np.arange(0, rows * d * 2, 2))
@@ -76,7 +78,8 @@ def test_wgmma_tile_product_matches_numpy(rng, n, d, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, kdim, dtype", [(128, 64, "float16"), (64, 128, "bfloat16")])
+@pytest.mark.parametrize("n, kdim, dtype", [(128, 64, "float16"), (64, 128, "float16"),
+                                             (64, 128, "bfloat16"), (128, 128, "bfloat16")])
 def test_wgmma_pv_product_matches_numpy(rng, n, kdim, dtype):
     # O = P V with P's fragments in registers (the layout S's accumulators leave them in) and
     # V MN-major in shared memory, read with the transpose flag: attention's second product.

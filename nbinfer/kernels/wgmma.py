@@ -36,7 +36,7 @@ warpgroup holds rows ``16 w .. 16 w + 15``; ``acc[4 j + 2 h + c]`` is row ``16 w
 + 8 h``, column ``8 j + 2 (lane % 4) + c`` - the ``mma.m16n8`` accumulator layout, repeated
 for each 8 columns.
 
-Only the GPU build exists (the simulator has no warpgroup MMA); ``tests/test_gpu_wgmma.py``
+Only the GPU build exists (the simulator has no warpgroup MMA); ``tests/test_wgmma.py``
 checks a whole ``Q K^T`` tile against NumPy on the H200, and ``bench/wgmma_probe.py`` compiles
 that kernel for sm_90a on a machine without a GPU and counts its ``HGMMA`` instructions.
 """
@@ -86,8 +86,11 @@ def wgmma_intrinsics():
     float32 array whose first ``n / 2`` elements are this thread's accumulators, updated in
     place: ``D = A B + D``, A and B K-major in shared memory), ``mma_rs[(n, kind)](a0, a1, a2,
     a3, desc_b, acc)`` (A from registers, B MN-major in shared memory), ``fence()``,
-    ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done) and
-    ``proxy_fence()`` (shared stores made visible to the async proxy)."""
+    ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done),
+    ``hold[m](acc)`` (pins the first ``m`` accumulators between a wait and the next fence:
+    call after ``wait0`` and before ``fence``) and ``proxy_fence()`` (shared stores made
+    visible to the async proxy). Every register a ``wgmma`` reads (its A fragment, its
+    accumulators) must be written before the ``fence`` that precedes it."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.cuda.extending import intrinsic
@@ -162,6 +165,36 @@ def wgmma_intrinsics():
 
         return mma
 
+    def make_hold(m: int):
+        # An empty asm that reads and rewrites the first m elements of a float32 array: once
+        # the array is in registers nothing else ties the accumulators to the fence and wait
+        # asm around them (volatile asm keeps its order, plain arithmetic need not), so LLVM
+        # could move a read of a wgmma result above its wait_group or a rescale below its
+        # fence. Placed right after a wait and right before a fence, as CUTLASS's
+        # warpgroup_fence_operand is.
+        constraints = ",".join(["=f"] * m + [str(i) for i in range(m)])
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), [f32] * m)
+
+        @intrinsic
+        def hold(typingctx, acc):
+            if not (isinstance(acc, types.Array) and acc.dtype == float32):
+                raise TypeError("hold: the accumulator must be a float32 array")
+
+            def codegen(context, builder, sig, args):
+                arr = context.make_array(sig.args[0])(context, builder, value=args[0])
+                ptrs = [cgutils.get_item_pointer(context, builder, sig.args[0], arr,
+                                                 [context.get_constant(types.intp, i)],
+                                                 wraparound=False) for i in range(m)]
+                res = builder.call(ir.InlineAsm(fnty, "", constraints, side_effect=True),
+                                   [builder.load(ptr) for ptr in ptrs])
+                for i, ptr in enumerate(ptrs):
+                    builder.store(builder.extract_value(res, i), ptr)
+                return context.get_dummy_value()
+
+            return types.void(acc), codegen
+
+        return hold
+
     kinds = [(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")]
     return SimpleNamespace(
         mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
@@ -169,6 +202,7 @@ def wgmma_intrinsics():
         fence=make_void("wgmma.fence.sync.aligned;"),
         commit=make_void("wgmma.commit_group.sync.aligned;"),
         wait0=make_void("wgmma.wait_group.sync.aligned 0;"),
+        hold={n // 2: make_hold(n // 2) for n in WGMMA_N},
         proxy_fence=make_void("fence.proxy.async.shared::cta;"))
 
 
@@ -187,12 +221,13 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
 
     from .primitives import primitives
 
-    if n not in WGMMA_N or d % 16 or not 16 <= d <= 256:
+    if n not in WGMMA_N or d % 16 or not 16 <= d or (64 + n) * d * 2 > 48 * 1024:
         raise ValueError(f"build_tile_product: n must be one of {WGMMA_N} and d a multiple of "
-                         f"16 up to 256, got n={n}, d={d}")
+                         f"16 whose operands fit 48 KiB of static shared memory, got n={n}, "
+                         f"d={d}")
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     intr = wgmma_intrinsics()
-    mma = intr.mma[(n, kind)]
+    mma, hold = intr.mma[(n, kind)], intr.hold[n // 2]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
     shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, d // 8 * 128
@@ -204,10 +239,11 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
     B_OFF = A_ELEMS * 2  # B's bytes after A's (both 128-byte multiples)
 
     descriptor = cuda.jit(device=True)(smem_descriptor)
+    offset = cuda.jit(device=True)(core_offset)
 
     @cuda.jit(device=True)
     def place(row, k):  # uint16 index of element (row, k) of an operand in the layout
-        return ((row // 8) * SBO + (k // 8) * LBO + (row % 8) * 16 + (k % 8) * 2) // 2
+        return offset(row, k, SBO, LBO) // 2
 
     @cuda.jit(lineinfo=False)
     def tile_product(a, b, s):
@@ -223,6 +259,7 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
         acc = cuda.local.array(ACC, float32)
         for i in range(ACC):
             acc[i] = 0.0
+        hold(acc)
         fence()  # the accumulators were written by ordinary instructions
         for kk in range(KSTEPS):
             da = descriptor(base + U32(kk * KSTEP_BYTES), LBO, SBO)
@@ -230,6 +267,7 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
             mma(U64(da), U64(db), acc)
         commit()
         wait0()
+        hold(acc)
         warp, lane = tid // 32, tid % 32
         for j in range(n // 8):
             for h in range(2):
@@ -252,23 +290,26 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
 
     from .primitives import primitives
 
-    if n not in WGMMA_N or kdim % 16 or not 16 <= kdim <= 256:
+    if n not in WGMMA_N or kdim % 16 or not 16 <= kdim or kdim * n * 2 > 48 * 1024:
         raise ValueError(f"build_pv_product: n must be one of {WGMMA_N} and kdim a multiple "
-                         f"of 16 up to 256, got n={n}, kdim={kdim}")
+                         f"of 16 whose V fits 48 KiB of static shared memory, got n={n}, "
+                         f"kdim={kdim}")
     kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
     intr = wgmma_intrinsics()
-    mma_rs = intr.mma_rs[(n, kind)]
+    mma_rs, hold = intr.mma_rs[(n, kind)], intr.hold[n // 2]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
     shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, kdim // 8 * 128
     V_ELEMS = kdim * n
     ACC = n // 2
+    A_WORDS = 4 * (kdim // 16)
     KSTEPS = kdim // 16
     descriptor = cuda.jit(device=True)(smem_descriptor)
+    offset_mn = cuda.jit(device=True)(core_offset_mn)
 
     @cuda.jit(device=True)
     def place(k, col):  # uint16 index of V's element (k, col) in the MN-major layout
-        return ((col // 8) * SBO + (k // 8) * LBO + (k % 8) * 16 + (col % 8) * 2) // 2
+        return offset_mn(k, col, SBO, LBO) // 2
 
     @cuda.jit(device=True)
     def pair(p, row, col):  # P[row, col], P[row, col + 1] as one b32 (lower column low)
@@ -288,14 +329,21 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
         acc = cuda.local.array(ACC, float32)
         for i in range(ACC):
             acc[i] = 0.0
-        fence()
+        a = cuda.local.array(A_WORDS, U32)  # every k-step's A fragment, before the fence
         for kk in range(KSTEPS):
             c0 = 16 * kk + t2
-            mma_rs(pair(p, r0, c0), pair(p, r0 + 8, c0), pair(p, r0, c0 + 8),
-                   pair(p, r0 + 8, c0 + 8), U64(descriptor(base + U32(kk * 2 * LBO), LBO, SBO)),
-                   acc)
+            a[4 * kk] = pair(p, r0, c0)
+            a[4 * kk + 1] = pair(p, r0 + 8, c0)
+            a[4 * kk + 2] = pair(p, r0, c0 + 8)
+            a[4 * kk + 3] = pair(p, r0 + 8, c0 + 8)
+        hold(acc)
+        fence()
+        for kk in range(KSTEPS):
+            mma_rs(a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
+                   U64(descriptor(base + U32(kk * 2 * LBO), LBO, SBO)), acc)
         commit()
         wait0()
+        hold(acc)
         for j in range(n // 8):
             for h in range(2):
                 for c in range(2):
