@@ -48,10 +48,15 @@ NT = 128  # one warpgroup
 
 
 @functools.cache
-def build(d: int, causal: bool, dtype: str):
+def build(d: int, causal: bool, dtype: str, overlap: bool = False):
     """The kernel ``attn[(L / 64, B H), 128](q, k, v, o32, L, scale_log2)`` for head dim ``d``
     (64 or 128): q, k, v int16 views of contiguous ``[B, H, L, D]`` tensors, o32 an int32 view
-    of the output (two 16-bit values per word), L a multiple of 64."""
+    of the output (two 16-bit values per word), L a multiple of 64.
+
+    ``overlap``: the same 48 KiB, but the next tile's K is copied while this tile's softmax
+    and ``P V`` run, and its V while the next ``Q K^T`` and softmax run (each buffer is
+    refilled as soon as the product that reads it is done); else both are copied, and waited
+    for, at the top of each tile."""
     from numba import cuda, float32, int16, int32, types
 
     from nbinfer.kernels.mma import _gpu_mma_intrinsics
@@ -64,7 +69,8 @@ def build(d: int, causal: bool, dtype: str):
     mma_qk, mma_pv = intr.mma[(BN, kind)], intr.mma_rs[(d, kind)]
     hold_s, hold_o = intr.hold[BN // 2], intr.hold[d // 2]
     fence, commit_wg, wait_wg, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    cp16, commit, wait_all = prims.cp_async16_to, prims.commit, prims.wait(0)
+    cp16, commit = prims.cp_async16_to, prims.commit
+    wait_all, wait_but_one = prims.wait(0), prims.wait(1)
     shared_addr, exp2 = prims.shared_addr, prims.exp2
     pack = _gpu_mma_intrinsics().pack[kind]
     descriptor = cuda.jit(device=True)(smem_descriptor)
@@ -81,7 +87,7 @@ def build(d: int, causal: bool, dtype: str):
     DSTEPS, KSTEPS = d // 16, BN // 16
     A_WORDS = 4 * KSTEPS
     NEG_INF = float32(-np.inf)
-    CAUSAL = causal
+    CAUSAL, OVERLAP = causal, overlap
 
     @cuda.jit(device=True)
     def stage_rows(smem, sbase, src, row0, tid, mn_major):
@@ -112,6 +118,11 @@ def build(d: int, causal: bool, dtype: str):
         sk = sq + U32(Q_BYTES)
         sv = sk + U32(KV_BYTES)
         stage_rows(smem, sq, q, row0 + q0, tid, False)
+        if OVERLAP:  # groups in flight: (Q, K 0), then V 0
+            stage_rows(smem, sk, k, row0, tid, False)
+            commit()
+            stage_rows(smem, sv, v, row0, tid, True)
+            commit()
         sacc = cuda.local.array(SACC, float32)
         oacc = cuda.local.array(OACC, float32)
         pw = cuda.local.array(A_WORDS, U32)  # P as the PV product's A fragments
@@ -125,10 +136,13 @@ def build(d: int, causal: bool, dtype: str):
         t2 = 2 * (lane % 4)
         rq = q0 + 16 * warp + lane // 4  # this lane's first row (and rq + 8)
         for t in range(ntiles):
-            stage_rows(smem, sk, k, row0 + t * BN, tid, False)
-            stage_rows(smem, sv, v, row0 + t * BN, tid, True)
-            commit()
-            wait_all()
+            if OVERLAP:
+                wait_but_one()  # K t has landed; V t (the newest group) may still fly
+            else:
+                stage_rows(smem, sk, k, row0 + t * BN, tid, False)
+                stage_rows(smem, sv, v, row0 + t * BN, tid, True)
+                commit()
+                wait_all()
             proxy_fence()  # cp.async's stores, visible to the tensor cores' reads
             cuda.syncthreads()
             for i in range(SACC):
@@ -141,6 +155,11 @@ def build(d: int, causal: bool, dtype: str):
             commit_wg()
             wait_wg()
             hold_s(sacc)  # and its results are read only after its wait
+            if OVERLAP:
+                cuda.syncthreads()  # every warp's Q K^T is done with the K buffer
+                if t + 1 < ntiles:
+                    stage_rows(smem, sk, k, row0 + (t + 1) * BN, tid, False)
+                commit()  # possibly empty: the wait counts below stay uniform
             diagonal = CAUSAL and t == ntiles - 1
             for h in range(2):
                 mx = NEG_INF
@@ -170,6 +189,10 @@ def build(d: int, causal: bool, dtype: str):
             # sacc[8 kk .. 8 kk + 7] as a0 (row g), a1 (row g + 8), a2, a3 (columns + 8)
             for w in range(A_WORDS):
                 pw[w] = pack(sacc[2 * w], sacc[2 * w + 1])
+            if OVERLAP:
+                wait_but_one()  # V t has landed; K t + 1 may still fly
+                proxy_fence()
+                cuda.syncthreads()
             hold_o(oacc)  # rescaled by ordinary instructions: before the fence
             fence()
             for kk in range(KSTEPS):
@@ -179,6 +202,10 @@ def build(d: int, causal: bool, dtype: str):
             wait_wg()
             hold_o(oacc)
             cuda.syncthreads()  # every warp is done with this tile before the next one lands
+            if OVERLAP:
+                if t + 1 < ntiles:
+                    stage_rows(smem, sv, v, row0 + (t + 1) * BN, tid, True)
+                commit()
         for h in range(2):
             s = den[h]
             s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 1)
@@ -192,7 +219,7 @@ def build(d: int, causal: bool, dtype: str):
     return attn
 
 
-def run(q, k, v, causal, out=None):
+def run(q, k, v, causal, out=None, overlap=False):
     """O for torch CUDA tensors ``[B, H, L, D]`` (contiguous, fp16/bf16, L % 64 == 0)."""
     import torch
     from numba import cuda
@@ -202,7 +229,7 @@ def run(q, k, v, causal, out=None):
         raise ValueError("wgmma_attention: contiguous [B, H, L, D], L % 64 == 0, D 64 or 128")
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
     out = torch.empty_like(q) if out is None else out
-    kern = build(D, causal, dtype)
+    kern = build(D, causal, dtype, overlap)
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
     kern[(L // BM, B * H), NT, stream](
         cuda.as_cuda_array(q.view(torch.int16).reshape(-1)),
@@ -224,14 +251,15 @@ def check(torch, F):
                                    (1, 2, 192, 64, True, torch.float16),
                                    (1, 2, 256, 128, False, torch.bfloat16)]:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", generator=g).to(dt) for _ in range(3))
-        o = run(q, k, v, causal).float()
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
-        err = float((o - ref).norm() / ref.norm())
-        tol = TOLERANCE[str(dt).split(".")[-1]]
-        rows.append(dict(B=B, H=H, L=L, D=D, causal=causal, dtype=str(dt), rel_err=err,
-                         tolerance=tol))
-        print(f"check B{B} H{H} L{L} D{D} {'causal' if causal else 'full'} {dt}: "
-              f"rel err {err:.2e}", flush=True)
+        for overlap in (False, True):
+            o = run(q, k, v, causal, overlap=overlap).float()
+            err = float((o - ref).norm() / ref.norm())
+            tol = TOLERANCE[str(dt).split(".")[-1]]
+            rows.append(dict(B=B, H=H, L=L, D=D, causal=causal, dtype=str(dt),
+                             overlap=overlap, rel_err=err, tolerance=tol))
+            print(f"check B{B} H{H} L{L} D{D} {'causal' if causal else 'full'} {dt}"
+                  f"{' overlap' if overlap else ''}: rel err {err:.2e}", flush=True)
     return rows
 
 
@@ -273,7 +301,9 @@ def main():
         for causal in (True, False):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
             row = dict(B=B, H=H, L=L, D=D, causal=causal,
-                       wgmma_tflops=tflops(torch, lambda c=causal: run(q, k, v, c, out), flops))
+                       wgmma_tflops=tflops(torch, lambda c=causal: run(q, k, v, c, out), flops),
+                       wgmma_overlap_tflops=tflops(
+                           torch, lambda c=causal: run(q, k, v, c, out, overlap=True), flops))
             for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 with sdpa_kernel(be):
@@ -282,9 +312,11 @@ def main():
                                                                                is_causal=c),
                         flops)
             timed.append(row)
+            fl = row["sdpa_flash_tflops"]
             print(f"{'causal' if causal else 'full'} B{B} H{H} L{L} D{D}: wgmma "
-                  f"{row['wgmma_tflops']:.1f} TFLOP/s, SDPA flash {row['sdpa_flash_tflops']:.1f} "
-                  f"({row['wgmma_tflops'] / row['sdpa_flash_tflops']:.2f}x), cuDNN "
+                  f"{row['wgmma_tflops']:.1f} TFLOP/s ({row['wgmma_tflops'] / fl:.2f}x flash), "
+                  f"overlapped {row['wgmma_overlap_tflops']:.1f} "
+                  f"({row['wgmma_overlap_tflops'] / fl:.2f}x); SDPA flash {fl:.1f}, cuDNN "
                   f"{row['sdpa_cudnn_tflops']:.1f}", flush=True)
         result = dict(checks=checks, timed=timed)
     if args.out:
