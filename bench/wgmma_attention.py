@@ -263,20 +263,12 @@ def check(torch, F):
     return rows
 
 
-def tflops(torch, fn, flops, reps=10, rounds=5):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return flops / (float(np.median(times)) * 1e-3) / 1e12
+def tflops(fn, flops):
+    """TFLOP/s of ``fn`` from its GPU time back to back (bench/decode.py's gpu_ms)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode import gpu_ms
+
+    return flops / (gpu_ms(fn) * 1e-3) / 1e12
 
 
 def main():
@@ -301,15 +293,14 @@ def main():
         for causal in (True, False):
             flops = 4 * B * H * L * L * D / (2 if causal else 1)
             row = dict(B=B, H=H, L=L, D=D, causal=causal,
-                       wgmma_tflops=tflops(torch, lambda c=causal: run(q, k, v, c, out), flops),
+                       wgmma_tflops=tflops(lambda c=causal: run(q, k, v, c, out), flops),
                        wgmma_overlap_tflops=tflops(
-                           torch, lambda c=causal: run(q, k, v, c, out, overlap=True), flops))
+                           lambda c=causal: run(q, k, v, c, out, overlap=True), flops))
             for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 with sdpa_kernel(be):
                     row[f"sdpa_{name}_tflops"] = tflops(
-                        torch, lambda c=causal: F.scaled_dot_product_attention(q, k, v,
-                                                                               is_causal=c),
+                        lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
                         flops)
             timed.append(row)
             fl = row["sdpa_flash_tflops"]

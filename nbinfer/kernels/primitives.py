@@ -299,6 +299,7 @@ def _gpu_intrinsics():
         cp_async={n: make_cp_async(n) for n in (4, 8, 16)},
         commit=make_asm_void("cp.async.commit_group;"),
         wait={n: make_asm_void(f"cp.async.wait_group {n};") for n in range(4)},
+        asm_void=make_asm_void,  # a no-operand instruction as an intrinsic (kernels.wgmma)
     )
 
 

@@ -98,19 +98,9 @@ def wgmma_intrinsics():
     f32 = ir.FloatType()
     i64 = ir.IntType(64)
 
-    def make_void(text):
-        @intrinsic
-        def op(typingctx):
-            sig = types.void()
+    from .primitives import _gpu_intrinsics
 
-            def codegen(context, builder, sig, args):
-                fnty = ir.FunctionType(ir.VoidType(), [])
-                builder.call(ir.InlineAsm(fnty, text, "~{memory}", side_effect=True), [])
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return op
+    make_void = _gpu_intrinsics().asm_void  # volatile, with a memory clobber
 
     def make_mma(n: int, kind: str, a_regs: bool):
         # In place on a float32 array (a local array: SROA keeps it in registers) of at least
@@ -206,6 +196,21 @@ def wgmma_intrinsics():
         proxy_fence=make_void("fence.proxy.async.shared::cta;"))
 
 
+def _tile_setup(name: str, n: int, k: int, smem_bytes: int, dtype: str):
+    """Checks of a one-warpgroup tile kernel's shape (N, a K extent of 16-multiples, operands
+    within 48 KiB of static shared memory) and dtype; ``(kind, intrinsics, shared_addr)``."""
+    from .primitives import primitives
+
+    if n not in WGMMA_N or k % 16 or k < 16 or smem_bytes > 48 * 1024:
+        raise ValueError(f"{name}: n must be one of {WGMMA_N} and the K extent a multiple of "
+                         f"16 whose operands fit 48 KiB of static shared memory, got n={n}, "
+                         f"k={k} ({smem_bytes} bytes)")
+    if dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"{name}: dtype must be float16 or bfloat16, got {dtype!r}")
+    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    return kind, wgmma_intrinsics(), primitives(False).shared_addr
+
+
 @functools.cache
 def build_tile_product(n: int, d: int, dtype: str = "float16"):
     """A one-warpgroup kernel: ``S = A B^T`` for ``A [64, d]`` and ``B [n, d]`` (row-major,
@@ -219,17 +224,9 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
     staging, not a fast one: the point is the product and its fragment layout)."""
     from numba import cuda
 
-    from .primitives import primitives
-
-    if n not in WGMMA_N or d % 16 or not 16 <= d or (64 + n) * d * 2 > 48 * 1024:
-        raise ValueError(f"build_tile_product: n must be one of {WGMMA_N} and d a multiple of "
-                         f"16 whose operands fit 48 KiB of static shared memory, got n={n}, "
-                         f"d={d}")
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    intr = wgmma_intrinsics()
+    kind, intr, shared_addr = _tile_setup("build_tile_product", n, d, (64 + n) * d * 2, dtype)
     mma, hold = intr.mma[(n, kind)], intr.hold[n // 2]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, d // 8 * 128
     A_ELEMS, B_ELEMS = 64 * d, n * d
     SMEM_ELEMS = A_ELEMS + B_ELEMS  # array sizes must be single captured constants
@@ -288,17 +285,9 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
     transpose flag. ``kernel[1, 128](p_bits, v_bits, o)``."""
     from numba import cuda
 
-    from .primitives import primitives
-
-    if n not in WGMMA_N or kdim % 16 or not 16 <= kdim or kdim * n * 2 > 48 * 1024:
-        raise ValueError(f"build_pv_product: n must be one of {WGMMA_N} and kdim a multiple "
-                         f"of 16 whose V fits 48 KiB of static shared memory, got n={n}, "
-                         f"kdim={kdim}")
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    intr = wgmma_intrinsics()
+    kind, intr, shared_addr = _tile_setup("build_pv_product", n, kdim, kdim * n * 2, dtype)
     mma_rs, hold = intr.mma_rs[(n, kind)], intr.hold[n // 2]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    shared_addr = primitives(False).shared_addr
     LBO, SBO = 128, kdim // 8 * 128
     V_ELEMS = kdim * n
     ACC = n // 2
