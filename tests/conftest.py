@@ -18,6 +18,18 @@ TOLERANCE = {
     "bfloat16": 1e-2,
 }
 
+# Absolute error allowed in a natural-log LSE, by the dtype of the inputs. The tensor-core
+# kernels sum the P they round to the MMA's operand type (so that the output is normalised by
+# the weights that met V): each p's relative error is at most that type's unit roundoff
+# (2^-11 for fp16, 2^-8 for bf16), so the sum's is too, and log(l (1 + e)) moves by at most
+# about e. float32 inputs keep P in float32.
+LSE_TOLERANCE = {
+    "float64": 1e-10,
+    "float32": 2e-4,
+    "float16": 6e-4,
+    "bfloat16": 5e-3,
+}
+
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TOLERANCE, rel_err
+from conftest import LSE_TOLERANCE, TOLERANCE, rel_err
 
 from nbinfer import reference
 from nbinfer import variants as V
@@ -34,7 +34,8 @@ def _check(out, lse, ref, ref_lse, dtype, softmax=True):
     assert rel_err(out, ref) <= TOLERANCE[np.dtype(dtype).name]
     if softmax:
         finite = np.isfinite(ref_lse)
-        np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=2e-4)
+        np.testing.assert_allclose(lse[finite], ref_lse[finite],
+                                   atol=LSE_TOLERANCE[np.dtype(dtype).name])
         assert np.all(lse[~finite] == -np.inf)
 
 
