@@ -38,7 +38,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # bench/decode.py's gpu_ms; nbinfer
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
 BM = BN = 64  # query rows per CTA (one warpgroup's wgmma M) and keys per tile
@@ -61,10 +62,16 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
 
     from nbinfer.kernels.mma import _gpu_mma_intrinsics
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import core_offset, core_offset_mn, smem_descriptor, wgmma_intrinsics
+    from nbinfer.kernels.wgmma import (
+        WGMMA_KINDS,
+        core_offset,
+        core_offset_mn,
+        smem_descriptor,
+        wgmma_intrinsics,
+    )
 
     U32, U64 = types.uint32, types.uint64
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+    kind = WGMMA_KINDS[dtype]
     intr, prims = wgmma_intrinsics(), primitives(False)
     mma_qk, mma_pv = intr.mma[(BN, kind)], intr.mma_rs[(d, kind)]
     hold_s, hold_o = intr.hold[BN // 2], intr.hold[d // 2]
@@ -265,8 +272,7 @@ def check(torch, F):
 
 def tflops(fn, flops):
     """TFLOP/s of ``fn`` from its GPU time back to back (bench/decode.py's gpu_ms)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from decode import gpu_ms
+    from decode import gpu_ms  # imports torch: here, so that build() needs none
 
     return flops / (gpu_ms(fn) * 1e-3) / 1e12
 

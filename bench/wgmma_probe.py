@@ -19,7 +19,8 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # wgmma_attention; nbinfer
 
 
 def main():
@@ -27,9 +28,12 @@ def main():
     ap.add_argument("--n", type=int, default=64, help="keys per tile (wgmma's N: 64 or 128)")
     ap.add_argument("--d", type=int, default=128, help="head dim (k-steps of 16)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-    ap.add_argument("--product", default="qk", choices=("qk", "pv"),
+    ap.add_argument("--product", default="qk", choices=("qk", "pv", "attention"),
                     help="qk: S = A B^T, both K-major in shared memory; pv: O = P V, P in "
-                         "registers, V MN-major (--d is then the keys per step, kdim)")
+                         "registers, V MN-major (--d is then the keys per step, kdim); "
+                         "attention: bench/wgmma_attention.py's kernel at head dim --d")
+    ap.add_argument("--causal", action="store_true", help="attention: the causal kernel")
+    ap.add_argument("--overlap", action="store_true", help="attention: the overlapped kernel")
     ap.add_argument("--nvdisasm", default=None)
     args = ap.parse_args()
 
@@ -45,9 +49,15 @@ def main():
 
     from nbinfer.kernels.wgmma import build_pv_product, build_tile_product
 
-    build = build_tile_product if args.product == "qk" else build_pv_product
-    kernel = build(args.n, args.d, args.dtype)
-    sig = (types.uint16[::1], types.uint16[::1], types.float32[::1])
+    if args.product == "attention":
+        import wgmma_attention  # beside this file
+
+        kernel = wgmma_attention.build(args.d, args.causal, args.dtype, args.overlap)
+        sig = (types.int16[::1],) * 3 + (types.int32[::1], types.int32, types.float32)
+    else:
+        build = build_tile_product if args.product == "qk" else build_pv_product
+        kernel = build(args.n, args.d, args.dtype)
+        sig = (types.uint16[::1], types.uint16[::1], types.float32[::1])
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print("PTX:", *[ln.strip() for ln in ptx.splitlines() if ln.startswith(".target")])
     asm = [ln.strip() for ln in ptx.splitlines() if ln.strip().startswith(("wgmma.", "fence."))]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import TOLERANCE, rel_err
 
-from nbinfer.kernels.wgmma import core_offset, core_offset_mn, smem_descriptor
+from nbinfer.kernels.wgmma import core_offset, core_offset_mn, fragment_position, smem_descriptor
 
 
 @pytest.mark.parametrize("rows, d", [(64, 16), (64, 128), (128, 64)])
@@ -36,6 +36,19 @@ def test_mn_major_layout_places_every_element_once(kdim, n):
     assert offs[8, 0] == 128 and offs[0, 8] == sbo
 
 
+def test_fragment_positions_cover_the_tile_once():
+    # The D map the tile kernels' epilogues store through: 128 threads x n / 2 accumulators
+    # land on every element of the 64 x n result once, warp w on rows 16 w .. 16 w + 15.
+    for n in (64, 128):
+        seen = np.zeros((64, n), int)
+        for tid in range(128):
+            for i in range(n // 2):
+                row, col = fragment_position(i, tid // 32, tid % 32)
+                assert 16 * (tid // 32) <= row < 16 * (tid // 32) + 16
+                seen[row, col] += 1
+        assert np.all(seen == 1)
+
+
 def test_smem_descriptor_fields():
     desc = smem_descriptor(0x1230, lbo=128, sbo=2048)
     assert desc & 0x3FFF == 0x1230 >> 4
@@ -56,6 +69,15 @@ def _bits(x, dtype):
     return u, (u.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
+def _product_on_gpu(kernel, x_bits, y_bits, n):
+    """A one-warpgroup tile kernel's float32 ``[64, n]`` result for two 16-bit operands."""
+    from numba import cuda
+
+    out = cuda.device_array(64 * n, np.float32)
+    kernel[1, 128](cuda.to_device(x_bits.ravel()), cuda.to_device(y_bits.ravel()), out)
+    return out.copy_to_host().reshape(64, n)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, d, dtype", [(64, 128, "float16"), (128, 64, "float16"),
                                          (64, 64, "bfloat16"), (128, 128, "bfloat16")])
@@ -64,16 +86,11 @@ def test_wgmma_tile_product_matches_numpy(rng, n, d, dtype):
     # memory through descriptors; the result's fragment layout (warp w: rows 16 w ..; the
     # mma.m16n8 layout per 8 columns) is what the kernel's epilogue assumes. A wrong layout,
     # stride or fragment map gives an error of order 1, not a rounding one.
-    from numba import cuda
-
     from nbinfer.kernels.wgmma import build_tile_product
 
     a_bits, a = _bits(rng.standard_normal((64, d)), dtype)
     b_bits, b = _bits(rng.standard_normal((n, d)), dtype)
-    s = cuda.device_array(64 * n, np.float32)
-    build_tile_product(n, d, dtype)[1, 128](cuda.to_device(a_bits.ravel()),
-                                             cuda.to_device(b_bits.ravel()), s)
-    out = s.copy_to_host().reshape(64, n)
+    out = _product_on_gpu(build_tile_product(n, d, dtype), a_bits, b_bits, n)
     assert rel_err(out, a @ b.T) <= TOLERANCE["float32"]
 
 
@@ -84,13 +101,9 @@ def test_wgmma_pv_product_matches_numpy(rng, n, kdim, dtype):
     # O = P V with P's fragments in registers (the layout S's accumulators leave them in) and
     # V MN-major in shared memory, read with the transpose flag: attention's second product.
     # Confirms the MN-major core-matrix layout (core_offset_mn) the module assumes.
-    from numba import cuda
-
     from nbinfer.kernels.wgmma import build_pv_product
 
     p_bits, p = _bits(rng.standard_normal((64, kdim)), dtype)
     v_bits, v = _bits(rng.standard_normal((kdim, n)), dtype)
-    o = cuda.device_array(64 * n, np.float32)
-    build_pv_product(n, kdim, dtype)[1, 128](cuda.to_device(p_bits.ravel()),
-                                              cuda.to_device(v_bits.ravel()), o)
-    assert rel_err(o.copy_to_host().reshape(64, n), p @ v) <= TOLERANCE["float32"]
+    out = _product_on_gpu(build_pv_product(n, kdim, dtype), p_bits, v_bits, n)
+    assert rel_err(out, p @ v) <= TOLERANCE["float32"]

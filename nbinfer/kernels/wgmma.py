@@ -37,8 +37,8 @@ warpgroup holds rows ``16 w .. 16 w + 15``; ``acc[4 j + 2 h + c]`` is row ``16 w
 for each 8 columns.
 
 Only the GPU build exists (the simulator has no warpgroup MMA); ``tests/test_wgmma.py``
-checks a whole ``Q K^T`` tile against NumPy on the H200, and ``bench/wgmma_probe.py`` compiles
-that kernel for sm_90a on a machine without a GPU and counts its ``HGMMA`` instructions.
+checks both tile products against NumPy on the H200, and ``bench/wgmma_probe.py`` compiles
+them for sm_90a on a machine without a GPU and counts their ``HGMMA`` instructions.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ U64 = types.uint64
 
 # wgmma.mma_async's N values that this module builds (multiples of 8 up to 256 exist)
 WGMMA_N = (64, 128)
+# the operand types it builds, by nbinfer dtype name: PTX's type suffix
+WGMMA_KINDS = {"float16": "f16", "bfloat16": "bf16"}
 
 
 def core_offset(row: int, k: int, sbo: int, lbo: int, itemsize: int = 2) -> int:
@@ -69,6 +71,14 @@ def core_offset_mn(k: int, col: int, sbo: int, lbo: int, itemsize: int = 2) -> i
     (k // 8) * lbo``, each of 8 K-rows of 16 bytes (``CE = 16 / itemsize`` columns)."""
     ce = 16 // itemsize
     return (col // ce) * sbo + (k // 8) * lbo + (k % 8) * 16 + (col % ce) * itemsize
+
+
+def fragment_position(i: int, warp: int, lane: int) -> tuple[int, int]:
+    """``(row, column)`` of accumulator ``acc[i]`` of ``lane`` in ``warp`` (0-3) of the
+    warpgroup: ``i = 4 j + 2 h + c`` is row ``16 warp + lane // 4 + 8 h``, column ``8 j + 2
+    (lane % 4) + c`` (the module docstring's D layout)."""
+    j, h, c = i // 4, (i // 2) % 2, i % 2
+    return 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + c
 
 
 def smem_descriptor(addr: int, lbo: int, sbo: int) -> int:
@@ -102,6 +112,28 @@ def wgmma_intrinsics():
 
     make_void = _gpu_intrinsics().asm_void  # volatile, with a memory clobber
 
+    def check_acc(acc):
+        if not (isinstance(acc, types.Array) and acc.dtype == float32):
+            raise TypeError("wgmma: the accumulator must be a float32 array")
+
+    def in_place(context, builder, arrty, arrval, m, asm, ins):
+        # acc[0 .. m - 1] = asm(*ins, *acc[0 .. m - 1]): the asm returns the m floats as one
+        # struct, tied to its last m inputs ("0" .. "m-1" after the other inputs).
+        arr = context.make_array(arrty)(context, builder, value=arrval)
+        ptrs = [cgutils.get_item_pointer(context, builder, arrty, arr,
+                                         [context.get_constant(types.intp, i)],
+                                         wraparound=False) for i in range(m)]
+        res = builder.call(asm, ins + [builder.load(ptr) for ptr in ptrs])
+        for i, ptr in enumerate(ptrs):
+            builder.store(builder.extract_value(res, i), ptr)
+        return context.get_dummy_value()
+
+    def tied_asm(m, text, in_cons, in_types):
+        # side_effect: the asm keeps its place among the fences, commits and waits
+        constraints = ",".join(["=f"] * m + in_cons + [str(i) for i in range(m)])
+        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), in_types + [f32] * m)
+        return ir.InlineAsm(fnty, text, constraints, side_effect=True)
+
     def make_mma(n: int, kind: str, a_regs: bool):
         # In place on a float32 array (a local array: SROA keeps it in registers) of at least
         # m = n / 2 elements, D = A B + D. a_regs False: A and B from shared memory through
@@ -116,41 +148,26 @@ def wgmma_intrinsics():
         else:
             operands = f"${m}, ${m + 1}, 1, 1, 1, 0, 0"
             in_cons, in_types = ["l", "l"], [i64, i64]
-        text = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, {operands};"
-        constraints = ",".join(["=f"] * m + in_cons + [str(i) for i in range(m)])
-        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), in_types + [f32] * m)
+        asm = tied_asm(m, f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
+                          f"{{{outs}}}, {operands};", in_cons, in_types)
         n_in = len(in_types)
 
         def codegen(context, builder, sig, args):
             ins = [context.cast(builder, args[i], sig.args[i], U32 if a_regs and i < 4 else U64)
                    for i in range(n_in)]
-            arr = context.make_array(sig.args[n_in])(context, builder, value=args[n_in])
-            ptrs = [cgutils.get_item_pointer(context, builder, sig.args[n_in], arr,
-                                             [context.get_constant(types.intp, i)],
-                                             wraparound=False) for i in range(m)]
-            acc = [builder.load(ptr) for ptr in ptrs]
-            # side_effect: each wgmma stays between its fence and its commit
-            res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True),
-                               ins + acc)
-            for i, ptr in enumerate(ptrs):
-                builder.store(builder.extract_value(res, i), ptr)
-            return context.get_dummy_value()
-
-        def check(acc):
-            if not (isinstance(acc, types.Array) and acc.dtype == float32):
-                raise TypeError("wgmma: the accumulator must be a float32 array")
+            return in_place(context, builder, sig.args[n_in], args[n_in], m, asm, ins)
 
         if a_regs:
             @intrinsic
             def mma_rs(typingctx, a0, a1, a2, a3, desc_b, acc):
-                check(acc)
+                check_acc(acc)
                 return types.void(a0, a1, a2, a3, desc_b, acc), codegen
 
             return mma_rs
 
         @intrinsic
         def mma(typingctx, desc_a, desc_b, acc):
-            check(acc)
+            check_acc(acc)
             return types.void(desc_a, desc_b, acc), codegen
 
         return mma
@@ -162,30 +179,20 @@ def wgmma_intrinsics():
         # could move a read of a wgmma result above its wait_group or a rescale below its
         # fence. Placed right after a wait and right before a fence, as CUTLASS's
         # warpgroup_fence_operand is.
-        constraints = ",".join(["=f"] * m + [str(i) for i in range(m)])
-        fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), [f32] * m)
+        asm = tied_asm(m, "", [], [])
 
         @intrinsic
         def hold(typingctx, acc):
-            if not (isinstance(acc, types.Array) and acc.dtype == float32):
-                raise TypeError("hold: the accumulator must be a float32 array")
+            check_acc(acc)
 
             def codegen(context, builder, sig, args):
-                arr = context.make_array(sig.args[0])(context, builder, value=args[0])
-                ptrs = [cgutils.get_item_pointer(context, builder, sig.args[0], arr,
-                                                 [context.get_constant(types.intp, i)],
-                                                 wraparound=False) for i in range(m)]
-                res = builder.call(ir.InlineAsm(fnty, "", constraints, side_effect=True),
-                                   [builder.load(ptr) for ptr in ptrs])
-                for i, ptr in enumerate(ptrs):
-                    builder.store(builder.extract_value(res, i), ptr)
-                return context.get_dummy_value()
+                return in_place(context, builder, sig.args[0], args[0], m, asm, [])
 
             return types.void(acc), codegen
 
         return hold
 
-    kinds = [(n, kind) for n in WGMMA_N for kind in ("f16", "bf16")]
+    kinds = [(n, kind) for n in WGMMA_N for kind in WGMMA_KINDS.values()]
     return SimpleNamespace(
         mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
         mma_rs={nk: make_mma(*nk, a_regs=True) for nk in kinds},
@@ -205,10 +212,9 @@ def _tile_setup(name: str, n: int, k: int, smem_bytes: int, dtype: str):
         raise ValueError(f"{name}: n must be one of {WGMMA_N} and the K extent a multiple of "
                          f"16 whose operands fit 48 KiB of static shared memory, got n={n}, "
                          f"k={k} ({smem_bytes} bytes)")
-    if dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"{name}: dtype must be float16 or bfloat16, got {dtype!r}")
-    kind = {"float16": "f16", "bfloat16": "bf16"}[dtype]
-    return kind, wgmma_intrinsics(), primitives(False).shared_addr
+    if dtype not in WGMMA_KINDS:
+        raise ValueError(f"{name}: dtype must be one of {sorted(WGMMA_KINDS)}, got {dtype!r}")
+    return WGMMA_KINDS[dtype], wgmma_intrinsics(), primitives(False).shared_addr
 
 
 @functools.cache
@@ -237,6 +243,7 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
 
     descriptor = cuda.jit(device=True)(smem_descriptor)
     offset = cuda.jit(device=True)(core_offset)
+    position = cuda.jit(device=True)(fragment_position)
 
     @cuda.jit(device=True)
     def place(row, k):  # uint16 index of element (row, k) of an operand in the layout
@@ -265,13 +272,9 @@ def build_tile_product(n: int, d: int, dtype: str = "float16"):
         commit()
         wait0()
         hold(acc)
-        warp, lane = tid // 32, tid % 32
-        for j in range(n // 8):
-            for h in range(2):
-                for c in range(2):
-                    row = 16 * warp + lane // 4 + 8 * h
-                    col = 8 * j + 2 * (lane % 4) + c
-                    s[row * n + col] = acc[4 * j + 2 * h + c]
+        for i in range(ACC):
+            row, col = position(i, tid // 32, tid % 32)
+            s[row * n + col] = acc[i]
 
     return tile_product
 
@@ -295,6 +298,7 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
     KSTEPS = kdim // 16
     descriptor = cuda.jit(device=True)(smem_descriptor)
     offset_mn = cuda.jit(device=True)(core_offset_mn)
+    position = cuda.jit(device=True)(fragment_position)
 
     @cuda.jit(device=True)
     def place(k, col):  # uint16 index of V's element (k, col) in the MN-major layout
@@ -333,13 +337,12 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
         commit()
         wait0()
         hold(acc)
-        for j in range(n // 8):
-            for h in range(2):
-                for c in range(2):
-                    o[(r0 + 8 * h) * n + 8 * j + t2 + c] = acc[4 * j + 2 * h + c]
+        for i in range(ACC):
+            row, col = position(i, warp, lane)
+            o[row * n + col] = acc[i]
 
     return pv_product
 
 
-__all__ = ["WGMMA_N", "build_pv_product", "build_tile_product", "core_offset", "core_offset_mn",
-           "smem_descriptor", "wgmma_intrinsics"]
+__all__ = ["WGMMA_KINDS", "WGMMA_N", "build_pv_product", "build_tile_product", "core_offset",
+           "core_offset_mn", "fragment_position", "smem_descriptor", "wgmma_intrinsics"]
