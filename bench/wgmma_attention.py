@@ -1,30 +1,30 @@
-"""A first attention forward on Hopper's warpgroup MMA, standalone: is the wgmma path worth
-wiring into nbinfer's prefill (issue 13 req 1 and its stretch)?
+"""Attention forwards on Hopper's warpgroup MMA, standalone: is the wgmma path worth wiring into
+nbinfer's prefill (issue 13 req 1 and its stretch)?
 
-Contiguous ``[B, H, L, D]`` fp16/bf16 Q, K, V (no paging, no GQA, no variants): one CTA of one
-warpgroup (128 threads) per 64 query rows, a loop over 64-key tiles (causal: up to the
-diagonal), built from :mod:`nbinfer.kernels.wgmma`:
+Contiguous ``[B, H, L, D]`` fp16/bf16 Q, K, V (no paging, no GQA, no variants, no LSE), built
+from :mod:`nbinfer.kernels.wgmma`, two kernels:
 
-- Q (64 x D) and each K and V tile staged by cp.async straight into the canonical no-swizzle
-  layouts: a 16-byte chunk of a row is one core-matrix row, so every copy is one
-  ``cp.async.cg`` (Q and K K-major, V MN-major);
-- ``S = Q K^T``: D / 16 ``wgmma.m64n64k16`` from shared memory (32 accumulators per thread);
-- the online softmax on S's fragments (a row's 16 values per thread, the row's four lanes
-  combined by two shuffles), in log2 units;
-- ``O += P V``: 4 ``wgmma.m64nDk16`` with P packed from S's registers (no shared memory) and
-  V MN-major through the transpose flag (D / 2 accumulators per thread).
+- :func:`build`, the first tile (session 15): one CTA of one warpgroup (128 threads) per 64
+  query rows, Q and one K / V tile in 48 KiB of static shared memory, each copy waited for;
+- :func:`build_pipe`, the pipelined one (session 16): ``wgs`` warpgroups per CTA (64 query
+  rows each) sharing every K / V tile, a ring of ``stages`` K / V buffers in dynamic shared
+  memory, ``bn`` keys per tile (bench/NOTES.md, "Issue 13, session 16": its rungs).
 
-One K/V stage (48 KiB of static shared memory with Q) and each product waited for before the
-next step: no overlap inside a CTA beyond what three resident CTAs per SM give each other. This
-is the measurement that decides the next rungs (two stages, a producer warp, swizzled layouts,
-ping-pong between warpgroups), not a finished kernel. FLOPs counted as SDPA's benchmarks count
-them: 4 B H L^2 D (halved when causal).
+Both: Q and each K and V tile staged by cp.async straight into the canonical no-swizzle
+layouts (a 16-byte chunk of a row is one core-matrix row, so every copy is one ``cp.async.cg``;
+Q and K K-major, V MN-major); ``S = Q K^T`` by D / 16 ``wgmma.m64nNk16`` from shared memory;
+the online softmax on S's fragments (a row's values per thread, the row's four lanes combined
+by two shuffles), in log2 units; ``O += P V`` by ``wgmma.m64nDk16`` with P packed from S's
+registers (no shared memory) and V through the transpose flag. FLOPs counted as SDPA's
+benchmarks count them: 4 B H L^2 D (halved when causal).
 
     python3 bench/wgmma_attention.py --out bench/results/issue13/wgmma_attention.json
+    python3 bench/wgmma_attention.py --variants "2wg-n64-s2 r128" --shapes "4,32,4096,64" \
+        --dtypes float16,bfloat16 [--ablations]
 
-It first checks the kernel against torch SDPA (math backend, float32) on small shapes and stops
-if that fails; then times B4 L4096 H32 D128 (causal and not) against SDPA flash and cuDNN in the
-same process.
+It first checks every variant against torch SDPA (math backend, float32) on small shapes and
+times only those that pass; then times the shapes (causal and not) against SDPA flash and
+cuDNN in the same process.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -49,6 +50,94 @@ NT = 128  # one warpgroup
 
 
 @functools.cache
+def _parts(d: int, bn: int, dtype: str, nt: int):
+    """The device functions both kernels share, for head dim ``d``, ``bn`` keys per tile and
+    ``nt`` threads per CTA: ``stage`` (cp.async of rows into a canonical layout), ``softmax``
+    (the online softmax on S's fragments, leaving P packed as the P V product's A words) and
+    ``store`` (O's rows, normalised, as 16-bit pairs)."""
+    from numba import cuda, float32, int32, types
+
+    from nbinfer.kernels.mma import _gpu_mma_intrinsics
+    from nbinfer.kernels.primitives import primitives
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, copy_slot
+
+    U32 = types.uint32
+    prims = primitives(False)
+    cp16, exp2 = prims.cp_async16_to, prims.exp2
+    pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[dtype]]
+    CH = d // 8  # 16-byte chunks per row
+    LBO = 128  # K-adjacent core matrices contiguous
+    NEG_INF = float32(-np.inf)
+    SACC_BLOCKS, OACC_BLOCKS = bn // 8, d // 8
+    A_WORDS = bn // 4
+
+    slot = cuda.jit(device=True)(copy_slot)
+
+    @cuda.jit(device=True)
+    def stage(smem, sbase, src, row0, nrows, tid, mn_major, sbo):
+        # rows row0 .. row0 + nrows - 1 of a [*, D] tensor into the canonical layout, each
+        # 16-byte chunk by one cp.async (nbinfer.kernels.wgmma.copy_slot: where to, and the
+        # one add per further copy)
+        r, ch, dst, rstep, dstep = slot(tid, nt, d, mn_major, sbo, LBO, 2)
+        at = (row0 + r) * d + ch * 8
+        for i in range(nrows // rstep):
+            cp16(smem, sbase + U32(dst + i * dstep), src, at + i * rstep * d)
+
+    @cuda.jit(device=True)
+    def softmax(sacc, oacc, pw, m, den, key0, rq, t2, diagonal, scale_log2, skip):
+        # rows rq and rq + 8 of this lane (h 0, 1), keys key0 + 8 j + t2 + c of S's fragments;
+        # diagonal: keys past the row are masked. skip (an ablation, timing only): P = S.
+        if diagonal:  # a pass of its own: 11 registers fewer than a select in the max loop
+            lim = rq - key0 - t2
+            for h in range(2):
+                for j in range(SACC_BLOCKS):
+                    for c in range(2):
+                        if 8 * j + c > lim + 8 * h:
+                            sacc[4 * j + 2 * h + c] = NEG_INF
+        if not skip:
+            for h in range(2):
+                mx = NEG_INF
+                for j in range(SACC_BLOCKS):
+                    for c in range(2):
+                        mx = max(mx, sacc[4 * j + 2 * h + c])
+                mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
+                mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
+                m_new = max(m[h], mx * scale_log2)  # a row always keeps a key of its tile 0
+                alpha = exp2(m[h] - m_new)
+                m[h] = m_new
+                rs = float32(0.0)
+                for j in range(SACC_BLOCKS):
+                    for c in range(2):
+                        p = exp2(sacc[4 * j + 2 * h + c] * scale_log2 - m_new)
+                        sacc[4 * j + 2 * h + c] = p
+                        rs += p
+                den[h] = den[h] * alpha + rs
+                for j in range(OACC_BLOCKS):
+                    for c in range(2):
+                        oacc[4 * j + 2 * h + c] *= alpha
+        # P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk, 2 kk + 1:
+        # sacc[8 kk .. 8 kk + 7] as a0 (row g), a1 (row g + 8), a2, a3 (columns + 8)
+        for w in range(A_WORDS):
+            pw[w] = pack(sacc[2 * w], sacc[2 * w + 1])
+
+    @cuda.jit(device=True)
+    def store(o32, oacc, den, row_base, t2):
+        # row_base: the flat row of this lane's first row (rq); the row's four lanes sum den
+        for h in range(2):
+            s = den[h]
+            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 1)
+            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 2)
+            inv = float32(1.0) / s
+            base = (row_base + 8 * h) * d
+            for j in range(OACC_BLOCKS):
+                o32[(base + 8 * j + t2) // 2] = int32(
+                    pack(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv))
+
+    return SimpleNamespace(stage=stage, softmax=softmax, store=store, LBO=LBO,
+                           SBO_QK=CH * 128, SBO_V=bn // 8 * 128, A_WORDS=A_WORDS)
+
+
+@functools.cache
 def build(d: int, causal: bool, dtype: str, overlap: bool = False):
     """The kernel ``attn[(L / 64, B H), 128](q, k, v, o32, L, scale_log2)`` for head dim ``d``
     (64 or 128): q, k, v int16 views of contiguous ``[B, H, L, D]`` tensors, o32 an int32 view
@@ -58,59 +147,32 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
     and ``P V`` run, and its V while the next ``Q K^T`` and softmax run (each buffer is
     refilled as soon as the product that reads it is done); else both are copied, and waited
     for, at the top of each tile."""
-    from numba import cuda, float32, int16, int32, types
+    from numba import cuda, float32, int16, types
 
-    from nbinfer.kernels.mma import _gpu_mma_intrinsics
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import (
-        WGMMA_KINDS,
-        core_offset,
-        core_offset_mn,
-        smem_descriptor,
-        wgmma_intrinsics,
-    )
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
 
     U32, U64 = types.uint32, types.uint64
     kind = WGMMA_KINDS[dtype]
     intr, prims = wgmma_intrinsics(), primitives(False)
+    parts = _parts(d, BN, dtype, NT)
+    stage, softmax, store = parts.stage, parts.softmax, parts.store
     mma_qk, mma_pv = intr.mma[(BN, kind)], intr.mma_rs[(d, kind)]
     hold_s, hold_o = intr.hold[BN // 2], intr.hold[d // 2]
     fence, commit_wg, wait_wg, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    cp16, commit = prims.cp_async16_to, prims.commit
+    commit = prims.commit
     wait_all, wait_but_one = prims.wait(0), prims.wait(1)
-    shared_addr, exp2 = prims.shared_addr, prims.exp2
-    pack = _gpu_mma_intrinsics().pack[kind]
+    shared_addr = prims.shared_addr
     descriptor = cuda.jit(device=True)(smem_descriptor)
-    offset, offset_mn = cuda.jit(device=True)(core_offset), cuda.jit(device=True)(core_offset_mn)
-    CH = d // 8  # 16-byte chunks per row
-    LBO = 128  # K-adjacent core matrices contiguous
-    SBO_QK = CH * 128  # Q and K (K-major): an 8-row block holds all its K core matrices
-    SBO_V = BN // 8 * 128  # V (MN-major): an 8-column block holds all its key core matrices
+    LBO, SBO_QK, SBO_V = parts.LBO, parts.SBO_QK, parts.SBO_V
     Q_BYTES = BM * d * 2
     KV_BYTES = BN * d * 2
     SMEM_ELEMS = (Q_BYTES + 2 * KV_BYTES) // 2  # 48 KiB at D 128: the static limit
-    COPIES = BM * CH // NT  # 16-byte copies per thread per 64-row block
     SACC, OACC = BN // 2, d // 2
     DSTEPS, KSTEPS = d // 16, BN // 16
-    A_WORDS = 4 * KSTEPS
+    A_WORDS = parts.A_WORDS
     NEG_INF = float32(-np.inf)
     CAUSAL, OVERLAP = causal, overlap
-
-    @cuda.jit(device=True)
-    def stage_rows(smem, sbase, src, row0, tid, mn_major):
-        # rows row0 .. row0 + 63 of a [*, D] tensor: chunk ch of row r to its core-matrix row.
-        # Eight consecutive threads take one chunk of eight consecutive rows: their 16-byte
-        # destinations are one core matrix, 128 contiguous bytes (no bank conflict), and a
-        # warp still reads whole 32-byte sectors (rows' chunks ch .. ch + 3).
-        for i in range(COPIES):
-            c = tid + NT * i
-            blk, idx = c // (8 * CH), c % (8 * CH)
-            r, ch = 8 * blk + idx % 8, idx // 8
-            if mn_major:  # V: keys along K, the head dim along N
-                dst = offset_mn(r, 8 * ch, SBO_V, LBO)
-            else:
-                dst = offset(r, 8 * ch, SBO_QK, LBO)
-            cp16(smem, sbase + U32(dst), src, (row0 + r) * d + ch * 8)
 
     @cuda.jit(lineinfo=False)
     def attn(q, k, v, o32, seq_len, scale_log2):
@@ -124,11 +186,11 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
         sq = shared_addr(smem, 0)
         sk = sq + U32(Q_BYTES)
         sv = sk + U32(KV_BYTES)
-        stage_rows(smem, sq, q, row0 + q0, tid, False)
+        stage(smem, sq, q, row0 + q0, BM, tid, False, SBO_QK)
         if OVERLAP:  # groups in flight: (Q, K 0), then V 0
-            stage_rows(smem, sk, k, row0, tid, False)
+            stage(smem, sk, k, row0, BN, tid, False, SBO_QK)
             commit()
-            stage_rows(smem, sv, v, row0, tid, True)
+            stage(smem, sv, v, row0, BN, tid, True, SBO_V)
             commit()
         sacc = cuda.local.array(SACC, float32)
         oacc = cuda.local.array(OACC, float32)
@@ -146,8 +208,8 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
             if OVERLAP:
                 wait_but_one()  # K t has landed; V t (the newest group) may still fly
             else:
-                stage_rows(smem, sk, k, row0 + t * BN, tid, False)
-                stage_rows(smem, sv, v, row0 + t * BN, tid, True)
+                stage(smem, sk, k, row0 + t * BN, BN, tid, False, SBO_QK)
+                stage(smem, sv, v, row0 + t * BN, BN, tid, True, SBO_V)
                 commit()
                 wait_all()
             proxy_fence()  # cp.async's stores, visible to the tensor cores' reads
@@ -165,37 +227,10 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
             if OVERLAP:
                 cuda.syncthreads()  # every warp's Q K^T is done with the K buffer
                 if t + 1 < ntiles:
-                    stage_rows(smem, sk, k, row0 + (t + 1) * BN, tid, False)
+                    stage(smem, sk, k, row0 + (t + 1) * BN, BN, tid, False, SBO_QK)
                 commit()  # possibly empty: the wait counts below stay uniform
-            diagonal = CAUSAL and t == ntiles - 1
-            for h in range(2):
-                mx = NEG_INF
-                for j in range(BN // 8):
-                    for c in range(2):
-                        x = sacc[4 * j + 2 * h + c]
-                        if diagonal and t * BN + 8 * j + t2 + c > rq + 8 * h:
-                            x = NEG_INF
-                            sacc[4 * j + 2 * h + c] = x
-                        mx = max(mx, x)
-                mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
-                mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
-                m_new = max(m[h], mx * scale_log2)  # a diagonal row always keeps a key
-                alpha = exp2(m[h] - m_new)
-                m[h] = m_new
-                rs = float32(0.0)
-                for j in range(BN // 8):
-                    for c in range(2):
-                        p = exp2(sacc[4 * j + 2 * h + c] * scale_log2 - m_new)
-                        sacc[4 * j + 2 * h + c] = p
-                        rs += p
-                den[h] = den[h] * alpha + rs
-                for j in range(d // 8):
-                    for c in range(2):
-                        oacc[4 * j + 2 * h + c] *= alpha
-            # P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk, 2 kk + 1:
-            # sacc[8 kk .. 8 kk + 7] as a0 (row g), a1 (row g + 8), a2, a3 (columns + 8)
-            for w in range(A_WORDS):
-                pw[w] = pack(sacc[2 * w], sacc[2 * w + 1])
+            softmax(sacc, oacc, pw, m, den, t * BN, rq, t2, CAUSAL and t == ntiles - 1,
+                    scale_log2, False)
             if OVERLAP:
                 wait_but_one()  # V t has landed; K t + 1 may still fly
                 proxy_fence()
@@ -211,62 +246,252 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
             cuda.syncthreads()  # every warp is done with this tile before the next one lands
             if OVERLAP:
                 if t + 1 < ntiles:
-                    stage_rows(smem, sv, v, row0 + (t + 1) * BN, tid, True)
+                    stage(smem, sv, v, row0 + (t + 1) * BN, BN, tid, True, SBO_V)
                 commit()
-        for h in range(2):
-            s = den[h]
-            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 1)
-            s += cuda.shfl_xor_sync(0xFFFFFFFF, s, 2)
-            inv = float32(1.0) / s
-            base = (row0 + rq + 8 * h) * d
-            for j in range(d // 8):
-                o32[(base + 8 * j + t2) // 2] = int32(
-                    pack(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv))
+        store(o32, oacc, den, row0 + rq, t2)
 
     return attn
 
 
-def run(q, k, v, causal, out=None, overlap=False):
-    """O for torch CUDA tensors ``[B, H, L, D]`` (contiguous, fp16/bf16, L % 64 == 0)."""
+@functools.cache
+def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, wgs: int = 2,
+               ablate: str = ""):
+    """``(attn, signature)``: the Python source of the pipelined kernel, launched (once
+    compiled for the signature, :func:`pipe_kernel`) as ``attn[(L / (64 wgs), B H), 128 wgs,
+    stream, smem_bytes(...)](q, k, v, o32, L, scale_log2)``, the arguments of :func:`build`'s.
+
+    ``wgs`` warpgroups per CTA, each owning 64 query rows, share every K / V tile, so a CTA
+    copies each tile once for ``64 wgs`` rows (the one-warpgroup kernel copies it per 64);
+    ``stages`` K / V buffers in dynamic shared memory form a ring: at the top of tile t, after
+    the one barrier of the tile (every warp is done with tile t - 1), tile ``t + stages - 1``
+    is requested into the buffer tile t - 1 used, so each tile's copies have ``stages - 1``
+    tiles of compute to land in. ``bn`` keys per tile (64 or 128: wgmma's N of ``Q K^T``).
+    Causal: the tiles wholly before the CTA's first row run in a loop of their own, with no
+    mask (the non-causal kernel's loop); the tiles that cross the diagonal follow, masked.
+
+    ``ablate`` (timing only, the result is wrong): ``"copy"`` requests only the prologue's
+    tiles and reuses their buffers (no K / V traffic after them); ``"softmax"`` packs S as P
+    without the exponentials, maxima and rescaling."""
+    from numba import cuda, float32, int16, int32, types
+
+    from nbinfer.kernels.primitives import primitives
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
+
+    if stages < 2 or wgs not in (1, 2) or bn not in (64, 128):
+        raise ValueError(f"build_pipe: stages >= 2, wgs 1 or 2, bn 64 or 128; got {stages}, "
+                         f"{wgs}, {bn}")
+    U32, U64 = types.uint32, types.uint64
+    kind = WGMMA_KINDS[dtype]
+    nt = 128 * wgs
+    intr, prims = wgmma_intrinsics(), primitives(False)
+    parts = _parts(d, bn, dtype, nt)
+    stage, softmax, store = parts.stage, parts.softmax, parts.store
+    mma_qk, mma_pv = intr.mma[(bn, kind)], intr.mma_rs[(d, kind)]
+    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
+    fence, commit_wg, wait_wg, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
+    commit, wait_ring = prims.commit, prims.wait(stages - 2)
+    shared_addr = prims.shared_addr
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+    LBO, SBO_QK, SBO_V = parts.LBO, parts.SBO_QK, parts.SBO_V
+    BMP = 64 * wgs
+    Q_WG_BYTES = 64 * d * 2
+    Q_BYTES = BMP * d * 2
+    KV_BYTES = bn * d * 2
+    STAGE_BYTES = 2 * KV_BYTES
+    SACC, OACC = bn // 2, d // 2
+    DSTEPS, KSTEPS = d // 16, bn // 16
+    A_WORDS = parts.A_WORDS
+    NEG_INF = float32(-np.inf)
+    CAUSAL, S = causal, stages
+    NO_COPY, NO_SOFTMAX = "copy" in ablate, "softmax" in ablate
+
+    @cuda.jit(device=True)
+    def step(smem, k, v, t, ntiles, row0, ring, sqw, tid, masked, sacc, oacc, pw, m, den, rq,
+             t2, scale_log2):
+        # one tile: wait for it, refill the ring, S = Q K^T, the softmax (masked: the tile
+        # crosses the diagonal), O += P V
+        wait_ring()  # tile t's group has landed (S - 2 newer ones may fly)
+        proxy_fence()
+        cuda.syncthreads()  # ... for every thread; and every warp is done with tile t - 1
+        nxt = t + S - 1
+        if nxt < ntiles and not (NO_COPY and nxt >= S - 1):
+            buf = ring + U32((nxt % S) * STAGE_BYTES)  # tile t - 1's buffer
+            stage(smem, buf, k, row0 + nxt * bn, bn, tid, False, SBO_QK)
+            stage(smem, buf + U32(KV_BYTES), v, row0 + nxt * bn, bn, tid, True, SBO_V)
+        commit()
+        sk = ring + U32((t % S) * STAGE_BYTES)
+        for i in range(SACC):
+            sacc[i] = 0.0
+        hold_s(sacc)
+        fence()
+        for kk in range(DSTEPS):
+            mma_qk(U64(descriptor(sqw + U32(kk * 2 * LBO), LBO, SBO_QK)),
+                   U64(descriptor(sk + U32(kk * 2 * LBO), LBO, SBO_QK)), sacc)
+        commit_wg()
+        wait_wg()
+        hold_s(sacc)
+        softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, masked, scale_log2, NO_SOFTMAX)
+        hold_o(oacc)
+        fence()
+        sv = sk + U32(KV_BYTES)
+        for kk in range(KSTEPS):
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                   U64(descriptor(sv + U32(kk * 2 * LBO), LBO, SBO_V)), oacc)
+        commit_wg()
+        wait_wg()
+        hold_o(oacc)
+
+    def attn(q, k, v, o32, seq_len, scale_log2):
+        smem = cuda.shared.array(0, int16)  # Q, then the ring: smem_bytes(d, bn, stages, wgs)
+        tid = cuda.threadIdx.x
+        wg, warp, lane = tid // 128, (tid // 32) % 4, tid % 32
+        qt = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x  # long first
+        row0 = cuda.blockIdx.y * seq_len  # this (batch, head)'s first row
+        q0 = qt * BMP
+        ntiles = (q0 + BMP + bn - 1) // bn if CAUSAL else seq_len // bn
+        clear = q0 // bn if CAUSAL else ntiles  # tiles wholly before the CTA's first row
+        qw = q0 + 64 * wg  # this warpgroup's first row
+        sq = shared_addr(smem, 0)
+        sqw = sq + U32(wg * Q_WG_BYTES)
+        ring = sq + U32(Q_BYTES)
+        stage(smem, sq, q, row0 + q0, BMP, tid, False, SBO_QK)  # in the first group
+        for s in range(S - 1):
+            if s < ntiles:
+                buf = ring + U32(s * STAGE_BYTES)
+                stage(smem, buf, k, row0 + s * bn, bn, tid, False, SBO_QK)
+                stage(smem, buf + U32(KV_BYTES), v, row0 + s * bn, bn, tid, True, SBO_V)
+            commit()  # possibly empty: every thread counts S - 1 groups before the loop
+        sacc = cuda.local.array(SACC, float32)
+        oacc = cuda.local.array(OACC, float32)
+        pw = cuda.local.array(A_WORDS, U32)
+        m = cuda.local.array(2, float32)
+        den = cuda.local.array(2, float32)
+        for i in range(OACC):
+            oacc[i] = 0.0
+        for h in range(2):
+            m[h] = NEG_INF
+            den[h] = 0.0
+        t2 = 2 * (lane % 4)
+        rq = qw + 16 * warp + lane // 4
+        for t in range(clear):
+            step(smem, k, v, t, ntiles, row0, ring, sqw, tid, False, sacc, oacc, pw, m, den, rq,
+                 t2, scale_log2)
+        # causal only: the tiles crossing the diagonal. Every warpgroup computes each of them,
+        # even one wholly past its rows (masked to P = 0: a 3 % share of the causal work at
+        # L 4096), because a warpgroup-uniform skip around the wgmma costs 32 registers
+        # (161 -> 129 at bn 64, D 128), the difference between one CTA per SM and two.
+        for t in range(clear, ntiles):
+            step(smem, k, v, t, ntiles, row0, ring, sqw, tid, True, sacc, oacc, pw, m, den, rq,
+                 t2, scale_log2)
+        store(o32, oacc, den, row0 + rq, t2)
+
+    return attn, types.void(int16[::1], int16[::1], int16[::1], int32[::1], int32, float32)
+
+
+def smem_bytes(d: int, bn: int, stages: int, wgs: int) -> int:
+    """Dynamic shared memory of :func:`build_pipe`'s kernel: Q's rows and the K / V ring."""
+    return 64 * wgs * d * 2 + stages * 2 * bn * d * 2
+
+
+# The timed variants: name -> build options ("pipe": build_pipe's keywords; else build's)
+VARIANTS = {
+    "one-stage": dict(overlap=False),
+    "overlap": dict(overlap=True),
+    "2wg-n64-s2": dict(pipe=dict(wgs=2, bn=64, stages=2)),
+    "2wg-n64-s3": dict(pipe=dict(wgs=2, bn=64, stages=3)),
+    "2wg-n128-s2": dict(pipe=dict(wgs=2, bn=128, stages=2)),
+    "1wg-n64-s3": dict(pipe=dict(wgs=1, bn=64, stages=3)),
+    "2wg-n64-s2 r128": dict(pipe=dict(wgs=2, bn=64, stages=2, maxreg=128)),
+}
+# ablations of one pipelined variant (timing only: their output is not attention)
+ABLATIONS = {
+    "2wg-n64-s2 no-copy": dict(pipe=dict(wgs=2, bn=64, stages=2, ablate="copy")),
+    "2wg-n64-s2 no-softmax": dict(pipe=dict(wgs=2, bn=64, stages=2, ablate="softmax")),
+    "2wg-n64-s2 no-copy no-softmax": dict(pipe=dict(wgs=2, bn=64, stages=2,
+                                                     ablate="copy softmax")),
+}
+
+
+def run(q, k, v, causal, out=None, variant="one-stage"):
+    """O for torch CUDA tensors ``[B, H, L, D]`` (contiguous, fp16/bf16, L a multiple of the
+    variant's rows per CTA and keys per tile) by one of :data:`VARIANTS` (or
+    :data:`ABLATIONS`)."""
     import torch
     from numba import cuda
 
     B, H, L, D = q.shape
-    if L % BM or D not in (64, 128) or not all(t.is_contiguous() for t in (q, k, v)):
-        raise ValueError("wgmma_attention: contiguous [B, H, L, D], L % 64 == 0, D 64 or 128")
+    opts = {**VARIANTS, **ABLATIONS}[variant]
+    pipe = opts.get("pipe")
+    rows, keys = (64 * pipe["wgs"], pipe["bn"]) if pipe else (BM, BN)
+    if L % rows or L % keys or D not in (64, 128) or not all(
+            t.is_contiguous() for t in (q, k, v)):
+        raise ValueError(f"wgmma_attention {variant}: contiguous [B, H, L, D], L % {rows} == 0 "
+                         f"and L % {keys} == 0, D 64 or 128")
     dtype = {torch.float16: "float16", torch.bfloat16: "bfloat16"}[q.dtype]
     out = torch.empty_like(q) if out is None else out
-    kern = build(D, causal, dtype, overlap)
     stream = cuda.external_stream(torch.cuda.current_stream().cuda_stream)
-    kern[(L // BM, B * H), NT, stream](
-        cuda.as_cuda_array(q.view(torch.int16).reshape(-1)),
-        cuda.as_cuda_array(k.view(torch.int16).reshape(-1)),
-        cuda.as_cuda_array(v.view(torch.int16).reshape(-1)),
-        cuda.as_cuda_array(out.view(torch.int32).reshape(-1)),
-        np.int32(L), np.float32(math.log2(math.e) / math.sqrt(D)))
+    args = (cuda.as_cuda_array(q.view(torch.int16).reshape(-1)),
+            cuda.as_cuda_array(k.view(torch.int16).reshape(-1)),
+            cuda.as_cuda_array(v.view(torch.int16).reshape(-1)),
+            cuda.as_cuda_array(out.view(torch.int32).reshape(-1)),
+            np.int32(L), np.float32(math.log2(math.e) / math.sqrt(D)))
+    if pipe:
+        kern = pipe_kernel(D, causal, dtype, **pipe)
+        nbytes = smem_bytes(D, pipe["bn"], pipe["stages"], pipe["wgs"])
+        kern[(L // rows, B * H), 128 * pipe["wgs"], stream, nbytes](*args)
+    else:
+        build(D, causal, dtype, opts["overlap"])[(L // BM, B * H), NT, stream](*args)
     return out
 
 
-def check(torch, F):
+@functools.cache
+def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None):
+    """:func:`build_pipe`'s kernel, opted in to its dynamic shared memory (past 48 KiB a
+    function must ask the driver for it); ``maxreg``: ptxas's register cap (128 lets two
+    CTAs of 256 threads share an SM)."""
+    from numba import cuda
+
+    from nbinfer.kernels.launch import _driver
+
+    fn, sig = build_pipe(d, causal, dtype, bn, stages, wgs, ablate)
+    kern = cuda.jit(sig, lineinfo=False, **({"max_registers": maxreg} if maxreg else {}))(fn)
+    (overload,) = kern.overloads.values()
+    fn = overload._codelibrary.get_cufunc()
+    handle = int(getattr(fn.handle, "value", None) or int(fn.handle))
+    _driver().allow_dynamic_shared(handle, smem_bytes(d, bn, stages, wgs),
+                                   cuda.get_current_device().id)
+    return kern
+
+
+def kernel_regs(variant, d, causal, dtype="float16"):
+    """Registers per thread of a variant's kernel (compiled by an earlier :func:`run`)."""
+    opts = {**VARIANTS, **ABLATIONS}[variant]
+    pipe = opts.get("pipe")
+    kern = pipe_kernel(d, causal, dtype, **pipe) if pipe else build(d, causal, dtype,
+                                                                     opts["overlap"])
+    return kern.get_regs_per_thread()
+
+
+def check(torch, F, variants):
     """Max relative error against SDPA's math backend in float32, per small case."""
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for B, H, L, D, causal, dt in [(1, 2, 256, 128, True, torch.float16),
-                                   (2, 3, 192, 128, False, torch.float16),
-                                   (1, 2, 320, 64, True, torch.bfloat16),
+                                   (2, 3, 384, 128, False, torch.float16),
+                                   (1, 2, 384, 64, True, torch.bfloat16),
                                    (1, 1, 128, 64, False, torch.bfloat16),
-                                   (1, 2, 192, 64, True, torch.float16),
+                                   (1, 2, 256, 64, True, torch.float16),
                                    (1, 2, 256, 128, False, torch.bfloat16)]:
         q, k, v = (torch.randn(B, H, L, D, device="cuda", generator=g).to(dt) for _ in range(3))
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal)
-        for overlap in (False, True):
-            o = run(q, k, v, causal, overlap=overlap).float()
+        for variant in variants:
+            o = run(q, k, v, causal, variant=variant).float()
             err = float((o - ref).norm() / ref.norm())
             tol = TOLERANCE[str(dt).split(".")[-1]]
             rows.append(dict(B=B, H=H, L=L, D=D, causal=causal, dtype=str(dt),
-                             overlap=overlap, rel_err=err, tolerance=tol))
-            print(f"check B{B} H{H} L{L} D{D} {'causal' if causal else 'full'} {dt}"
-                  f"{' overlap' if overlap else ''}: rel err {err:.2e}", flush=True)
+                             variant=variant, rel_err=err, tolerance=tol))
+            print(f"check B{B} H{H} L{L} D{D} {'causal' if causal else 'full'} {dt} "
+                  f"{variant}: rel err {err:.2e}", flush=True)
     return rows
 
 
@@ -277,45 +502,71 @@ def tflops(fn, flops):
     return flops / (gpu_ms(fn) * 1e-3) / 1e12
 
 
+def time_shape(torch, F, q, k, v, variants):
+    """Rows of TFLOP/s (causal and not) for ``variants`` and SDPA flash / cuDNN on q, k, v."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    B, H, L, D = q.shape
+    dtype = str(q.dtype).split(".")[-1]
+    out = torch.empty_like(q)
+    rows = []
+    for causal in (True, False):
+        flops = 4 * B * H * L * L * D / (2 if causal else 1)
+        row = dict(B=B, H=H, L=L, D=D, dtype=dtype, causal=causal)
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
+                         ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            with sdpa_kernel(be):
+                row[f"sdpa_{name}_tflops"] = tflops(
+                    lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c), flops)
+        fl = row["sdpa_flash_tflops"]
+        label = f"{'causal' if causal else 'full'} B{B} H{H} L{L} D{D} {dtype}"
+        print(f"{label}: SDPA flash {fl:.1f} TFLOP/s, cuDNN {row['sdpa_cudnn_tflops']:.1f}",
+              flush=True)
+        row["wgmma_tflops"], row["regs"] = {}, {}
+        for variant in variants:
+            tf = tflops(lambda c=causal, w=variant: run(q, k, v, c, out, variant=w), flops)
+            row["wgmma_tflops"][variant] = tf
+            regs = row["regs"][variant] = kernel_regs(variant, D, causal, dtype)
+            print(f"{label}: {variant:32s} {tf:6.1f} TFLOP/s ({tf / fl:.2f}x flash), {regs} regs",
+                  flush=True)
+        rows.append(row)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
-    ap.add_argument("--shape", default="4,32,4096,128", help="B,H,L,D of the timed cases")
+    ap.add_argument("--shapes", default="4,32,4096,128",
+                    help="B,H,L,D of the timed cases, several separated by ';'")
+    ap.add_argument("--dtypes", default="float16", help="float16 and/or bfloat16, comma-separated")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help=f"comma-separated, of {list(VARIANTS)}")
+    ap.add_argument("--ablations", action="store_true",
+                    help=f"also time {list(ABLATIONS)} (not checked: not attention)")
     args = ap.parse_args()
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    checks = check(torch, F)
-    if any(not r["rel_err"] <= r["tolerance"] for r in checks):
-        print("wgmma_attention: the check failed; not timing")
-        result = dict(checks=checks)
-    else:
-        B, H, L, D = (int(x) for x in args.shape.split(","))
-        q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=torch.float16)
-                   for _ in range(3))
-        out = torch.empty_like(q)
-        timed = []
-        for causal in (True, False):
-            flops = 4 * B * H * L * L * D / (2 if causal else 1)
-            row = dict(B=B, H=H, L=L, D=D, causal=causal,
-                       wgmma_tflops=tflops(lambda c=causal: run(q, k, v, c, out), flops),
-                       wgmma_overlap_tflops=tflops(
-                           lambda c=causal: run(q, k, v, c, out, overlap=True), flops))
-            for name, be in (("flash", SDPBackend.FLASH_ATTENTION),
-                             ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                with sdpa_kernel(be):
-                    row[f"sdpa_{name}_tflops"] = tflops(
-                        lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c),
-                        flops)
-            timed.append(row)
-            fl = row["sdpa_flash_tflops"]
-            print(f"{'causal' if causal else 'full'} B{B} H{H} L{L} D{D}: wgmma "
-                  f"{row['wgmma_tflops']:.1f} TFLOP/s ({row['wgmma_tflops'] / fl:.2f}x flash), "
-                  f"overlapped {row['wgmma_overlap_tflops']:.1f} "
-                  f"({row['wgmma_overlap_tflops'] / fl:.2f}x); SDPA flash {fl:.1f}, cuDNN "
-                  f"{row['sdpa_cudnn_tflops']:.1f}", flush=True)
-        result = dict(checks=checks, timed=timed)
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"--variants: unknown {bad}")
+    checks = check(torch, F, variants)
+    failed = sorted({r["variant"] for r in checks if not r["rel_err"] <= r["tolerance"]})
+    if failed:
+        print(f"wgmma_attention: the check failed for {failed}; not timing them")
+    timed_variants = [v for v in variants if v not in failed]
+    if args.ablations:
+        timed_variants += list(ABLATIONS)
+    timed = []
+    for shape in args.shapes.split(";"):
+        B, H, L, D = (int(x) for x in shape.split(","))
+        for dtype in args.dtypes.split(","):
+            dt = getattr(torch, dtype)
+            q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dt) for _ in range(3))
+            timed += time_shape(torch, F, q, k, v, timed_variants)
+            del q, k, v
+    result = dict(checks=checks, failed=failed, timed=timed)
     if args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # wgmma_attention; nbinfer
@@ -28,10 +29,13 @@ def main():
     ap.add_argument("--n", type=int, default=64, help="keys per tile (wgmma's N: 64 or 128)")
     ap.add_argument("--d", type=int, default=128, help="head dim (k-steps of 16)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-    ap.add_argument("--product", default="qk", choices=("qk", "pv", "attention"),
+    ap.add_argument("--product", default="qk", choices=("qk", "pv", "attention", "pipe"),
                     help="qk: S = A B^T, both K-major in shared memory; pv: O = P V, P in "
                          "registers, V MN-major (--d is then the keys per step, kdim); "
-                         "attention: bench/wgmma_attention.py's kernel at head dim --d")
+                         "attention: bench/wgmma_attention.py's kernel at head dim --d; "
+                         "pipe: its pipelined kernel (--n keys per tile, --stages, --wgs)")
+    ap.add_argument("--stages", type=int, default=2, help="pipe: K / V buffers in the ring")
+    ap.add_argument("--wgs", type=int, default=2, help="pipe: warpgroups (64 rows each) per CTA")
     ap.add_argument("--causal", action="store_true", help="attention: the causal kernel")
     ap.add_argument("--overlap", action="store_true", help="attention: the overlapped kernel")
     ap.add_argument("--nvdisasm", default=None)
@@ -49,7 +53,13 @@ def main():
 
     from nbinfer.kernels.wgmma import build_pv_product, build_tile_product
 
-    if args.product == "attention":
+    if args.product == "pipe":
+        import wgmma_attention
+
+        kernel, sig = wgmma_attention.build_pipe(args.d, args.causal, args.dtype, args.n,
+                                                 args.stages, args.wgs)
+        kernel = SimpleNamespace(py_func=kernel)
+    elif args.product == "attention":
         import wgmma_attention  # beside this file
 
         kernel = wgmma_attention.build(args.d, args.causal, args.dtype, args.overlap)

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 from conftest import TOLERANCE, rel_err
 
-from nbinfer.kernels.wgmma import core_offset, core_offset_mn, fragment_position, smem_descriptor
+from nbinfer.kernels.wgmma import (
+    copy_slot,
+    core_offset,
+    core_offset_mn,
+    fragment_position,
+    smem_descriptor,
+)
 
 
 @pytest.mark.parametrize("rows, d", [(64, 16), (64, 128), (128, 64)])
@@ -34,6 +40,31 @@ def test_mn_major_layout_places_every_element_once(kdim, n):
     assert np.array_equal(np.sort(offs.ravel()), np.arange(0, kdim * n * 2, 2))
     assert np.array_equal(offs[0, :8], 2 * np.arange(8))  # a core row: 8 columns, 16 bytes
     assert offs[8, 0] == 128 and offs[0, 8] == sbo
+
+
+@pytest.mark.parametrize("nt, rows, d", [(128, 64, 128), (256, 128, 128), (256, 64, 64),
+                                         (128, 128, 64)])
+@pytest.mark.parametrize("mn_major", [False, True])
+def test_copy_slots_fill_the_layout_once(nt, rows, d, mn_major):
+    # The cp.async staging of bench/wgmma_attention.py: every thread's copies i = 0, 1, ...
+    # (one add per copy) cover each (row, 16-byte chunk) of the tile once, land where the
+    # canonical layout puts that chunk's first element, and eight consecutive threads fill one
+    # 128-byte core matrix.
+    sbo = (rows if mn_major else d) // 8 * 128
+    offset = core_offset_mn if mn_major else core_offset
+    seen = np.zeros((rows, d // 8), int)
+    firsts = []
+    for tid in range(nt):
+        row, chunk, dst, row_step, dst_step = copy_slot(tid, nt, d, mn_major, sbo)
+        firsts.append(dst)
+        for i in range(rows // row_step):
+            r = row + i * row_step
+            seen[r, chunk] += 1
+            assert dst + i * dst_step == offset(r, 8 * chunk, sbo, 128)
+    assert np.all(seen == 1)
+    for t0 in range(0, nt, 8):
+        group = sorted(firsts[t0:t0 + 8])
+        assert group == list(range(group[0], group[0] + 128, 16)) and group[0] % 128 == 0
 
 
 def test_fragment_positions_cover_the_tile_once():

@@ -73,6 +73,30 @@ def core_offset_mn(k: int, col: int, sbo: int, lbo: int, itemsize: int = 2) -> i
     return (col // ce) * sbo + (k // 8) * lbo + (k % 8) * 16 + (col % ce) * itemsize
 
 
+def copy_slot(tid: int, nt: int, d: int, mn_major: bool, sbo: int, lbo: int = 128,
+              itemsize: int = 2) -> tuple[int, int, int, int, int]:
+    """Where thread ``tid`` of ``nt`` copies 16-byte chunks of a ``[rows, d]`` row-major tile
+    into the canonical no-swizzle layout (K-major, :func:`core_offset`; or MN-major with the
+    rows along K, :func:`core_offset_mn`): ``(row, chunk, dst, row_step, dst_step)``. Its i-th
+    copy is row ``row + i row_step``, chunk ``chunk`` (elements ``8 chunk ..``), to shared
+    byte ``dst + i dst_step``: one add per copy. Eight consecutive threads take one chunk of
+    eight consecutive rows, so their destinations are one core matrix (128 contiguous bytes:
+    no bank conflict) and a warp reads whole 32-byte sectors (four chunks of a row). Needs
+    ``nt`` a multiple of ``8 x chunks per row``; a tile of ``n`` rows takes ``n / row_step``
+    copies per thread."""
+    per_row = d * itemsize // 16
+    idx = tid % (8 * per_row)
+    row, chunk = 8 * (tid // (8 * per_row)) + idx % 8, idx // 8
+    row_step = nt // per_row  # rows one pass of the nt threads covers (a multiple of 8)
+    # core_offset / core_offset_mn of (row, the chunk's first element), written out: a device
+    # function compiled from this one cannot call another plain Python function
+    if mn_major:
+        return (row, chunk, chunk * sbo + (row // 8) * lbo + (row % 8) * 16, row_step,
+                row_step // 8 * lbo)
+    return (row, chunk, (row // 8) * sbo + chunk * lbo + (row % 8) * 16, row_step,
+            row_step // 8 * sbo)
+
+
 def fragment_position(i: int, warp: int, lane: int) -> tuple[int, int]:
     """``(row, column)`` of accumulator ``acc[i]`` of ``lane`` in ``warp`` (0-3) of the
     warpgroup: ``i = 4 j + 2 h + c`` is row ``16 warp + lane // 4 + 8 h``, column ``8 j + 2
@@ -344,5 +368,5 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
     return pv_product
 
 
-__all__ = ["WGMMA_KINDS", "WGMMA_N", "build_pv_product", "build_tile_product", "core_offset",
-           "core_offset_mn", "fragment_position", "smem_descriptor", "wgmma_intrinsics"]
+__all__ = ["WGMMA_KINDS", "WGMMA_N", "build_pv_product", "build_tile_product", "copy_slot",
+           "core_offset", "core_offset_mn", "fragment_position", "smem_descriptor", "wgmma_intrinsics"]
