@@ -144,19 +144,20 @@ def tile_config(token: str):
     """The tensor-core kernel's tiles from ``token``: keys per KV tile, then ``s`` for Q kept in
     shared memory, then a register cap (none without it), then ``x`` and the number of KV
     stages, then ``m`` for split rows merged by a launch of their own, then ``k`` for items of
-    at most 16 packed rows split over the warps by keys, then ``w`` and the warps per CTA
-    (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``, ``"64mk"``, ``"64w8"``). Every
-    field is set, so a token names one kernel whatever the wrapper (the cascade's rule
-    included)."""
-    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?", str(token))
+    at most 16 packed rows split over the warps by keys, then ``w`` and the warps per CTA, then
+    ``g`` for the products on warpgroup MMA (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``,
+    ``"64m"``, ``"64mk"``, ``"64w8"``, ``"64w8g"``). Every field is set, so a token names one
+    kernel whatever the wrapper (the cascade's rule included)."""
+    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?", str(token))
     if m is None:
-        raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk or 64w8, "
-                         f"got {token!r}")
+        raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk, 64w8 or "
+                         f"64w8g, got {token!r}")
     with api_overrides(MMA_KV_TILE=int(m.group(1)), MMA_Q_SHARED=bool(m.group(2)),
                        MMA_MAX_REGISTERS=int(m.group(3)) if m.group(3) else 0,
                        MMA_STAGES=int(m.group(5)) if m.group(5) else None,
                        MMA_DEFER_MERGE=bool(m.group(6)), MMA_KV_SPLIT=bool(m.group(7)),
-                       MMA_WARPS=int(m.group(9)) if m.group(9) else None):
+                       MMA_WARPS=int(m.group(9)) if m.group(9) else None,
+                       MMA_WGMMA=bool(m.group(10))):
         yield
 
 

@@ -108,6 +108,18 @@ def test_paged_prefill_gpu_eight_warps(rng, monkeypatch, case):
     assert w.step_plan.spec.num_warps == 8
 
 
+@pytest.mark.parametrize("case", [0, 1, 3, 4, 5, 6])
+def test_paged_prefill_gpu_wgmma(rng, monkeypatch, case):
+    # The tensor-core kernel's products on Hopper's warpgroup MMA: two warpgroups of 64 packed
+    # rows, tiles in the canonical layouts, every variant of the grid (causal, window, RoPE,
+    # soft cap, ALiBi; GQA 1-8, pages of 1, 5 and 16, NHD / HND, fp16 / bf16, D 64 / 128).
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    spec = w.step_plan.spec
+    assert spec.wgmma and spec.num_warps == 8 and spec.kv_tile == 64
+
+
 DECODE_LIKE = {  # one query row per request: the GQA group's 8 or 16 rows in one item
     "decode-g8": ([1] * 40, list(range(7, 40 * 97, 97)), 32, 4, 128, 16, "float16", "NHD", {}),
     "decode-g16-d64": ([1] * 24, list(range(0, 24 * 131, 131)), 32, 2, 64, 16, "bfloat16",
@@ -156,7 +168,11 @@ def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
     return w
 
 
-def test_ragged_and_single_prefill_gpu(rng):
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_ragged_and_single_prefill_gpu(rng, monkeypatch, wgmma):
+    # wgmma: the custom mask's plan runs the value scan, the warpgroup kernel and its guarded
+    # twin on mma.sync; the single causal prefill the warpgroup kernel alone.
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", wgmma)
     qo_indptr, kv_indptr = np.array([0, 300, 333]), np.array([0, 900, 1933])
     q = rng.standard_normal((333, 32, 128)).astype(np.float32)
     k = rng.standard_normal((1933, 8, 128)).astype(np.float32)
@@ -165,6 +181,7 @@ def test_ragged_and_single_prefill_gpu(rng):
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo_indptr, kv_indptr, 32, 8, 128, custom_mask=mask, q_data_type="float16")
     tq, tk, tv = (_t(x, "float16") for x in (q, k, v))
+    assert w.step_plan.spec.wgmma == wgmma
     out = w.run(tq, tk, tv)
     ref = reference.batch_prefill_with_ragged_kv_cache(_np(tq), _np(tk), _np(tv), qo_indptr,
                                                        kv_indptr, custom_mask=mask)

@@ -13,6 +13,7 @@ from conftest import TOLERANCE, rel_err
 
 import nbinfer
 from nbinfer import reference
+from nbinfer.api import prefill as prefill_api
 from nbinfer.formats import PageTable
 
 pytestmark = pytest.mark.gpu
@@ -181,7 +182,10 @@ def test_prefill_variants_at_group_size_three(rng, kw):
     assert rel_err(_host(w.run(q, k, v)), ref) <= TOLERANCE["float16"]
 
 
-def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
+@pytest.mark.parametrize("wgmma", [False, True])
+def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
+    # wgmma: the same on the warpgroup-MMA tile (causal: its value scan and mma.sync twin)
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", wgmma)
     lens = [300, 40]
     q = torch.randn(sum(lens), HQ, D, device="cuda").half()
     k = torch.randn(sum(lens), HKV, D, device="cuda").half()
@@ -198,6 +202,7 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng):
     # key 20's KV tile without keeping it: the value scan and guarded twin keep its NaN out.
     for causal, count in ((True, 1 + (30 + 280 + 1) * g), (False, 300 * g + 40 * g + 40 * g)):
         w.plan(ptr, ptr, HQ, HKV, D, causal=causal, q_data_type="float16")
+        assert w.step_plan.spec.wgmma == wgmma
         out, lse = w.run(q, k, v, return_lse=True)
         ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
             _host(q), _host(k), _host(v), ptr, ptr, causal=causal, return_lse=True)

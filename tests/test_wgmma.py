@@ -138,3 +138,18 @@ def test_wgmma_pv_product_matches_numpy(rng, n, kdim, dtype):
     v_bits, v = _bits(rng.standard_normal((kdim, n)), dtype)
     out = _product_on_gpu(build_pv_product(n, kdim, dtype), p_bits, v_bits, n)
     assert rel_err(out, p @ v) <= TOLERANCE["float32"]
+
+
+def test_wgmma_prefill_spec_needs_the_gpu_and_the_row_tile():
+    # The simulator has no warpgroup MMA; the spec says so instead of building a kernel that
+    # cannot run, and so for the tile shapes the warpgroup path does not take.
+    from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+    from nbinfer.variants import builtins
+
+    args = (128, 4, 16, "float16", "float16", "NHD", builtins.causal())
+    for bad in (dict(sim=True), dict(kv_tile=32), dict(num_warps=2), dict(kv_split=True),
+                dict(value_guard=True)):
+        opts = dict(kv_tile=64, num_warps=8, wgmma=True) | bad
+        with pytest.raises(ValueError, match="wgmma=True needs"):
+            MmaPrefillSpec(*args, **opts)
+    assert MmaPrefillSpec(*args, kv_tile=64, num_warps=8, wgmma=True).tile_q == 128

@@ -94,6 +94,11 @@ MMA_ITEM_OVERHEAD = None
 # each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
 # 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
 MMA_WARPS = None
+# The tensor-core kernel's products on Hopper's warpgroup MMA (MmaPrefillSpec's ``wgmma``: 8
+# warps, two warpgroups of 64 rows, 64-key tiles): True / False override the rule, which is
+# off (the path is new: bench/NOTES.md, "Issue 13, session 16"). Only on an sm_90 GPU, for
+# plans of the row tile (not the one-launch cascade, not kv_split); elsewhere mma.sync.
+MMA_WGMMA = None
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
@@ -119,6 +124,17 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
                 max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,
                 defer_merge=defer, kv_split=bool(MMA_KV_SPLIT))
+
+
+def use_wgmma(sim: bool, split: bool) -> bool:
+    """Whether a tensor-core plan takes the warpgroup-MMA tile (:data:`MMA_WGMMA`): on an
+    sm_90 GPU, for the row tile's plans (``split``: the one-launch cascade or kv_split items,
+    which stay on mma.sync)."""
+    if not MMA_WGMMA or sim or split:
+        return False
+    from numba import cuda
+
+    return cuda.get_current_device().compute_capability[0] == 9
 
 
 def mma_item_overhead(spec) -> int:
@@ -196,9 +212,12 @@ class PrefillWrapperBase(WrapperBase):
                      block_positions=step.q_pos0 is not None, sim=sim)
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
-            warps = MMA_WARPS or (2 if sim else 4)
-            spec = MmaPrefillSpec(*args, **flags, num_warps=warps,
-                                  **mma_tiles(step.head_dim, all_split=self._all_split))
+            tiles = mma_tiles(step.head_dim, all_split=self._all_split)
+            wg = use_wgmma(sim, self._all_split or tiles["kv_split"])
+            if wg:
+                tiles.update(kv_tile=64, q_shared=True, wgmma=True)
+            warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
+            spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM

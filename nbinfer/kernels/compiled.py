@@ -146,14 +146,18 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
     except Unkeyable:
         key = meta = None
     timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}
+    # Warpgroup MMA exists only on the architecture-specific target (sm_90a): a spec that uses
+    # it is compiled for it (Numba-CUDA's own default when no cc is passed); the others keep
+    # the portable one.
+    arch = (*cc, "a") if getattr(spec, "wgmma", False) else cc
     if key is None or root is None:
-        name, cubin, _ = _compile(build, signature, options, cc, timings)
+        name, cubin, _ = _compile(build, signature, options, arch, timings)
         kernel = _load(ctx, cubin, name, signature, False, key, timings)
     else:
         store = KernelStore(root)
         with _LOCK:  # threads of one process: one compile per key
             header, cubin, built = store.get_or_build(
-                key, meta, lambda: _compile(build, signature, options, cc, timings))
+                key, meta, lambda: _compile(build, signature, options, arch, timings))
         kernel = _load(ctx, cubin, header["name"], signature, not built, key, timings)
     kernel.max_registers = options.get("max_registers")
     LOADED.append((kind, spec, kernel))

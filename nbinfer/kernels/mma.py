@@ -176,6 +176,16 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
     ``scrub_pair(smem, addr) -> bool``
         Whether either of the two operand elements at ``addr`` is NaN or infinite; if so, both
         are overwritten with zeros.
+
+    and the tiles' layout in shared memory (padded rows, ``RS`` bytes apart; the warpgroup
+    tile ops of :func:`nbinfer.kernels.wgmma.wgmma_tile_ops` lay them out otherwise):
+    ``TILE_BYTES`` (one K or V tile), ``q_offset(p, d)`` (byte offset of element ``d`` of Q's
+    packed row ``p``, or of K's row ``p``, from the tile's start), ``copy_map(tid)`` (``(j0, c,
+    dk, dv, dk_step, dv_step)``: the thread's first token row and 16-byte chunk of a KV tile
+    and the destinations of its copies ``r = 0, 1, ...``: row ``j0 + r NT / chunks``, K at
+    ``dk + r dk_step``, V at ``dv + r dv_step``) and ``publish()`` (what must follow the
+    thread's shared stores and cp.async copies before a barrier publishes them to the
+    products: nothing here).
     """
     if head_dim % 16 or tile_kv % 16:
         raise ValueError(f"tensor-core tiles need head_dim and tile_kv multiples of 16, got "
@@ -309,7 +319,34 @@ def tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int, sim: bool)
 
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=D // 4, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            store_pair=store_pair, load_q=load_q, qk=qk, qk_smem=qk_smem, pv=pv,
-                           pv_sums=pv_sums, quad_reduce=quad_reduce, scrub_pair=scrub_pair)
+                           pv_sums=pv_sums, quad_reduce=quad_reduce, scrub_pair=scrub_pair,
+                           **row_layout(D, BC, ELEM, RS, 32 * num_warps, jit_dev))
+
+
+def row_layout(D: int, BC: int, ELEM: int, RS: int, NT: int, jit_dev) -> dict:
+    """The padded-row tile layout's part of :func:`tile_ops`' namespace (see there):
+    ``TILE_BYTES``, ``q_offset``, ``copy_map``, ``publish``."""
+    CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
+    STEP = U32(NT // CHUNKS * RS)  # the rows one pass of the CTA's copies covers
+
+    @jit_dev
+    def q_offset(p, d):
+        return U32(p) * U32(RS) + U32(d) * U32(ELEM)
+
+    @jit_dev
+    def copy_map(tid):
+        # sixteen consecutive threads copy one row's chunks: its 256 bytes in one piece
+        tu = U32(tid)
+        c = tu % U32(CHUNKS)
+        j0 = tu // U32(CHUNKS)
+        dst = j0 * U32(RS) + c * U32(8 * ELEM)
+        return j0, c, dst, dst, STEP, STEP
+
+    @jit_dev
+    def publish():
+        pass
+
+    return dict(TILE_BYTES=BC * RS, q_offset=q_offset, copy_map=copy_map, publish=publish)
 
 
 def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
@@ -415,7 +452,8 @@ def _sim_tile_ops(D, BC, dtype, num_warps, NS, NO):
     return SimpleNamespace(ELEM=ELEM, RS=RS, QF=2 * D, QF_T=float32, SCRATCH=NT * (NS + 2),
                            NS=NS, NO=NO, store_pair=store_pair, load_q=load_q, qk=qk,
                            qk_smem=qk_smem, pv=make_pv(False), pv_sums=make_pv(True),
-                           quad_reduce=quad_reduce, scrub_pair=scrub_pair)
+                           quad_reduce=quad_reduce, scrub_pair=scrub_pair,
+                           **row_layout(D, BC, ELEM, RS, NT, device_jit(True)))
 
 
 __all__ = ["smem_row_bytes", "tile_ops"]

@@ -69,6 +69,7 @@ from .mma import FULL_MASK, smem_row_bytes, tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, prefill_signature
 from .primitives import LOG2E, device_jit, primitives
+from .wgmma import wgmma_tile_ops
 
 TILE_KV = 32
 KV_TILES = (32, 64)
@@ -103,6 +104,10 @@ class MmaPrefillSpec(PrefillSpec):
     # each) instead of its rows; their states are merged through shared memory at the item's
     # end. Chosen per item at run time: the other items of the same launch keep the row tile.
     kv_split: bool = False
+    # The products on Hopper's warpgroup MMA (nbinfer.kernels.wgmma.wgmma_tile_ops): tiles in
+    # the canonical layouts, each warpgroup's Q K^T and P V one wgmma chain. GPU only (sm_90);
+    # 64-key tiles, 4 or 8 warps, no kv_split; its guarded twin runs on mma.sync.
+    wgmma: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -118,6 +123,13 @@ class MmaPrefillSpec(PrefillSpec):
             raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
         if self.stages not in STAGES:
             raise ValueError(f"stages must be in {STAGES}, got {self.stages}")
+        if self.wgmma and (self.sim or self.kv_tile != 64 or self.num_warps not in (4, 8)
+                           or self.kv_split or self.value_guard):
+            raise ValueError("wgmma=True needs the GPU (the simulator has no warpgroup MMA), "
+                             "kv_tile 64, num_warps 4 or 8, and neither kv_split nor "
+                             f"value_guard; got sim={self.sim}, kv_tile={self.kv_tile}, "
+                             f"num_warps={self.num_warps}, kv_split={self.kv_split}, "
+                             f"value_guard={self.value_guard}")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -185,8 +197,9 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
 
     # The GPU's sizes decide static or dynamic (1 KiB is left for the row flags); the
     # simulator's twins keep 4-byte slots but take the same path as the GPU would.
-    gpu = sizes(smem_row_bytes(spec.head_dim, False))
-    stage, q_base, total = sizes(smem_row_bytes(spec.head_dim, spec.sim))
+    dense = 2 * spec.head_dim  # wgmma's canonical layouts: no padding
+    gpu = sizes(dense if spec.wgmma else smem_row_bytes(spec.head_dim, False))
+    stage, q_base, total = sizes(dense if spec.wgmma else smem_row_bytes(spec.head_dim, spec.sim))
     dynamic = total if gpu[2] > STATIC_SHARED_LIMIT - 1024 else 0
     return dict(stage=stage, q_base=q_base, total=total, dynamic=dynamic)
 
@@ -202,14 +215,17 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     NT = spec.num_threads
     TQ = spec.tile_q
     BC = spec.tile_kv
-    ops = tile_ops(D, BC, spec.q_dtype, NW, sim)
+    WGMMA = spec.wgmma
+    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW) if WGMMA else tile_ops(D, BC, spec.q_dtype,
+                                                                          NW, sim)
     ELEM, RS = ops.ELEM, ops.RS
+    q_offset, copy_map, publish = ops.q_offset, ops.copy_map, ops.publish
     NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
     store_pair, load_q, quad_reduce = ops.store_pair, ops.load_q, ops.quad_reduce
     scrub_pair = ops.scrub_pair
     GUARD = spec.value_guard
     Q_SMEM = spec.q_in_shared
-    TILE_BYTES = BC * RS  # one K (or V) tile
+    TILE_BYTES = ops.TILE_BYTES  # one K (or V) tile
     shared = shared_layout(spec)
     STAGE_BYTES = shared["stage"]
     Q_BASE = shared["q_base"]  # aliasing the last stage (Q moves to registers), or its own area
@@ -222,7 +238,6 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     SMEM_ALIGN = max(prims.SMEM_ALIGN, 256) if prims.SMEM_ALIGN else prims.SMEM_ALIGN
     SCRATCH = max(ops.SCRATCH, 1)
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
-    CHUNK_BYTES = 8 * ELEM
     ROWS_PER_PASS = NT // CHUNKS  # token rows one pass of the CTA's 16-byte copies covers
     COPIES = BC // ROWS_PER_PASS  # copies per thread per K (or V) tile
     Q_PAIRS = TQ * HALF // NT  # Q element pairs each thread stages per item
@@ -435,11 +450,10 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         # A fixed number of copies per thread, each at a fixed (row, chunk) of the tile: a
         # thread's chunk and first row are the same for every tile, so per copy only the token's
         # offset is computed (a runtime-bounded loop here cost ~300 instructions per tile).
+        # (row j0 + r ROWS_PER_PASS, chunk c) of K to kb + dk + r dk_step, of V to vb + dv +
+        # r dv_step: padded rows, or wgmma's core matrices (ops.copy_map)
         vb = kb + U32(TILE_BYTES)
-        tu = U32(tid)
-        c = tu % U32(CHUNKS)
-        j0 = tu // U32(CHUNKS)
-        dst0 = j0 * U32(RS) + c * U32(CHUNK_BYTES)
+        j0, c, dk, dv, dk_step, dv_step = copy_map(tid)
         if PS_STRAIGHT and straight(t0, end):
             # Copy r is row j0 + r RPP: page (r RPP) // PS of the tile (j0 < RPP <= PS never
             # crosses a page), so its offset is its page's first copy plus a constant number
@@ -454,20 +468,18 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 pg = row // PS if SPARSE and PS <= BC else 0
                 within = row % PS if SPARSE and PS <= BC else row
                 off = pages[pg] + int64(within) * row_stride
-                dst = dst0 + U32(r * ROWS_PER_PASS * RS)
-                cp_async16_to(smem, vb + dst, v, off)
+                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off)
                 if not HAS_K:
-                    cp_async16_to(smem, kb + dst, k, off)
+                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off)
         else:
             last = end - 1
             for r in range(COPIES):
                 j = j0 + U32(r * ROWS_PER_PASS)
                 pos = min(t0 + int64(j), last)
                 off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
-                dst = j * U32(RS) + c * U32(CHUNK_BYTES)
-                cp_async16_to(smem, vb + dst, v, off + int64(8 * c))
+                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off + int64(8 * c))
                 if not HAS_K:
-                    cp_async16_to(smem, kb + dst, k, off + int64(8 * c))
+                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off + int64(8 * c))
         if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
             for e in range(tid, BC * HALF, NT):
                 j = e // HALF
@@ -479,7 +491,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 x1 = kv_f32(k[off + d + 1])
                 y0 = float32(hook_key(x0, kv_f32(k[off + (d + HALF) % D]), d, D, kp, hk))
                 y1 = float32(hook_key(x1, kv_f32(k[off + (d + 1 + HALF) % D]), d + 1, D, kp, hk))
-                store_pair(smem, kb + U32(j * RS + d * ELEM), y0, y1)
+                store_pair(smem, kb + q_offset(j, d), y0, y1)
         commit()
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
@@ -562,7 +574,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                 if row >= nrows:
                     x0 = ZERO
                     x1 = ZERO
-                store_pair(smem, base + U32(Q_BASE) + p * U32(RS) + d * U32(ELEM), x0, x1)
+                store_pair(smem, base + U32(Q_BASE) + q_offset(p, d), x0, x1)
+            publish()  # (wgmma: the tensor cores read Q through the async proxy)
             cuda.syncthreads()
             # A kv_split item: every warp takes the tile's first 16 packed rows (all of them)
             # and a share of each tile's keys; warps past SW (8 warps, or 32-key tiles) idle.
@@ -577,7 +590,11 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             pr1 = pr0 + 8
             ok0 = pr0 // G < nrows
             ok1 = pr1 // G < nrows
-            active = ((warp < SW) if ksplit else (16 * warp) // G < nrows) or not SKIP_IDLE_WARPS
+            if WGMMA:  # a warpgroup's warps compute together, as wgmma requires
+                active = (64 * (warp // 4)) // G < nrows
+            else:
+                active = ((warp < SW) if ksplit else (16 * warp) // G < nrows) or \
+                    not SKIP_IDLE_WARPS
             m0 = NEG_INF
             m1 = NEG_INF
             poison0 = ZERO  # a clear tile met a -inf score in the row (see the tile loop)
@@ -591,6 +608,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             for it in range(n_tiles):
                 t0 = start + it * BC
                 wait_tile()
+                publish()
                 # One barrier per tile: tile it is in shared memory for every warp, and every
                 # warp is done with tile it - 1, whose stage takes tile it + NSTG - 1 now.
                 cuda.syncthreads()

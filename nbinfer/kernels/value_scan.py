@@ -78,7 +78,8 @@ def value_guard_kernels(spec) -> tuple[tuple, tuple]:
     if not isinstance(spec, MmaPrefillSpec) or spec.value_guard or \
             not guards_masked_values(device_hooks(spec.variant, spec.sim), spec.custom_mask):
         return (), ()
-    twin = dataclasses.replace(spec, value_guard=True)
+    # the twin cleans V in shared memory row by row: on mma.sync's padded rows
+    twin = dataclasses.replace(spec, value_guard=True, wgmma=False)
     return (build_value_scan_kernel(spec),), (build_prefill_mma_kernel(twin),)
 
 

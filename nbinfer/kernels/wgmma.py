@@ -368,5 +368,139 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
     return pv_product
 
 
+@functools.cache
+def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
+    """:func:`nbinfer.kernels.mma.tile_ops`' namespace for the tensor-core prefill on warpgroup
+    MMA (``MmaPrefillSpec(wgmma=True)``): the same names, arguments and accumulator layouts,
+    so the kernel's softmax, masks, hooks and epilogue run unchanged; what differs is
+
+    - the layout: Q, K and V tiles in the canonical no-swizzle layouts (Q and K K-major with
+      an 8-row block's whole head dim in one piece, V MN-major), no padding, so ``RS`` is
+      meaningless here (0) and every address goes through ``q_offset`` / ``copy_map``;
+    - ``qk_smem``: ``S = Q K^T`` of the calling warp's *warpgroup* (its 64 rows of the Q tile:
+      warps ``4 w .. 4 w + 3`` call it together, as every warp of a warpgroup must), ``D / 16``
+      ``wgmma.m64n{BC}k16``; each warp gets its 16 rows' scores in the ``mma.m16n8`` layout;
+    - ``pv`` / ``pv_sums``: ``O += P V`` by ``BC / 16`` ``wgmma.m64n{D}k16`` with P from the
+      warp's registers and V through the transpose flag; the row sums (``pv_sums``) still by
+      ``mma.sync`` against a fragment of ones;
+    - ``publish``: ``fence.proxy.async``, since the tensor cores read shared memory through the
+      async proxy (after the thread's cp.async copies and stores, before the barrier);
+    - no ``qk`` (Q always in shared memory), ``load_q``, ``scrub_pair`` (the guarded twin
+      stays on ``mma.sync``).
+
+    ``tile_kv`` and ``head_dim``: 64 or 128 (wgmma's N of the two products); ``num_warps`` 4 or
+    8 (one or two warpgroups)."""
+    from numba import cuda
+
+    from .mma import _gpu_mma_intrinsics
+    from .primitives import device_jit
+
+    if head_dim not in WGMMA_N or tile_kv not in WGMMA_N or num_warps not in (4, 8):
+        raise ValueError(f"wgmma_tile_ops: head_dim and tile_kv in {WGMMA_N}, num_warps 4 or 8; "
+                         f"got {head_dim}, {tile_kv}, {num_warps}")
+    if dtype not in WGMMA_KINDS:
+        raise ValueError(f"wgmma_tile_ops: dtype must be one of {sorted(WGMMA_KINDS)}, got "
+                         f"{dtype!r}")
+    D, BC, NT = head_dim, tile_kv, 32 * num_warps
+    kind = WGMMA_KINDS[dtype]
+    intr, mintr = wgmma_intrinsics(), _gpu_mma_intrinsics()
+    mma_qk, mma_pv = intr.mma[(BC, kind)], intr.mma_rs[(D, kind)]
+    hold_s, hold_o = intr.hold[BC // 2], intr.hold[D // 2]
+    fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
+    mma, pack, sts_u32 = mintr.mma[kind], mintr.pack[kind], mintr.sts_u32
+    ONES = U32(0x3C003C00 if dtype == "float16" else 0x3F803F80)  # two 1.0 of the operand type
+    LBO = 128
+    SBO_K = D // 8 * 128  # Q and K: an 8-row block holds its whole head dim
+    SBO_V = BC // 8 * 128  # V: an 8-column block holds all the tile's keys
+    QWG_BYTES = 64 * D * 2  # one warpgroup's 64 Q rows
+    KSTEPS, VSTEPS = D // 16, BC // 16
+    A_WORDS = 4 * VSTEPS  # P's A fragments (an array size must be one captured constant)
+    NS, NO = BC // 2, D // 2
+    jit_dev = device_jit(False)
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+    slot = cuda.jit(device=True)(copy_slot)
+
+    @jit_dev
+    def store_pair(smem, addr, lo, hi):
+        sts_u32(smem, addr, pack(lo, hi))
+
+    @jit_dev
+    def q_offset(p, d):
+        return U32((p // 8) * SBO_K + (d // 8) * LBO + (p % 8) * 16 + (d % 8) * 2)
+
+    @jit_dev
+    def copy_map(tid):
+        # eight consecutive threads copy one chunk of eight rows: one 128-byte core matrix
+        j0, c, dk, step, dk_step = slot(tid, NT, D, False, SBO_K, LBO, 2)
+        _, _, dv, _, dv_step = slot(tid, NT, D, True, SBO_V, LBO, 2)
+        return U32(j0), U32(c), U32(dk), U32(dv), U32(dk_step), U32(dv_step)
+
+    @jit_dev
+    def publish():
+        proxy_fence()
+
+    @jit_dev
+    def qk_smem(smem, kbase, qbase, warp, lane, s):
+        qa = U32(qbase) + U32((warp // 4) * QWG_BYTES)
+        for i in range(NS):
+            s[i] = float32(0.0)
+        hold_s(s)  # registers a wgmma reads are written before its fence
+        fence()
+        for ks in range(KSTEPS):
+            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_K)),
+                   U64(descriptor(U32(kbase) + U32(ks * 2 * LBO), LBO, SBO_K)), s)
+        commit()
+        wait0()
+        hold_s(s)  # and its results are read only after its wait
+
+    def make_pv(sums: bool):
+        @jit_dev
+        def pv(smem, vbase, tid, lane, p, o, scratch):
+            # P's A fragment for keys 16 kk ..: p[8 kk .. 8 kk + 7] (mma.sync's packing)
+            pw = cuda.local.array(A_WORDS, U32)
+            for w in range(A_WORDS):
+                pw[w] = pack(p[2 * w], p[2 * w + 1])
+            hold_o(o)  # the rescaled accumulators, written before the fence
+            fence()
+            for kk in range(VSTEPS):
+                mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                       U64(descriptor(U32(vbase) + U32(kk * 2 * LBO), LBO, SBO_V)), o)
+            commit()
+            wait0()
+            hold_o(o)
+            if sums:
+                # P times a column of ones: the rows' sums of the rounded P that met V
+                for kk in range(VSTEPS):
+                    o[NO], o[NO + 1], o[NO + 2], o[NO + 3] = mma(
+                        pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3], ONES, ONES,
+                        o[NO], o[NO + 1], o[NO + 2], o[NO + 3])
+
+        return pv
+
+    @jit_dev
+    def quad_reduce(a, b, is_max, tid, scratch):
+        for off in (1, 2):
+            xa = cuda.shfl_xor_sync(0xFFFFFFFF, a, off)
+            xb = cuda.shfl_xor_sync(0xFFFFFFFF, b, off)
+            if is_max:
+                a = max(a, xa)
+                b = max(b, xb)
+            else:
+                a += xa
+                b += xb
+        return a, b
+
+    def unavailable(*args):
+        raise NotImplementedError("the warpgroup tile keeps Q in shared memory and has no "
+                                  "guarded twin of its own")
+
+    return SimpleNamespace(ELEM=2, RS=0, QF=1, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
+                           TILE_BYTES=BC * D * 2, store_pair=store_pair, q_offset=q_offset,
+                           copy_map=copy_map, publish=publish, qk_smem=qk_smem,
+                           pv=make_pv(False), pv_sums=make_pv(True), quad_reduce=quad_reduce,
+                           qk=unavailable, load_q=unavailable, scrub_pair=unavailable)
+
+
 __all__ = ["WGMMA_KINDS", "WGMMA_N", "build_pv_product", "build_tile_product", "copy_slot",
-           "core_offset", "core_offset_mn", "fragment_position", "smem_descriptor", "wgmma_intrinsics"]
+           "core_offset", "core_offset_mn", "fragment_position", "smem_descriptor",
+           "wgmma_intrinsics", "wgmma_tile_ops"]
