@@ -59,9 +59,9 @@ def _parts(d: int, bn: int, dtype: str, nt: int):
 
     from nbinfer.kernels.mma import _gpu_mma_intrinsics
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, copy_slot
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, copy_slot, smem_descriptor, wgmma_intrinsics
 
-    U32 = types.uint32
+    U32, U64 = types.uint32, types.uint64
     prims = primitives(False)
     cp16, exp2 = prims.cp_async16_to, prims.exp2
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[dtype]]
@@ -121,6 +121,15 @@ def _parts(d: int, bn: int, dtype: str, nt: int):
             pw[w] = pack(sacc[2 * w], sacc[2 * w + 1])
 
     @cuda.jit(device=True)
+    def reset(oacc, m, den):
+        # the empty state: O = 0, the rows' maxima -inf and sums 0
+        for i in range(OACC_BLOCKS * 4):
+            oacc[i] = 0.0
+        for h in range(2):
+            m[h] = NEG_INF
+            den[h] = 0.0
+
+    @cuda.jit(device=True)
     def store(o32, oacc, den, row_base, t2):
         # row_base: the flat row of this lane's first row (rq); the row's four lanes sum den
         for h in range(2):
@@ -133,8 +142,44 @@ def _parts(d: int, bn: int, dtype: str, nt: int):
                 o32[(base + 8 * j + t2) // 2] = int32(
                     pack(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv))
 
-    return SimpleNamespace(stage=stage, softmax=softmax, store=store, LBO=LBO,
-                           SBO_QK=CH * 128, SBO_V=bn // 8 * 128, A_WORDS=A_WORDS)
+    intr = wgmma_intrinsics()
+    kind = WGMMA_KINDS[dtype]
+    mma_qk, mma_pv = intr.mma[(bn, kind)], intr.mma_rs[(d, kind)]
+    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
+    fence, commit_wg, wait_wg = intr.fence, intr.commit, intr.wait0
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+    SBO_QK, SBO_V = CH * 128, bn // 8 * 128
+
+    @cuda.jit(device=True)
+    def qk(sacc, qa, ka):
+        # S = Q K^T for the warpgroup's 64 rows of Q at qa and the tile's keys at ka, waited for
+        for i in range(SACC_BLOCKS * 4):
+            sacc[i] = 0.0
+        hold_s(sacc)  # registers a wgmma reads are written before its fence
+        fence()
+        for kk in range(d // 16):
+            mma_qk(U64(descriptor(qa + U32(kk * 2 * LBO), LBO, SBO_QK)),
+                   U64(descriptor(ka + U32(kk * 2 * LBO), LBO, SBO_QK)), sacc)
+        commit_wg()
+        wait_wg()
+        hold_s(sacc)  # and its results are read only after its wait
+
+    @cuda.jit(device=True)
+    def pv(pw, va, oacc):
+        # O += P V: P's A words, V's tile at va, waited for
+        hold_o(oacc)  # rescaled by ordinary instructions: before the fence
+        fence()
+        for kk in range(bn // 16):
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                   U64(descriptor(va + U32(kk * 2 * LBO), LBO, SBO_V)), oacc)
+        commit_wg()
+        wait_wg()
+        hold_o(oacc)
+
+    return SimpleNamespace(stage=stage, softmax=softmax, reset=reset, store=store, LBO=LBO,
+                           qk=qk, pv=pv, proxy_fence=intr.proxy_fence, commit=prims.commit,
+                           shared_addr=prims.shared_addr,
+                           SBO_QK=SBO_QK, SBO_V=SBO_V, A_WORDS=A_WORDS)
 
 
 @functools.cache
@@ -150,28 +195,20 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
     from numba import cuda, float32, int16, types
 
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
 
-    U32, U64 = types.uint32, types.uint64
-    kind = WGMMA_KINDS[dtype]
-    intr, prims = wgmma_intrinsics(), primitives(False)
-    parts = _parts(d, BN, dtype, NT)
-    stage, softmax, store = parts.stage, parts.softmax, parts.store
-    mma_qk, mma_pv = intr.mma[(BN, kind)], intr.mma_rs[(d, kind)]
-    hold_s, hold_o = intr.hold[BN // 2], intr.hold[d // 2]
-    fence, commit_wg, wait_wg, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    commit = prims.commit
+    U32 = types.uint32
+    prims = primitives(False)
+    p = _parts(d, BN, dtype, NT)
+    stage, softmax, reset, store = p.stage, p.softmax, p.reset, p.store
+    qk, pv, proxy_fence = p.qk, p.pv, p.proxy_fence
+    commit, shared_addr = p.commit, p.shared_addr
     wait_all, wait_but_one = prims.wait(0), prims.wait(1)
-    shared_addr = prims.shared_addr
-    descriptor = cuda.jit(device=True)(smem_descriptor)
-    LBO, SBO_QK, SBO_V = parts.LBO, parts.SBO_QK, parts.SBO_V
+    SBO_QK, SBO_V = p.SBO_QK, p.SBO_V
     Q_BYTES = BM * d * 2
     KV_BYTES = BN * d * 2
     SMEM_ELEMS = (Q_BYTES + 2 * KV_BYTES) // 2  # 48 KiB at D 128: the static limit
     SACC, OACC = BN // 2, d // 2
-    DSTEPS, KSTEPS = d // 16, BN // 16
-    A_WORDS = parts.A_WORDS
-    NEG_INF = float32(-np.inf)
+    A_WORDS = p.A_WORDS
     CAUSAL, OVERLAP = causal, overlap
 
     @cuda.jit(lineinfo=False)
@@ -197,11 +234,7 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
         pw = cuda.local.array(A_WORDS, U32)  # P as the PV product's A fragments
         m = cuda.local.array(2, float32)
         den = cuda.local.array(2, float32)
-        for i in range(OACC):
-            oacc[i] = 0.0
-        for h in range(2):
-            m[h] = NEG_INF
-            den[h] = 0.0
+        reset(oacc, m, den)
         t2 = 2 * (lane % 4)
         rq = q0 + 16 * warp + lane // 4  # this lane's first row (and rq + 8)
         for t in range(ntiles):
@@ -214,16 +247,7 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
                 wait_all()
             proxy_fence()  # cp.async's stores, visible to the tensor cores' reads
             cuda.syncthreads()
-            for i in range(SACC):
-                sacc[i] = 0.0
-            hold_s(sacc)  # registers a wgmma reads are written before its fence
-            fence()
-            for kk in range(DSTEPS):
-                mma_qk(U64(descriptor(sq + U32(kk * 2 * LBO), LBO, SBO_QK)),
-                       U64(descriptor(sk + U32(kk * 2 * LBO), LBO, SBO_QK)), sacc)
-            commit_wg()
-            wait_wg()
-            hold_s(sacc)  # and its results are read only after its wait
+            qk(sacc, sq, sk)
             if OVERLAP:
                 cuda.syncthreads()  # every warp's Q K^T is done with the K buffer
                 if t + 1 < ntiles:
@@ -235,14 +259,7 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
                 wait_but_one()  # V t has landed; K t + 1 may still fly
                 proxy_fence()
                 cuda.syncthreads()
-            hold_o(oacc)  # rescaled by ordinary instructions: before the fence
-            fence()
-            for kk in range(KSTEPS):
-                mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                       U64(descriptor(sv + U32(kk * 2 * LBO), LBO, SBO_V)), oacc)
-            commit_wg()
-            wait_wg()
-            hold_o(oacc)
+            pv(pw, sv, oacc)
             cuda.syncthreads()  # every warp is done with this tile before the next one lands
             if OVERLAP:
                 if t + 1 < ntiles:
@@ -275,33 +292,25 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     from numba import cuda, float32, int16, int32, types
 
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
 
     if stages < 2 or wgs not in (1, 2) or bn not in (64, 128):
         raise ValueError(f"build_pipe: stages >= 2, wgs 1 or 2, bn 64 or 128; got {stages}, "
                          f"{wgs}, {bn}")
-    U32, U64 = types.uint32, types.uint64
-    kind = WGMMA_KINDS[dtype]
+    U32 = types.uint32
     nt = 128 * wgs
-    intr, prims = wgmma_intrinsics(), primitives(False)
-    parts = _parts(d, bn, dtype, nt)
-    stage, softmax, store = parts.stage, parts.softmax, parts.store
-    mma_qk, mma_pv = intr.mma[(bn, kind)], intr.mma_rs[(d, kind)]
-    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
-    fence, commit_wg, wait_wg, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
-    commit, wait_ring = prims.commit, prims.wait(stages - 2)
-    shared_addr = prims.shared_addr
-    descriptor = cuda.jit(device=True)(smem_descriptor)
-    LBO, SBO_QK, SBO_V = parts.LBO, parts.SBO_QK, parts.SBO_V
+    p = _parts(d, bn, dtype, nt)
+    stage, softmax, reset, store = p.stage, p.softmax, p.reset, p.store
+    qk, pv, proxy_fence = p.qk, p.pv, p.proxy_fence
+    commit, shared_addr = p.commit, p.shared_addr
+    wait_ring = primitives(False).wait(stages - 2)
+    SBO_QK, SBO_V = p.SBO_QK, p.SBO_V
     BMP = 64 * wgs
     Q_WG_BYTES = 64 * d * 2
     Q_BYTES = BMP * d * 2
     KV_BYTES = bn * d * 2
     STAGE_BYTES = 2 * KV_BYTES
     SACC, OACC = bn // 2, d // 2
-    DSTEPS, KSTEPS = d // 16, bn // 16
-    A_WORDS = parts.A_WORDS
-    NEG_INF = float32(-np.inf)
+    A_WORDS = p.A_WORDS
     CAUSAL, S = causal, stages
     NO_COPY, NO_SOFTMAX = "copy" in ablate, "softmax" in ablate
 
@@ -320,26 +329,9 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
             stage(smem, buf + U32(KV_BYTES), v, row0 + nxt * bn, bn, tid, True, SBO_V)
         commit()
         sk = ring + U32((t % S) * STAGE_BYTES)
-        for i in range(SACC):
-            sacc[i] = 0.0
-        hold_s(sacc)
-        fence()
-        for kk in range(DSTEPS):
-            mma_qk(U64(descriptor(sqw + U32(kk * 2 * LBO), LBO, SBO_QK)),
-                   U64(descriptor(sk + U32(kk * 2 * LBO), LBO, SBO_QK)), sacc)
-        commit_wg()
-        wait_wg()
-        hold_s(sacc)
+        qk(sacc, sqw, sk)
         softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, masked, scale_log2, NO_SOFTMAX)
-        hold_o(oacc)
-        fence()
-        sv = sk + U32(KV_BYTES)
-        for kk in range(KSTEPS):
-            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                   U64(descriptor(sv + U32(kk * 2 * LBO), LBO, SBO_V)), oacc)
-        commit_wg()
-        wait_wg()
-        hold_o(oacc)
+        pv(pw, sk + U32(KV_BYTES), oacc)
 
     def attn(q, k, v, o32, seq_len, scale_log2):
         smem = cuda.shared.array(0, int16)  # Q, then the ring: smem_bytes(d, bn, stages, wgs)
@@ -366,11 +358,7 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
         pw = cuda.local.array(A_WORDS, U32)
         m = cuda.local.array(2, float32)
         den = cuda.local.array(2, float32)
-        for i in range(OACC):
-            oacc[i] = 0.0
-        for h in range(2):
-            m[h] = NEG_INF
-            den[h] = 0.0
+        reset(oacc, m, den)
         t2 = 2 * (lane % 4)
         rq = qw + 16 * warp + lane // 4
         for t in range(clear):

@@ -392,7 +392,7 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     8 (one or two warpgroups)."""
     from numba import cuda
 
-    from .mma import _gpu_mma_intrinsics
+    from .mma import _gpu_mma_intrinsics, tile_ops
     from .primitives import device_jit
 
     if head_dim not in WGMMA_N or tile_kv not in WGMMA_N or num_warps not in (4, 8):
@@ -477,19 +477,6 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
 
         return pv
 
-    @jit_dev
-    def quad_reduce(a, b, is_max, tid, scratch):
-        for off in (1, 2):
-            xa = cuda.shfl_xor_sync(0xFFFFFFFF, a, off)
-            xb = cuda.shfl_xor_sync(0xFFFFFFFF, b, off)
-            if is_max:
-                a = max(a, xa)
-                b = max(b, xb)
-            else:
-                a += xa
-                b += xb
-        return a, b
-
     def unavailable(*args):
         raise NotImplementedError("the warpgroup tile keeps Q in shared memory and has no "
                                   "guarded twin of its own")
@@ -497,7 +484,8 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     return SimpleNamespace(ELEM=2, RS=0, QF=1, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            TILE_BYTES=BC * D * 2, store_pair=store_pair, q_offset=q_offset,
                            copy_map=copy_map, publish=publish, qk_smem=qk_smem,
-                           pv=make_pv(False), pv_sums=make_pv(True), quad_reduce=quad_reduce,
+                           pv=make_pv(False), pv_sums=make_pv(True),
+                           quad_reduce=tile_ops(D, BC, dtype, num_warps, False).quad_reduce,
                            qk=unavailable, load_q=unavailable, scrub_pair=unavailable)
 
 
