@@ -21,7 +21,9 @@
 #    of 4 fills a quarter of the tile) against prefill;
 # 5. where decode (from an fp16 and from an FP8 cache), a shared-prefix cascade and causal
 #    prefill land on one roofline, from the H200 benchmark JSON (with a GPU present, a live
-#    sweep of causal prefill against torch SDPA).
+#    sweep of causal prefill against torch SDPA);
+# 6. Hopper's warpgroup MMA: core matrices, descriptors, why its accumulators are the same
+#    fragments, and a standalone kernel built on it, measured rung by rung.
 #
 # The first cell picks Numba's CUDA simulator: the lesson runs anywhere.
 
@@ -523,6 +525,165 @@ for r in rows_live:
     assert r["flops"] == 4 * r["B"] * r["H"] * r["D"] * r["L"] * (r["L"] + 1) / 2
 
 # %% [markdown]
+# ## 7. Hopper's warpgroup MMA (`wgmma`)
+#
+# `mma.sync` is Ampere's instruction; the H200 runs it at roughly a third of its tensor-core
+# peak (FlashAttention-2 and nbinfer's kernel stop near 300 and 200 TFLOP/s of 989). Hopper
+# adds `wgmma.mma_async.m64nNk16`: a *warpgroup* (four consecutive warps, 128 threads) issues a
+# 64 x N x 16 product in one instruction, the tensor cores read B (and A, unless it comes from
+# registers) **straight from shared memory** through a 64-bit *matrix descriptor*, and the
+# instruction is asynchronous: `wgmma.fence`, `commit_group` and `wait_group` order it against
+# the registers and the next tile. One such step replaces, per warp, 8 `mma.sync` and 4
+# `ldmatrix` of section 2. nbinfer issues it from Numba through inline PTX
+# (`nbinfer/kernels/wgmma.py`); the price is a fixed shared-memory layout.
+#
+# **Core matrices.** The tensor cores read an operand as 8 x 8 *core matrices*: 8 rows of 16
+# bytes (8 fp16 values along K), 128 contiguous bytes each. The descriptor says where the
+# operand starts and how far apart core matrices are: `LBO` between neighbours along K, `SBO`
+# between neighbours along M (or N). nbinfer keeps an 8-row block's whole head dimension
+# together (`LBO` = 128, `SBO` = D / 8 x 128). The cell maps a 16 x 32 tile, checks that every
+# element gets its own two bytes and every core matrix is one 128-byte run, and packs the
+# descriptor of a 64 x 128 Q tile.
+
+# %%
+from nbinfer.kernels.wgmma import (
+    copy_slot,
+    core_offset,
+    core_offset_mn,
+    fragment_position,
+    smem_descriptor,
+)
+
+ROWS, KDIM = 16, 32
+SBO_T, LBO_T = KDIM // 8 * 128, 128
+offs = np.array([[core_offset(r, k, SBO_T, LBO_T) for k in range(KDIM)] for r in range(ROWS)])
+assert np.array_equal(np.sort(offs.ravel()), np.arange(0, ROWS * KDIM * 2, 2))  # a bijection
+core_id = offs // 128  # which 128-byte core matrix each element is in
+for br in range(ROWS // 8):
+    for bk in range(KDIM // 8):
+        block = offs[8 * br:8 * br + 8, 8 * bk:8 * bk + 8]
+        assert block.max() - block.min() == 126 and len(np.unique(core_id[8 * br:8 * br + 8,
+                                                                         8 * bk:8 * bk + 8])) == 1
+print("core matrix of each element (16 rows x 32 k):")
+print(core_id)
+q_desc = smem_descriptor(0x400, lbo=128, sbo=128 // 8 * 128)  # Q [64, 128] at byte 0x400
+fields = dict(start=(q_desc & 0x3FFF) << 4, lbo=((q_desc >> 16) & 0x3FFF) << 4,
+              sbo=((q_desc >> 32) & 0x3FFF) << 4, swizzle=q_desc >> 62)
+print("Q tile descriptor:", hex(q_desc), fields)
+assert fields == dict(start=0x400, lbo=128, sbo=2048, swizzle=0)
+
+# %% [markdown]
+# **V needs no transpose in memory.** `O = P V` wants B indexed (key, dim) with keys along K.
+# V lies in memory as `[key, D]`, D contiguous: *MN-major* for B. `wgmma` reads MN-major core
+# matrices (8 keys x 16 bytes of D) when its transpose flag is set, so V is copied as it lies and
+# the hardware does what `ldmatrix.trans` did in section 2. And the accumulator layout is the
+# one of section 1: warp `w` of the warpgroup holds rows `16 w ..` of the 64, each lane the
+# `mma.m16n8` C fragment of every 8 columns. So P packed from S's registers is already wgmma's
+# register-A operand, and the softmax code of the `mma.sync` kernel works unchanged on it:
+# nbinfer's warpgroup path (`MmaPrefillSpec(wgmma=True)`) swaps only the two products and the
+# tile layout under the same prefill kernel.
+
+# %%
+v_offs = np.array([[core_offset_mn(k, c, 64 // 8 * 128, 128) for c in range(128)]
+                   for k in range(64)])  # a 64-key x D 128 V tile
+assert np.array_equal(np.sort(v_offs.ravel()), np.arange(0, 64 * 128 * 2, 2))
+assert np.array_equal(v_offs[0, :8], 2 * np.arange(8))  # a core-matrix row: 8 dims of one key
+for warp in range(4):
+    for lane in range(32):
+        for i in range(32):  # N = 64: eight 8-column blocks of four accumulators
+            r, c = fragment_position(i, warp, lane)
+            rr, cc = c_fragment(lane, i // 4)[i % 4]
+            assert (r, c) == (16 * warp + rr, cc)
+print("wgmma's accumulators, per warp: the mma.m16n8 C fragment of every 8 columns")
+
+# %% [markdown]
+# **Who copies what.** `cp.async` writes 16 bytes per thread. If sixteen consecutive threads
+# copied one row's sixteen chunks (the `mma.sync` kernel's order), their destinations in the
+# canonical layout would sit `LBO` = 128 bytes apart, all in the same four banks: an 8-way
+# conflict on every store. `copy_slot` instead gives eight consecutive threads one chunk of
+# eight consecutive rows: one core matrix, 128 contiguous bytes, every bank once; the global
+# side still reads whole 32-byte sectors.
+
+# %%
+def store_wavefronts(dsts):
+    """Shared-memory wavefronts of 16-byte stores by 8 threads (a quarter warp): the most
+    stores that share a bank group."""
+    groups = [(d // 16) % 8 for d in dsts]
+    return max(groups.count(x) for x in set(groups))
+
+
+D_W, NT_W = 128, 256
+slots = [copy_slot(tid, NT_W, D_W, False, D_W // 8 * 128) for tid in range(NT_W)]
+ours = [store_wavefronts([slots[t][2] for t in range(q, q + 8)]) for q in range(0, NT_W, 8)]
+row_major = [store_wavefronts([core_offset(t // 16, 8 * (t % 16), D_W // 8 * 128, 128)
+                               for t in range(q, q + 8)]) for q in range(0, NT_W, 8)]
+print(f"copy_slot: {max(ours)} wavefront per 8 stores; a row per 16 threads: {max(row_major)}")
+assert max(ours) == 1 and max(row_major) == 8
+
+# %% [markdown]
+# **The ladder, measured.** A standalone attention kernel on these pieces
+# (`bench/wgmma_attention.py`, contiguous Q, K, V; checked against SDPA before timing) was
+# grown rung by rung on the H200 (bench/NOTES.md, "Issue 13, session 16"). The chart reads the
+# committed JSON: each rung's TFLOP/s at B 4, L 4096, H 32, D 128, fp16, next to SDPA flash in
+# the same process, and two *ablations* (timing only, not attention) that say where the rest of
+# the time goes.
+
+# %%
+res16 = ROOT / "bench" / "results" / "issue13" / "session16"
+rungs = [("1 warpgroup,\n1 stage", "call1", None, "wgmma_tflops"),
+         ("2 warpgroups,\nK/V ring", "call3", "2wg-n64-s2", None),
+         ("+ copies' addresses\nhoisted", "call4", "2wg-n64-s2", None),
+         ("+ 128 registers:\n2 CTAs per SM", "call6", "2wg-n64-s2 r128", None),
+         ("ablation:\nno copies", "call6", "2wg-n64-s2 no-copy", None),
+         ("ablation: no copies,\nno softmax", "call6", "2wg-n64-s2 no-copy no-softmax", None)]
+ladder = {True: [], False: []}
+flash = {True: [], False: []}
+for _, call, variant, key in rungs:
+    data = json.loads((res16 / call / "wgmma_attention.json").read_text())
+    assert not data.get("failed") and all(c["rel_err"] <= c["tolerance"] for c in data["checks"])
+    for row in data["timed"]:
+        tf = row[key] if key else row["wgmma_tflops"][variant]
+        ladder[row["causal"]].append(tf)
+        flash[row["causal"]].append(row["sdpa_flash_tflops"])
+fig, ax = subplots(1, 1, figsize=(11, 4.2))
+x = np.arange(len(rungs))
+for j, causal in enumerate((True, False)):
+    ax.bar(x + (j - 0.5) * 0.38, ladder[causal], 0.38, color=("C3", "C1")[j],
+           label=("causal" if causal else "non-causal") + " (wgmma kernel)")
+    ax.plot(x + (j - 0.5) * 0.38, flash[causal], "k_", ms=14, mew=2,
+            label="SDPA flash, same run" if j == 0 else None)
+ax.axvspan(3.5, 5.5, color="0.92", lw=0, zorder=0)
+ax.text(4.5, max(ladder[False]) * 1.03, "ablations (not attention): what is left", ha="center",
+        fontsize=8)
+ax.set_ylim(0, max(ladder[False]) * 1.12)
+ax.set_xticks(x, [r[0] for r in rungs], fontsize=8)
+ax.set_ylabel("TFLOP/s (B 4, L 4096, H 32, D 128, fp16)")
+ax.set_title("the standalone wgmma tile, rung by rung (bench/results/issue13/session16)",
+             fontsize=10)
+ax.legend(fontsize=8, loc="upper left")
+save_figure(fig, "07_wgmma_ladder.png")
+show(fig)
+for causal in (True, False):
+    print(f"{'causal' if causal else 'full':6s}: " + ", ".join(
+        f"{t:.0f} ({t / f:.2f}x flash)" for t, f in zip(ladder[causal], flash[causal], strict=True)))
+# the rungs' order is the text's: each real rung faster than the one before it; the
+# ablations above the last real rung
+for causal in (True, False):
+    assert all(b > a for a, b in zip(ladder[causal][:3], ladder[causal][1:4], strict=True))
+assert min(ladder[True][4:] + ladder[False][4:]) > max(ladder[True][3], ladder[False][3])
+
+# %% [markdown]
+# Two warpgroups sharing each K/V tile halve the copies per FLOP; computing the copies'
+# addresses once per thread instead of per copy cut the registers, and at 128 registers two
+# CTAs of 256 threads share an SM: 0.89x flash causal, 0.92x non-causal. The ablations say what
+# is left: with no copies after the first tile the same loop runs far faster, and with the
+# softmax gone too it passes flash by 2x. The copies are issued by the same warps that compute;
+# FlashAttention-3 moves them to a producer warp on the Tensor Memory Accelerator. Inside
+# nbinfer's full prefill kernel (all variants, masks, paged KV and merges) the warpgroup path
+# needs 206 registers, one CTA per SM, and measures 3-4 % *slower* than `mma.sync` so far, so it
+# is off by default (`nbinfer.api.prefill.MMA_WGMMA`).
+
+# %% [markdown]
 # ## Summary
 #
 # * `mma.sync.m16n8k16` is a warp-wide instruction: each lane holds a fixed slice of A, B and C
@@ -535,5 +696,9 @@ for r in rows_live:
 # * The tile has 16 rows: decode's 1-8 rows per KV head would waste most of it, and at that
 #   intensity memory is the limit on any unit. Tensor cores are for prefill, cascades and other
 #   many-rows-per-key work, which the roofline places right of every ridge.
+# * Hopper's `wgmma` multiplies 64 x N x 16 per warpgroup instruction from shared memory laid
+#   out in 128-byte core matrices (described by LBO and SBO); its accumulators keep section 1's
+#   layout, so the softmax and the P-as-A trick carry over. What limits a kernel built on it is
+#   no longer the products but feeding them: registers per SM and the copies.
 #
 # Lesson 08 puts these kernels under a model.
