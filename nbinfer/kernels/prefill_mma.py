@@ -50,6 +50,13 @@ stage (Q moves to registers before that stage is first loaded), with 64-key tile
 area after them (87 KiB at D = 128 with 2 stages: more than a kernel may declare statically, so
 it is allocated at launch).
 The fused merge reuses all of it after the item's loop.
+
+``wgmma=True`` (sm_90 only) does the two products on Hopper's warpgroup MMA instead
+(:func:`nbinfer.kernels.wgmma.wgmma_tile_ops`): 8 warps form two warpgroups of 64 packed rows,
+Q, K and V tiles sit unpadded in the canonical core-matrix layouts (``2 x 64 x D x 2`` bytes
+per stage), each warpgroup's ``Q K^T`` and ``P V`` are one ``wgmma`` chain each, and every
+step above (masks, softmax, row sums, epilogue, merge) is unchanged, because wgmma's
+accumulators are laid out as ``mma.m16n8``'s. Its guarded twin runs on ``mma.sync``.
 """
 
 from __future__ import annotations
