@@ -107,12 +107,19 @@ def main():
                          "per group inside a page; 0: the general addressing)")
     ap.add_argument("--mma", action="store_true",
                     help="decode: DecodeSpec(mma=True), q.k and p.v on tensor cores")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="prefill: MmaPrefillSpec(wgmma=True), the products on warpgroup MMA "
+                         "(compiled for sm_90a; use --warps 8 --kv-tile 64)")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     ap.add_argument("--dump", default=None, help="write the hot loop's SASS to this file")
     args = ap.parse_args()
     _offline_numba()
+    if args.wgmma:  # wgmma exists only on the architecture-specific target
+        from numba.cuda.cudadrv import nvrtc
+
+        nvrtc.get_arch_option = lambda *_: "compute_90a"
     from nbinfer.kernels.common import ITEMSIZE
     from nbinfer.kernels.decode import DecodeSpec
     from nbinfer.variants import builtins
@@ -129,7 +136,8 @@ def main():
                               args.dtype, args.dtype, args.layout, variant,
                               sparse=not args.ragged, kv_tile=args.kv_tile,
                               stages=args.stages, num_warps=args.warps,
-                              q_shared=args.q_shared, kv_split=args.kv_split, **extra)
+                              q_shared=args.q_shared, kv_split=args.kv_split,
+                              wgmma=args.wgmma, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages,
@@ -140,7 +148,8 @@ def main():
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        cmd = ["ptxas", "-arch=sm_90", "-O3", "-v", src, "-o", cubin]
+        cmd = ["ptxas", "-arch=sm_90a" if args.wgmma else "-arch=sm_90", "-O3", "-v", src, "-o",
+               cubin]
         if getattr(spec, "max_registers", None):
             cmd.insert(1, f"--maxrregcount={spec.max_registers}")
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
@@ -149,16 +158,17 @@ def main():
         if args.nvdisasm:
             sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout
-            loop = hot_loop(sass, ("DEPBAR", "HMMA") if args.kernel == "prefill" else ("DEPBAR",))
+            marks = ("DEPBAR", "HGMMA" if args.wgmma else "HMMA")
+            loop = hot_loop(sass, marks if args.kernel == "prefill" else ("DEPBAR",))
             if args.dump:
                 with open(args.dump, "w") as f:
                     f.write("\n".join(loop) + "\n")
             ops = loop_histogram(loop)
             total = sum(ops.values())
             if args.kernel == "prefill":
-                hmma = ops.get("HMMA", 0)
+                hmma = ops.get("HMMA", 0) + ops.get("HGMMA", 0)
                 print(f"tile loop: {total} instructions per warp per {spec.tile_kv}-key tile, "
-                      f"{hmma} of them HMMA ({100 * hmma / max(total, 1):.0f} %)")
+                      f"{hmma} of them HMMA / HGMMA ({100 * hmma / max(total, 1):.0f} %)")
                 print(", ".join(f"{k} {v}" for k, v in ops.most_common(24)))
                 return
             kv_bytes = 2 * spec.tokens_per_group * spec.head_dim * ITEMSIZE[args.dtype]
