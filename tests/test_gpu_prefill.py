@@ -120,6 +120,19 @@ def test_paged_prefill_gpu_wgmma(rng, monkeypatch, case):
     assert spec.wgmma and spec.num_warps == 8 and spec.kv_tile == 64
 
 
+@pytest.mark.parametrize("case", [0, 5])
+def test_paged_prefill_gpu_wgmma_one_warpgroup(rng, monkeypatch, case):
+    # One warpgroup per CTA (64 packed rows) under a 168-register cap: three CTAs per SM, the
+    # mma.sync kernel's shape (bench/NOTES.md, session 16: the shape to measure next).
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", 4)
+    monkeypatch.setattr(prefill_api, "MMA_MAX_REGISTERS", 168)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    spec = w.step_plan.spec
+    assert spec.wgmma and spec.num_warps == 4 and spec.max_registers == 168
+
+
 DECODE_LIKE = {  # one query row per request: the GQA group's 8 or 16 rows in one item
     "decode-g8": ([1] * 40, list(range(7, 40 * 97, 97)), 32, 4, 128, 16, "float16", "NHD", {}),
     "decode-g16-d64": ([1] * 24, list(range(0, 24 * 131, 131)), 32, 2, 64, 16, "bfloat16",
