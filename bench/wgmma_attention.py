@@ -53,15 +53,16 @@ NT = 128  # one warpgroup
 def _parts(d: int, bn: int, dtype: str, nt: int):
     """The device functions both kernels share, for head dim ``d``, ``bn`` keys per tile and
     ``nt`` threads per CTA: ``stage`` (cp.async of rows into a canonical layout), ``softmax``
-    (the online softmax on S's fragments, leaving P packed as the P V product's A words) and
-    ``store`` (O's rows, normalised, as 16-bit pairs)."""
+    (the online softmax on S's fragments, leaving P packed as the P V product's A words),
+    ``reset`` (the empty state), ``store`` (O's rows, normalised, as 16-bit pairs), and the two
+    products ``qk`` / ``pv`` (the package's warpgroup tile ops: ``qk_smem``, ``pv_words``)."""
     from numba import cuda, float32, int32, types
 
     from nbinfer.kernels.mma import _gpu_mma_intrinsics
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, copy_slot, smem_descriptor, wgmma_intrinsics
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, copy_slot, wgmma_tile_ops
 
-    U32, U64 = types.uint32, types.uint64
+    U32 = types.uint32
     prims = primitives(False)
     cp16, exp2 = prims.cp_async16_to, prims.exp2
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[dtype]]
@@ -142,44 +143,13 @@ def _parts(d: int, bn: int, dtype: str, nt: int):
                 o32[(base + 8 * j + t2) // 2] = int32(
                     pack(oacc[4 * j + 2 * h] * inv, oacc[4 * j + 2 * h + 1] * inv))
 
-    intr = wgmma_intrinsics()
-    kind = WGMMA_KINDS[dtype]
-    mma_qk, mma_pv = intr.mma[(bn, kind)], intr.mma_rs[(d, kind)]
-    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
-    fence, commit_wg, wait_wg = intr.fence, intr.commit, intr.wait0
-    descriptor = cuda.jit(device=True)(smem_descriptor)
-    SBO_QK, SBO_V = CH * 128, bn // 8 * 128
-
-    @cuda.jit(device=True)
-    def qk(sacc, qa, ka):
-        # S = Q K^T for the warpgroup's 64 rows of Q at qa and the tile's keys at ka, waited for
-        for i in range(SACC_BLOCKS * 4):
-            sacc[i] = 0.0
-        hold_s(sacc)  # registers a wgmma reads are written before its fence
-        fence()
-        for kk in range(d // 16):
-            mma_qk(U64(descriptor(qa + U32(kk * 2 * LBO), LBO, SBO_QK)),
-                   U64(descriptor(ka + U32(kk * 2 * LBO), LBO, SBO_QK)), sacc)
-        commit_wg()
-        wait_wg()
-        hold_s(sacc)  # and its results are read only after its wait
-
-    @cuda.jit(device=True)
-    def pv(pw, va, oacc):
-        # O += P V: P's A words, V's tile at va, waited for
-        hold_o(oacc)  # rescaled by ordinary instructions: before the fence
-        fence()
-        for kk in range(bn // 16):
-            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                   U64(descriptor(va + U32(kk * 2 * LBO), LBO, SBO_V)), oacc)
-        commit_wg()
-        wait_wg()
-        hold_o(oacc)
-
+    # the two products: the package's warpgroup tile ops (the tensor-core prefill's), whose Q /
+    # K and V layouts are this file's: K-major with SBO_QK, V MN-major with SBO_V
+    ops = wgmma_tile_ops(d, bn, dtype, nt // 32)
     return SimpleNamespace(stage=stage, softmax=softmax, reset=reset, store=store, LBO=LBO,
-                           qk=qk, pv=pv, proxy_fence=intr.proxy_fence, commit=prims.commit,
-                           shared_addr=prims.shared_addr,
-                           SBO_QK=SBO_QK, SBO_V=SBO_V, A_WORDS=A_WORDS)
+                           qk=ops.qk_smem, pv=ops.pv_words, proxy_fence=ops.publish,
+                           commit=prims.commit, shared_addr=prims.shared_addr,
+                           SBO_QK=CH * 128, SBO_V=bn // 8 * 128, A_WORDS=A_WORDS)
 
 
 @functools.cache
@@ -247,7 +217,7 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
                 wait_all()
             proxy_fence()  # cp.async's stores, visible to the tensor cores' reads
             cuda.syncthreads()
-            qk(sacc, sq, sk)
+            qk(smem, sk, sq, 0, 0, sacc)  # S = Q K^T (the one warpgroup's Q at sq), waited for
             if OVERLAP:
                 cuda.syncthreads()  # every warp's Q K^T is done with the K buffer
                 if t + 1 < ntiles:
@@ -259,7 +229,7 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
                 wait_but_one()  # V t has landed; K t + 1 may still fly
                 proxy_fence()
                 cuda.syncthreads()
-            pv(pw, sv, oacc)
+            pv(pw, sv, oacc)  # O += P V, waited for
             cuda.syncthreads()  # every warp is done with this tile before the next one lands
             if OVERLAP:
                 if t + 1 < ntiles:
@@ -305,7 +275,6 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     wait_ring = primitives(False).wait(stages - 2)
     SBO_QK, SBO_V = p.SBO_QK, p.SBO_V
     BMP = 64 * wgs
-    Q_WG_BYTES = 64 * d * 2
     Q_BYTES = BMP * d * 2
     KV_BYTES = bn * d * 2
     STAGE_BYTES = 2 * KV_BYTES
@@ -329,7 +298,7 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
             stage(smem, buf + U32(KV_BYTES), v, row0 + nxt * bn, bn, tid, True, SBO_V)
         commit()
         sk = ring + U32((t % S) * STAGE_BYTES)
-        qk(sacc, sqw, sk)
+        qk(smem, sk, sqw, 0, 0, sacc)  # this warpgroup's 64 rows of Q at sqw
         softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, masked, scale_log2, NO_SOFTMAX)
         pv(pw, sk + U32(KV_BYTES), oacc)
 
@@ -344,7 +313,7 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
         clear = q0 // bn if CAUSAL else ntiles  # tiles wholly before the CTA's first row
         qw = q0 + 64 * wg  # this warpgroup's first row
         sq = shared_addr(smem, 0)
-        sqw = sq + U32(wg * Q_WG_BYTES)
+        sqw = sq + U32(wg * 64 * d * 2)
         ring = sq + U32(Q_BYTES)
         stage(smem, sq, q, row0 + q0, BMP, tid, False, SBO_QK)  # in the first group
         for s in range(S - 1):

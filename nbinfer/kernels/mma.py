@@ -335,7 +335,7 @@ def row_layout(D: int, BC: int, ELEM: int, RS: int, NT: int, jit_dev) -> dict:
 
     @jit_dev
     def copy_map(tid):
-        # sixteen consecutive threads copy one row's chunks: its 256 bytes in one piece
+        # D / 8 consecutive threads copy one row's chunks: the whole row in one piece
         tu = U32(tid)
         c = tu % U32(CHUNKS)
         j0 = tu // U32(CHUNKS)

@@ -204,9 +204,11 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
 
     # The GPU's sizes decide static or dynamic (1 KiB is left for the row flags); the
     # simulator's twins keep 4-byte slots but take the same path as the GPU would.
-    dense = 2 * spec.head_dim  # wgmma's canonical layouts: no padding
-    gpu = sizes(dense if spec.wgmma else smem_row_bytes(spec.head_dim, False))
-    stage, q_base, total = sizes(dense if spec.wgmma else smem_row_bytes(spec.head_dim, spec.sim))
+    def row_bytes(sim):  # wgmma's canonical layouts have no padding
+        return 2 * spec.head_dim if spec.wgmma else smem_row_bytes(spec.head_dim, sim)
+
+    gpu = sizes(row_bytes(False))
+    stage, q_base, total = sizes(row_bytes(spec.sim))
     dynamic = total if gpu[2] > STATIC_SHARED_LIMIT - 1024 else 0
     return dict(stage=stage, q_base=q_base, total=total, dynamic=dynamic)
 

@@ -382,7 +382,9 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
       ``wgmma.m64n{BC}k16``; each warp gets its 16 rows' scores in the ``mma.m16n8`` layout;
     - ``pv`` / ``pv_sums``: ``O += P V`` by ``BC / 16`` ``wgmma.m64n{D}k16`` with P from the
       warp's registers and V through the transpose flag; the row sums (``pv_sums``) still by
-      ``mma.sync`` against a fragment of ones;
+      ``mma.sync`` against a fragment of ones; ``pv_words(pw, vbase, o)`` the same product for
+      P already packed into its A words (``bench/wgmma_attention.py``'s softmax packs as it
+      goes);
     - ``publish``: ``fence.proxy.async``, since the tensor cores read shared memory through the
       async proxy (after the thread's cp.async copies and stores, before the barrier);
     - no ``qk`` (Q always in shared memory), ``load_q``, ``scrub_pair`` (the guarded twin
@@ -453,21 +455,26 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
         wait0()
         hold_s(s)  # and its results are read only after its wait
 
+    @jit_dev
+    def pv_words(pw, vbase, o):
+        # O += P V for P already packed as the A words pw (p[8 kk .. 8 kk + 7] -> pw[4 kk ..],
+        # mma.sync's packing) and V's tile at vbase, waited for
+        hold_o(o)  # the rescaled accumulators, written before the fence
+        fence()
+        for kk in range(VSTEPS):
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                   U64(descriptor(U32(vbase) + U32(kk * 2 * LBO), LBO, SBO_V)), o)
+        commit()
+        wait0()
+        hold_o(o)
+
     def make_pv(sums: bool):
         @jit_dev
         def pv(smem, vbase, tid, lane, p, o, scratch):
-            # P's A fragment for keys 16 kk ..: p[8 kk .. 8 kk + 7] (mma.sync's packing)
             pw = cuda.local.array(A_WORDS, U32)
             for w in range(A_WORDS):
                 pw[w] = pack(p[2 * w], p[2 * w + 1])
-            hold_o(o)  # the rescaled accumulators, written before the fence
-            fence()
-            for kk in range(VSTEPS):
-                mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                       U64(descriptor(U32(vbase) + U32(kk * 2 * LBO), LBO, SBO_V)), o)
-            commit()
-            wait0()
-            hold_o(o)
+            pv_words(pw, vbase, o)
             if sums:
                 # P times a column of ones: the rows' sums of the rounded P that met V
                 for kk in range(VSTEPS):
@@ -484,7 +491,7 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     return SimpleNamespace(ELEM=2, RS=0, QF=1, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            TILE_BYTES=BC * D * 2, store_pair=store_pair, q_offset=q_offset,
                            copy_map=copy_map, publish=publish, qk_smem=qk_smem,
-                           pv=make_pv(False), pv_sums=make_pv(True),
+                           pv=make_pv(False), pv_sums=make_pv(True), pv_words=pv_words,
                            quad_reduce=tile_ops(D, BC, dtype, num_warps, False).quad_reduce,
                            qk=unavailable, load_q=unavailable, scrub_pair=unavailable)
 
