@@ -145,19 +145,21 @@ def tile_config(token: str):
     shared memory, then a register cap (none without it), then ``x`` and the number of KV
     stages, then ``m`` for split rows merged by a launch of their own, then ``k`` for items of
     at most 16 packed rows split over the warps by keys, then ``w`` and the warps per CTA, then
-    ``g`` for the products on warpgroup MMA (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``,
-    ``"64m"``, ``"64mk"``, ``"64w8"``, ``"64w8g"``). Every field is set, so a token names one
-    kernel whatever the wrapper (the cascade's rule included)."""
-    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?", str(token))
-    if m is None:
-        raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk, 64w8 or "
-                         f"64w8g, got {token!r}")
+    ``g`` for the products on warpgroup MMA, then ``l`` for the lean warpgroup kernel where
+    the plan allows it (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``, ``"64mk"``,
+    ``"64w8"``, ``"64w8g"``, ``"64w8gl"``; the lean kernel's own shape is fixed, ``s255``
+    lifts its 128-register cap). Every field is set, so a token names one kernel whatever the
+    wrapper (the cascade's rule included)."""
+    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?(l)?", str(token))
+    if m is None or (m.group(11) and not m.group(10)):
+        raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk, 64w8, "
+                         f"64w8g or 64w8gl, got {token!r}")
     with api_overrides(MMA_KV_TILE=int(m.group(1)), MMA_Q_SHARED=bool(m.group(2)),
                        MMA_MAX_REGISTERS=int(m.group(3)) if m.group(3) else 0,
                        MMA_STAGES=int(m.group(5)) if m.group(5) else None,
                        MMA_DEFER_MERGE=bool(m.group(6)), MMA_KV_SPLIT=bool(m.group(7)),
                        MMA_WARPS=int(m.group(9)) if m.group(9) else None,
-                       MMA_WGMMA=bool(m.group(10))):
+                       MMA_WGMMA=bool(m.group(10)), MMA_WGMMA_LEAN=bool(m.group(11))):
         yield
 
 
@@ -221,14 +223,21 @@ def main():
                     help="only prefill, issue 13's grid: causal and not, fp16 and bf16, D 64 "
                          "and 128, L 1024 / 4096 / 16384 at 16384 tokens per batch (with "
                          "--kv-tiles: each tile size too)")
+    ap.add_argument("--grid-shapes", default=None, metavar="DTYPE:D:L,...",
+                    help="with --grid: only these (dtype, head dim, length) rows, causal and "
+                         "not (e.g. bfloat16:128:4096,float16:64:4096,float16:128:1024)")
     args = ap.parse_args()
     tiles = args.kv_tiles.split(",") if args.kv_tiles else []
     if args.grid:
         rows = []
+        only = None if not args.grid_shapes else {
+            (dt, int(d), int(L)) for dt, d, L in (x.split(":") for x in args.grid_shapes.split(","))}
         for dtype in ("float16", "bfloat16"):
             for d in (128, 64):
                 for causal in (True, False):
                     for L in (1024, 4096, 16384):
+                        if only is not None and (dtype, d, L) not in only:
+                            continue
                         r = causal_prefill(B=16384 // L, L=L, H=32 * 128 // d, d=d,
                                            causal=causal, dtype=dtype, kv_tiles=tiles)
                         rows.append(r)

@@ -44,12 +44,16 @@ def compile_spec(spec):
     from nbinfer.kernels.decode import DecodeSpec, decode_kernel_source, decode_signature
     from nbinfer.kernels.prefill import prefill_signature
     from nbinfer.kernels.prefill_mma import prefill_mma_kernel_source
+    from nbinfer.kernels.prefill_wgmma import prefill_wgmma_kernel_source
 
     if isinstance(spec, DecodeSpec):
         source, sig = decode_kernel_source(spec), decode_signature(spec)
+    elif getattr(spec, "lean", False):
+        source, sig = prefill_wgmma_kernel_source(spec), prefill_signature(spec)
     else:
         source, sig = prefill_mma_kernel_source(spec), prefill_signature(spec)
-    ptx, _ = cuda.compile_ptx(source, sig, cc=(9, 0), fastmath=set(FASTMATH))
+    fm = set() if os.environ.get("NO_FASTMATH") else set(FASTMATH)
+    ptx, _ = cuda.compile_ptx(source, sig, cc=(9, 0), fastmath=fm)
     return ptx
 
 
@@ -110,11 +114,23 @@ def main():
     ap.add_argument("--wgmma", action="store_true",
                     help="prefill: MmaPrefillSpec(wgmma=True), the products on warpgroup MMA "
                          "(compiled for sm_90a; use --warps 8 --kv-tile 64)")
+    ap.add_argument("--lean", action="store_true",
+                    help="prefill: the lean warpgroup kernel (MmaPrefillSpec(lean=True): 8 warps, "
+                         "64-key tiles, 2 stages, a 128-register cap unless --max-registers; "
+                         "implies --wgmma)")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     ap.add_argument("--dump", default=None, help="write the hot loop's SASS to this file")
     args = ap.parse_args()
+    if args.lean:
+        from nbinfer.kernels.prefill_wgmma import LEAN_KV_TILE, LEAN_MAX_REGISTERS, LEAN_STAGES, LEAN_WARPS
+
+        args.wgmma, args.kv_tile, args.stages, args.warps = (True, LEAN_KV_TILE, LEAN_STAGES,
+                                                             LEAN_WARPS)
+        args.q_shared = True
+        if args.max_registers is None:
+            args.max_registers = LEAN_MAX_REGISTERS
     _offline_numba()
     if args.wgmma:  # wgmma exists only on the architecture-specific target
         from numba.cuda.cudadrv import nvrtc
@@ -137,7 +153,8 @@ def main():
                               sparse=not args.ragged, kv_tile=args.kv_tile,
                               stages=args.stages, num_warps=args.warps,
                               q_shared=args.q_shared, kv_split=args.kv_split,
-                              wgmma=args.wgmma, **extra)
+                              wgmma=args.wgmma, lean=args.lean,
+                              defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages,
@@ -155,6 +172,9 @@ def main():
         info = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
         print(" ".join(line.split("info    : ")[-1] for line in info.splitlines()
                        if "Used" in line or "spill" in line))
+        for line in info.splitlines():  # e.g. why ptxas serialised the wgmma chains
+            if "Potential Performance" in line:
+                print(line.split(" for the function")[0].split("info    : ")[-1])
         if args.nvdisasm:
             sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout

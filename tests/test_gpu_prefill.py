@@ -113,11 +113,57 @@ def test_paged_prefill_gpu_wgmma(rng, monkeypatch, case):
     # The tensor-core kernel's products on Hopper's warpgroup MMA: two warpgroups of 64 packed
     # rows, tiles in the canonical layouts, every variant of the grid (causal, window, RoPE,
     # soft cap, ALiBi; GQA 1-8, pages of 1, 5 and 16, NHD / HND, fp16 / bf16, D 64 / 128).
+    # (The causal cases 0 and 6 would take the lean kernel: here its general form.)
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", False)
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = PAGED_CASES[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
-    assert spec.wgmma and spec.num_warps == 8 and spec.kv_tile == 64
+    assert spec.wgmma and spec.num_warps == 8 and spec.kv_tile == 64 and not spec.lean
+
+
+LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
+              ([5, 200, 64], [5, 900, 64], 32, 8, 64, 16, "bfloat16", "HND", {}),
+              ([130, 1], [2500, 7], 16, 16, 128, 1, "float16", "NHD",
+               dict(causal=True, fixed_split_size=512)),
+              ([77, 300], [1000, 300], 32, 4, 64, 5, "float16", "NHD",
+               dict(sm_scale=-0.05, fixed_split_size=256))]
+
+
+@pytest.mark.parametrize("case", range(len(LEAN_PAGED)))
+def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case):
+    # The lean warpgroup kernel (kernels/prefill_wgmma.py) on paged KV: causal and not, GQA 1-8,
+    # pages of 1 / 5 / 16, NHD / HND, fp16 / bf16, D 64 / 128, split rows (merge launch), and a
+    # negative scale (each score scaled before the maximum).
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    spec = w.step_plan.spec
+    assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
+    assert w.step_plan.launch.launch.kernel.regs <= 128
+
+
+@pytest.mark.parametrize("causal, dtype, d, hkv", [(True, "float16", 128, 32),
+                                                   (False, "bfloat16", 128, 4),
+                                                   (True, "bfloat16", 64, 8),
+                                                   (False, "float16", 64, 32)])
+def test_ragged_prefill_gpu_wgmma_lean(rng, monkeypatch, causal, dtype, d, hkv):
+    # Ragged KV, the benchmark's path: tails of every length against 128-row tiles, a request
+    # whose KV is longer than its queries (bottom-right causal), and the LSE.
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    qo_lens, kv_lens, hq = [1, 129, 300, 64], [1, 700, 300, 2000], 32
+    qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
+    q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((int(kv[-1]), hkv, d)).astype(np.float32) for _ in range(2))
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo, kv, hq, hkv, d, causal=causal, q_data_type=dtype)
+    assert w.step_plan.spec.lean
+    tq, tk, tv = (_t(x, dtype) for x in (q, k, v))
+    out, lse = w.run(tq, tk, tv, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        _np(tq), _np(tk), _np(tv), qo, kv, causal=causal, return_lse=True)
+    assert rel_err(_np(out), ref) <= TOLERANCE[dtype]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
 
 
 @pytest.mark.parametrize("case", [0, 5])
@@ -184,7 +230,7 @@ def _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw):
 @pytest.mark.parametrize("wgmma", [False, True])
 def test_ragged_and_single_prefill_gpu(rng, monkeypatch, wgmma):
     # wgmma: the custom mask's plan runs the value scan, the warpgroup kernel and its guarded
-    # twin on mma.sync; the single causal prefill the warpgroup kernel alone.
+    # twin on mma.sync; the single causal prefill the lean warpgroup kernel.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", wgmma)
     qo_indptr, kv_indptr = np.array([0, 300, 333]), np.array([0, 900, 1933])
     q = rng.standard_normal((333, 32, 128)).astype(np.float32)

@@ -182,10 +182,12 @@ def test_prefill_variants_at_group_size_three(rng, kw):
     assert rel_err(_host(w.run(q, k, v)), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("wgmma", [False, True])
+@pytest.mark.parametrize("wgmma", [False, True, "lean"])
 def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
-    # wgmma: the same on the warpgroup-MMA tile (causal: its value scan and mma.sync twin)
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA", wgmma)
+    # wgmma: the same on the warpgroup-MMA tile (causal: its value scan and mma.sync twin);
+    # "lean": on the lean warpgroup kernel (the -inf score found by its running minimum)
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", bool(wgmma))
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", wgmma == "lean")
     lens = [300, 40]
     q = torch.randn(sum(lens), HQ, D, device="cuda").half()
     k = torch.randn(sum(lens), HKV, D, device="cuda").half()
@@ -202,7 +204,8 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
     # key 20's KV tile without keeping it: the value scan and guarded twin keep its NaN out.
     for causal, count in ((True, 1 + (30 + 280 + 1) * g), (False, 300 * g + 40 * g + 40 * g)):
         w.plan(ptr, ptr, HQ, HKV, D, causal=causal, q_data_type="float16")
-        assert w.step_plan.spec.wgmma == wgmma
+        assert w.step_plan.spec.wgmma == bool(wgmma)
+        assert w.step_plan.spec.lean == (wgmma == "lean")
         out, lse = w.run(q, k, v, return_lse=True)
         ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
             _host(q), _host(k), _host(v), ptr, ptr, causal=causal, return_lse=True)

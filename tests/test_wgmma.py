@@ -153,3 +153,30 @@ def test_wgmma_prefill_spec_needs_the_gpu_and_the_row_tile():
         with pytest.raises(ValueError, match="wgmma=True needs"):
             MmaPrefillSpec(*args, **opts)
     assert MmaPrefillSpec(*args, kv_tile=64, num_warps=8, wgmma=True).tile_q == 128
+
+
+def test_lean_prefill_spec_takes_plain_variants_only():
+    # The lean warpgroup kernel (kernels/prefill_wgmma.py) computes causal or unmasked softmax
+    # attention with no hooks; the spec refuses everything else, and the plan's rule asks the
+    # same question (lean_eligible) before choosing it.
+    from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+    from nbinfer.kernels.prefill_wgmma import lean_eligible
+    from nbinfer.variants import builtins
+
+    assert lean_eligible(builtins.causal(), False, False)
+    assert lean_eligible(builtins.standard(), False, False)
+    assert not lean_eligible(builtins.causal(), True, False)  # custom mask
+    assert not lean_eligible(builtins.causal(), False, True)  # block positions (BSR)
+    for var in (builtins.sliding_window(8), builtins.soft_cap(30.0), builtins.rope_llama(),
+                builtins.sigmoid_attention()):
+        assert not lean_eligible(var, False, False), var.name
+    ok = dict(kv_tile=64, num_warps=8, wgmma=True, lean=True, q_shared=True, stages=2,
+              defer_merge=True, max_registers=128)
+    spec = MmaPrefillSpec(128, 4, 16, "float16", "float16", "NHD", builtins.causal(), **ok)
+    assert spec.tile_q == 128 and spec.lean
+    for var, bad in ((builtins.soft_cap(30.0), {}), (builtins.causal(), dict(num_warps=4)),
+                     (builtins.causal(), dict(stages=3)),
+                     (builtins.causal(), dict(defer_merge=False)),
+                     (builtins.causal(), dict(custom_mask=True))):
+        with pytest.raises(ValueError, match="lean=True needs"):
+            MmaPrefillSpec(128, 4, 16, "float16", "float16", "NHD", var, **(ok | bad))

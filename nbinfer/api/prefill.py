@@ -34,6 +34,7 @@ from ..kernels.common import PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
 from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
+from ..kernels.prefill_wgmma import LEAN_MAX_REGISTERS, LEAN_STAGES, lean_eligible
 from ..kernels.split_merge import build_split_merge_kernel
 from ..kernels.value_scan import SCAN_CTAS_PER_SM, value_guard_kernels
 from ..reference._batch import batch_masks
@@ -94,11 +95,20 @@ MMA_ITEM_OVERHEAD = None
 # each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
 # 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
 MMA_WARPS = None
-# The tensor-core kernel's products on Hopper's warpgroup MMA (MmaPrefillSpec's ``wgmma``: 8
-# warps, two warpgroups of 64 rows, 64-key tiles): True / False override the rule, which is
-# off (the path is new: bench/NOTES.md, "Issue 13, session 16"). Only on an sm_90 GPU, for
-# plans of the row tile (not the one-launch cascade, not kv_split); elsewhere mma.sync.
+# Hopper's warpgroup MMA (sm_90 only; the row tile's plans: not the one-launch cascade, not
+# kv_split). None, the rule: the lean warpgroup kernel (kernels/prefill_wgmma.py: causal or no
+# mask, no hooks, no custom mask) for the plans it computes whose queries fill its 128-row
+# tile (at least LEAN_MIN_ROWS packed rows per request on average: a prefill, not a decode
+# step) when no tile knob above is set, mma.sync for the rest: B4 L4096 H32 D128 fp16 causal
+# 207.3 against 186.0 TFLOP/s, non-causal 278.4 against 225.5 (bench/NOTES.md, "Issue 13,
+# session 17", call 4). True: the warpgroup products for every row-tile plan (the lean kernel where
+# MMA_WGMMA_LEAN allows it, else the tensor-core kernel's warpgroup form: slower than
+# mma.sync, session 16); False: never.
 MMA_WGMMA = None
+# With MMA_WGMMA True: None / True take the lean kernel where the plan allows it, False always
+# the tensor-core kernel's warpgroup form (bench/prefill.py's ``g`` and ``gl`` tokens).
+MMA_WGMMA_LEAN = None
+LEAN_MIN_ROWS = 64
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
@@ -126,15 +136,24 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
                 defer_merge=defer, kv_split=bool(MMA_KV_SPLIT))
 
 
-def use_wgmma(sim: bool, split: bool) -> bool:
-    """Whether a tensor-core plan takes the warpgroup-MMA tile (:data:`MMA_WGMMA`): on an
-    sm_90 GPU, for the row tile's plans (``split``: the one-launch cascade or kv_split items,
-    which stay on mma.sync)."""
-    if not MMA_WGMMA or sim or split:
-        return False
+def wgmma_choice(sim: bool, split: bool, lean_ok: bool, rows: float) -> tuple[bool, bool]:
+    """``(wgmma, lean)`` for a tensor-core plan (:data:`MMA_WGMMA`): ``split`` (the one-launch
+    cascade, kv_split items) stays on mma.sync; ``lean_ok``: the lean kernel computes the plan
+    (:func:`~nbinfer.kernels.prefill_wgmma.lean_eligible`); ``rows``: packed query rows per
+    request on average. Only on an sm_90 GPU."""
+    if sim or split or MMA_WGMMA is False:
+        return False, False
+    lean = lean_ok and MMA_WGMMA_LEAN is not False
+    if MMA_WGMMA is None:
+        knobs = (MMA_KV_TILE, MMA_Q_SHARED, MMA_MAX_REGISTERS, MMA_STAGES, MMA_DEFER_MERGE,
+                 MMA_WARPS, MMA_KV_SPLIT)
+        if not (lean and rows >= LEAN_MIN_ROWS) or any(k is not None for k in knobs):
+            return False, False
     from numba import cuda
 
-    return cuda.get_current_device().compute_capability[0] == 9
+    if cuda.get_current_device().compute_capability[0] != 9:
+        return False, False
+    return True, lean
 
 
 def mma_item_overhead(spec) -> int:
@@ -213,9 +232,16 @@ class PrefillWrapperBase(WrapperBase):
         if mma_eligible(step.head_dim, step.q_dtype, step.kv_dtype):
             # Tensor cores; two warps in the simulator (every simulated thread is an OS thread).
             tiles = mma_tiles(step.head_dim, all_split=self._all_split)
-            wg = use_wgmma(sim, self._all_split or tiles["kv_split"])
+            wg, lean = wgmma_choice(
+                sim, self._all_split or tiles["kv_split"],
+                lean_eligible(step.variant, step.custom_mask, step.q_pos0 is not None),
+                step.num_qo_rows * group / max(step.batch_size, 1))
             if wg:
                 tiles.update(kv_tile=64, q_shared=True, wgmma=True)
+            if lean:
+                # its fixed shape; a register cap set by MMA_MAX_REGISTERS still applies
+                tiles.update(lean=True, stages=LEAN_STAGES, defer_merge=True,
+                             max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS)
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM

@@ -115,6 +115,10 @@ class MmaPrefillSpec(PrefillSpec):
     # the canonical layouts, each warpgroup's Q K^T and P V one wgmma chain. GPU only (sm_90);
     # 64-key tiles, 4 or 8 warps, no kv_split; its guarded twin runs on mma.sync.
     wgmma: bool = False
+    # With ``wgmma``: the lean warpgroup kernel (:mod:`.prefill_wgmma`) instead of this one's
+    # warpgroup form: plain variants only (causal or none, no hooks, no custom mask), 8 warps,
+    # 64-key tiles, 2 stages, split rows merged by the merge launch (``defer_merge``).
+    lean: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -137,6 +141,19 @@ class MmaPrefillSpec(PrefillSpec):
                              f"value_guard; got sim={self.sim}, kv_tile={self.kv_tile}, "
                              f"num_warps={self.num_warps}, kv_split={self.kv_split}, "
                              f"value_guard={self.value_guard}")
+        if self.lean:
+            from .prefill_wgmma import LEAN_KV_TILE, LEAN_STAGES, LEAN_WARPS, lean_eligible
+
+            if not (self.wgmma and self.num_warps == LEAN_WARPS and self.stages == LEAN_STAGES
+                    and self.defer_merge and lean_eligible(self.variant, self.custom_mask,
+                                                           self.block_positions)):
+                raise ValueError(
+                    f"lean=True needs wgmma, {LEAN_WARPS} warps, {LEAN_KV_TILE}-key tiles, "
+                    f"{LEAN_STAGES} stages, defer_merge, and a plain variant (causal or none, no "
+                    f"hooks, no custom mask, no block positions); got wgmma={self.wgmma}, "
+                    f"num_warps={self.num_warps}, stages={self.stages}, "
+                    f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
+                    f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -179,8 +196,15 @@ def build_prefill_mma_kernel(spec: MmaPrefillSpec):
     from .launch import use_dynamic_shared  # host code: not part of the kernel's source key
 
     opts = {"max_registers": spec.max_registers} if spec.max_registers else {}
-    kernel = compile_kernel("prefill_mma", spec, prefill_signature(spec),
-                            lambda: prefill_mma_kernel_source(spec), __name__, **opts)
+    if spec.lean:
+        from .prefill_wgmma import prefill_wgmma_kernel_source
+
+        kernel = compile_kernel("prefill_wgmma", spec, prefill_signature(spec),
+                                lambda: prefill_wgmma_kernel_source(spec),
+                                prefill_wgmma_kernel_source.__module__, **opts)
+    else:
+        kernel = compile_kernel("prefill_mma", spec, prefill_signature(spec),
+                                lambda: prefill_mma_kernel_source(spec), __name__, **opts)
     return use_dynamic_shared(kernel, shared_layout(spec)["dynamic"], spec.sim)
 
 
@@ -213,79 +237,27 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
     return dict(stage=stage, q_base=q_base, total=total, dynamic=dynamic)
 
 
-def prefill_mma_kernel_source(spec: MmaPrefillSpec):
+def kv_tile_loader(spec: MmaPrefillSpec, ops):
+    """``load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+    page_stride, t0, end, hk, tid)``: one KV tile of ``spec`` (keys ``t0 .. t0 + BC - 1`` of
+    the item's request, through the loading rule) into the stage at shared address ``kb`` (K,
+    then V ``ops.TILE_BYTES`` on) by ``cp.async``, as one commit group; ``ops`` (``tile_ops``
+    or ``wgmma_tile_ops``) decides where each copy lands. Shared by both tensor-core kernels."""
     sim = spec.sim
     prims = primitives(sim)
     hooks = device_hooks(spec.variant, sim)
-    D = spec.head_dim
-    HALF = D // 2
-    G = spec.group_size
-    NW = spec.num_warps
-    NT = spec.num_threads
-    TQ = spec.tile_q
-    BC = spec.tile_kv
-    WGMMA = spec.wgmma
-    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW) if WGMMA else tile_ops(D, BC, spec.q_dtype,
-                                                                          NW, sim)
-    ELEM, RS = ops.ELEM, ops.RS
-    q_offset, copy_map, publish = ops.q_offset, ops.copy_map, ops.publish
-    NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
-    store_pair, load_q, quad_reduce = ops.store_pair, ops.load_q, ops.quad_reduce
-    scrub_pair = ops.scrub_pair
-    GUARD = spec.value_guard
-    Q_SMEM = spec.q_in_shared
-    TILE_BYTES = ops.TILE_BYTES  # one K (or V) tile
-    shared = shared_layout(spec)
-    STAGE_BYTES = shared["stage"]
-    Q_BASE = shared["q_base"]  # aliasing the last stage (Q moves to registers), or its own area
-    NSTG = spec.stages
-    DEFER_MERGE = spec.defer_merge
-    SMEM_FLOATS = shared["total"] // 4
-    SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
-    # Tiles on a 256-byte boundary: allocated at launch they followed the static arrays at 16
-    # bytes, 32 past a 128-byte line (the decode's ring at 48 past one was slow: NOTES).
-    SMEM_ALIGN = max(prims.SMEM_ALIGN, 256) if prims.SMEM_ALIGN else prims.SMEM_ALIGN
-    SCRATCH = max(ops.SCRATCH, 1)
+    D, HALF, NT, BC = spec.head_dim, spec.head_dim // 2, spec.num_threads, spec.tile_kv
     CHUNKS = D // 8  # 16-byte copies (8 elements) per token row
     ROWS_PER_PASS = NT // CHUNKS  # token rows one pass of the CTA's 16-byte copies covers
     COPIES = BC // ROWS_PER_PASS  # copies per thread per K (or V) tile
-    Q_PAIRS = TQ * HALF // NT  # Q element pairs each thread stages per item
-    BAD_WORDS = BC // 32  # the guarded twin's bit per key of a tile (a 64-key tile: two words)
-    FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
-    fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
-    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
+    TILE_BYTES, copy_map, store_pair, q_offset = (ops.TILE_BYTES, ops.copy_map, ops.store_pair,
+                                                  ops.q_offset)
     token_offset = loading_module(spec.sparse, spec.page_size, sim).token_offset
-    read_item = prefill_item_reader(spec.sparse, spec.page_size, spec.block_positions, sim)
-    pos_fns = position_module(spec.page_size, spec.block_positions, sim)
-    key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
-    hook_query, hook_key, hook_logits = hooks.query, hooks.key, hooks.logits
-    hook_mask, hook_output = hooks.mask, hooks.output
-    SOFTMAX = hooks.use_softmax
-    NA = NO + (4 if SOFTMAX else 0)  # accumulators: the output's, then the row sums'
-    HAS_Q, HAS_K = hooks.has_query, hooks.has_key
-    HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
-    CUSTOM = spec.custom_mask
-    # Scores come out of the mma unscaled: scale (and log2 e for exp2) in float32 registers.
-    PRE = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
-    POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
-    NEG_INF = float32(-np.inf)
-    NAN = float32(np.nan)
-    ZERO = float32(0.0)
-    ONE = float32(1.0)
-    finalize = state_finalize(sim)
-    MASKED = NEG_INF if SOFTMAX else ZERO
-    SKIP_IDLE_WARPS = not sim  # the simulator twins meet at barriers: every warp computes
-    # Tiles whose every score is kept take a short path (see the tile loop): possible when no
-    # hook reads a score's positions, or the only mask is causal over affine key positions.
-    CLEAR_TILES = not (HAS_LOGITS or CUSTOM or GUARD) and (
-        not HAS_MASK or (all(is_causal_mask(f) for f in spec.variant.logits_mask)
-                         and not spec.block_positions))
+    key_position = position_module(spec.page_size, spec.block_positions, sim).key_position
+    hook_key, HAS_K = hooks.key, hooks.has_key
+    cp_async16_to, commit = prims.cp_async16_to, prims.commit
+    kv_f32 = prims.convert[spec.kv_dtype]
     U32 = types.uint32
-    exp2 = prims.exp2
-    # At the top of tile i, tiles i + 1 .. i + NSTG - 2 may still be in flight.
-    shared_addr, cp_async16_to, commit, wait_tile = (prims.shared_addr, prims.cp_async16_to,
-                                                     prims.commit, prims.wait(NSTG - 2))
-    kv_f32, q_f32 = prims.convert[spec.kv_dtype], prims.convert[spec.q_dtype]
     jit_dev = device_jit(sim)
 
     # A *straight* tile: every row in range and, paged, every copy's page known from the row's
@@ -307,6 +279,176 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         if PS <= BC:  # (the caller checked PS_STRAIGHT at compile time)
             return U32(t0) % U32(PS) == U32(0)
         return U32(t0) % U32(PS) + U32(BC) <= U32(PS)
+
+    @jit_dev
+    def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+                     page_stride, t0, end, hk, tid):
+        # BC token rows of K and V, D * 2 bytes each, in 16-byte cp.async copies; rows past the
+        # range re-read the last token (masked later), so no copy is conditional.
+        # A fixed number of copies per thread, each at a fixed (row, chunk) of the tile: a
+        # thread's chunk and first row are the same for every tile, so per copy only the token's
+        # offset is computed (a runtime-bounded loop here cost ~300 instructions per tile).
+        # (row j0 + r ROWS_PER_PASS, chunk c) of K to kb + dk + r dk_step, of V to vb + dv +
+        # r dv_step: padded rows, or wgmma's core matrices (ops.copy_map)
+        vb = kb + U32(TILE_BYTES)
+        j0, c, dk, dv, dk_step, dv_step = copy_map(tid)
+        if PS_STRAIGHT and straight(t0, end):
+            # Copy r is row j0 + r RPP: page (r RPP) // PS of the tile (j0 < RPP <= PS never
+            # crosses a page), so its offset is its page's first copy plus a constant number
+            # of rows (D = 128: 16 copies of K and V in ~60 instructions, not ~190).
+            pages = cuda.local.array(TILE_PAGES, int64)
+            for pg in range(TILE_PAGES):
+                pos = U32(t0) + U32(pg * PS) + j0 if SPARSE else U32(t0) + j0
+                pages[pg] = token_offset(kv_indices, ib, pos, row_stride, head_off,
+                                         page_stride) + int64(8 * c)
+            for r in range(COPIES):
+                row = r * ROWS_PER_PASS
+                pg = row // PS if SPARSE and PS <= BC else 0
+                within = row % PS if SPARSE and PS <= BC else row
+                off = pages[pg] + int64(within) * row_stride
+                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off)
+                if not HAS_K:
+                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off)
+        else:
+            last = end - 1
+            for r in range(COPIES):
+                j = j0 + U32(r * ROWS_PER_PASS)
+                pos = min(t0 + int64(j), last)
+                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
+                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off + int64(8 * c))
+                if not HAS_K:
+                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off + int64(8 * c))
+        if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
+            for e in range(tid, BC * HALF, NT):
+                j = e // HALF
+                d = 2 * (e % HALF)
+                pos = min(t0 + j, end - 1)
+                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
+                kp = key_position(kv_indptr, kv_indices, b, pos)
+                x0 = kv_f32(k[off + d])
+                x1 = kv_f32(k[off + d + 1])
+                y0 = float32(hook_key(x0, kv_f32(k[off + (d + HALF) % D]), d, D, kp, hk))
+                y1 = float32(hook_key(x1, kv_f32(k[off + (d + 1 + HALF) % D]), d + 1, D, kp, hk))
+                store_pair(smem, kb + q_offset(j, d), y0, y1)
+        commit()
+
+    return load_kv_tile
+
+
+def q_tile_stager(spec: MmaPrefillSpec, ops):
+    """``stage_q(smem, qbase, q, q0, qs, nrows, hk, pos0, q_stride_n, q_stride_h, tid, sign)``:
+    the item's ``tile_q`` packed rows of Q (query row ``p // G``, head ``hk G + p % G``) through
+    the variant's query hook, times ``sign`` (1 or -1: exact), rounded to the operand type,
+    stored at shared address ``qbase`` where ``ops.q_offset`` places them; rows past ``nrows``
+    are zeros. Shared by both tensor-core kernels (the caller publishes and waits)."""
+    sim = spec.sim
+    prims = primitives(sim)
+    hooks = device_hooks(spec.variant, sim)
+    D, HALF, NT, G = spec.head_dim, spec.head_dim // 2, spec.num_threads, spec.group_size
+    Q_PAIRS = spec.tile_q * HALF // NT  # Q element pairs each thread stages per item
+    hook_query, HAS_Q = hooks.query, hooks.has_query
+    q_f32 = prims.convert[spec.q_dtype]
+    store_pair, q_offset = ops.store_pair, ops.q_offset
+    ZERO = float32(0.0)
+    U32 = types.uint32
+
+    @device_jit(sim)
+    def stage_q(smem, qbase, q, q0, qs, nrows, hk, pos0, q_stride_n, q_stride_h, tid, sign):
+        # A fixed count of element pairs per thread, every load unconditional (rows past
+        # nrows read the last row and store zeros): the loads of a thread are independent
+        # and issue back to back, where a guarded runtime loop waited on each in turn.
+        tu = U32(tid)
+        last_row = nrows - 1
+        for r in range(Q_PAIRS):
+            e = tu + U32(r * NT)
+            p = e // U32(HALF)
+            d = U32(2) * (e % U32(HALF))
+            row = p // U32(G)
+            qb = (int64(q0 + qs + min(row, last_row)) * q_stride_n
+                  + int64(hk * G + p % U32(G)) * q_stride_h)
+            x0 = q_f32(q[qb + d])
+            x1 = q_f32(q[qb + d + 1])
+            if HAS_Q:
+                qp = pos0 + row
+                qh = hk * G + p % U32(G)
+                y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
+                x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
+                                        qp, qh))
+                x0 = y0
+            if row >= nrows:
+                x0 = ZERO
+                x1 = ZERO
+            store_pair(smem, qbase + q_offset(p, d), x0 * sign, x1 * sign)
+
+    return stage_q
+
+
+def prefill_mma_kernel_source(spec: MmaPrefillSpec):
+    sim = spec.sim
+    prims = primitives(sim)
+    hooks = device_hooks(spec.variant, sim)
+    D = spec.head_dim
+    HALF = D // 2
+    G = spec.group_size
+    NW = spec.num_warps
+    NT = spec.num_threads
+    TQ = spec.tile_q
+    BC = spec.tile_kv
+    WGMMA = spec.wgmma
+    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW) if WGMMA else tile_ops(D, BC, spec.q_dtype,
+                                                                          NW, sim)
+    ELEM, RS = ops.ELEM, ops.RS
+    publish = ops.publish
+    NS, NO, QF, QF_T = ops.NS, ops.NO, ops.QF, ops.QF_T
+    load_q, quad_reduce = ops.load_q, ops.quad_reduce
+    scrub_pair = ops.scrub_pair
+    GUARD = spec.value_guard
+    Q_SMEM = spec.q_in_shared
+    TILE_BYTES = ops.TILE_BYTES  # one K (or V) tile
+    shared = shared_layout(spec)
+    STAGE_BYTES = shared["stage"]
+    Q_BASE = shared["q_base"]  # aliasing the last stage (Q moves to registers), or its own area
+    NSTG = spec.stages
+    DEFER_MERGE = spec.defer_merge
+    SMEM_FLOATS = shared["total"] // 4
+    SMEM_DECL = 0 if shared["dynamic"] else SMEM_FLOATS  # 0: allocated at launch
+    # Tiles on a 256-byte boundary: allocated at launch they followed the static arrays at 16
+    # bytes, 32 past a 128-byte line (the decode's ring at 48 past one was slow: NOTES).
+    SMEM_ALIGN = max(prims.SMEM_ALIGN, 256) if prims.SMEM_ALIGN else prims.SMEM_ALIGN
+    SCRATCH = max(ops.SCRATCH, 1)
+    BAD_WORDS = BC // 32  # the guarded twin's bit per key of a tile (a 64-key tile: two words)
+    FLAG_WORDS = 2 * TQ + 3  # the tile merge's row flags and lists (fused_merge)
+    fused = build_merge_list(G, D, NT, SMEM_FLOATS, spec.variant, spec.q_dtype, sim)
+    finish_split_tile, store, OUTS = fused.finish_split_tile, fused.store, fused.OUTS
+    read_item = prefill_item_reader(spec.sparse, spec.page_size, spec.block_positions, sim)
+    pos_fns = position_module(spec.page_size, spec.block_positions, sim)
+    key_position, mask_bit = pos_fns.key_position, pos_fns.mask_bit
+    hook_logits = hooks.logits
+    hook_mask, hook_output = hooks.mask, hooks.output
+    SOFTMAX = hooks.use_softmax
+    NA = NO + (4 if SOFTMAX else 0)  # accumulators: the output's, then the row sums'
+    HAS_LOGITS, HAS_MASK, HAS_OUT = hooks.has_logits, hooks.has_mask, hooks.has_output
+    CUSTOM = spec.custom_mask
+    # Scores come out of the mma unscaled: scale (and log2 e for exp2) in float32 registers.
+    PRE = float32(LOG2E if (SOFTMAX and not HAS_LOGITS) else 1.0)
+    POST_LOG2E = float32(LOG2E if (SOFTMAX and HAS_LOGITS) else 1.0)
+    NEG_INF = float32(-np.inf)
+    NAN = float32(np.nan)
+    ZERO = float32(0.0)
+    ONE = float32(1.0)
+    finalize = state_finalize(sim)
+    MASKED = NEG_INF if SOFTMAX else ZERO
+    SKIP_IDLE_WARPS = not sim  # the simulator twins meet at barriers: every warp computes
+    # Tiles whose every score is kept take a short path (see the tile loop): possible when no
+    # hook reads a score's positions, or the only mask is causal over affine key positions.
+    CLEAR_TILES = not (HAS_LOGITS or CUSTOM or GUARD) and (
+        not HAS_MASK or (all(is_causal_mask(f) for f in spec.variant.logits_mask)
+                         and not spec.block_positions))
+    U32 = types.uint32
+    exp2 = prims.exp2
+    # At the top of tile i, tiles i + 1 .. i + NSTG - 2 may still be in flight.
+    shared_addr, commit, wait_tile = prims.shared_addr, prims.commit, prims.wait(NSTG - 2)
+    jit_dev = device_jit(sim)
 
     def make_row_extremes(NSX):
         HS = NSX // 2  # scores of one row in a lane
@@ -451,57 +593,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     else:
         split_tile = full_tile  # never called
 
-    @jit_dev
-    def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                     page_stride, t0, end, hk, tid):
-        # BC token rows of K and V, D * 2 bytes each, in 16-byte cp.async copies; rows past the
-        # range re-read the last token (masked later), so no copy is conditional.
-        # A fixed number of copies per thread, each at a fixed (row, chunk) of the tile: a
-        # thread's chunk and first row are the same for every tile, so per copy only the token's
-        # offset is computed (a runtime-bounded loop here cost ~300 instructions per tile).
-        # (row j0 + r ROWS_PER_PASS, chunk c) of K to kb + dk + r dk_step, of V to vb + dv +
-        # r dv_step: padded rows, or wgmma's core matrices (ops.copy_map)
-        vb = kb + U32(TILE_BYTES)
-        j0, c, dk, dv, dk_step, dv_step = copy_map(tid)
-        if PS_STRAIGHT and straight(t0, end):
-            # Copy r is row j0 + r RPP: page (r RPP) // PS of the tile (j0 < RPP <= PS never
-            # crosses a page), so its offset is its page's first copy plus a constant number
-            # of rows (D = 128: 16 copies of K and V in ~60 instructions, not ~190).
-            pages = cuda.local.array(TILE_PAGES, int64)
-            for pg in range(TILE_PAGES):
-                pos = U32(t0) + U32(pg * PS) + j0 if SPARSE else U32(t0) + j0
-                pages[pg] = token_offset(kv_indices, ib, pos, row_stride, head_off,
-                                         page_stride) + int64(8 * c)
-            for r in range(COPIES):
-                row = r * ROWS_PER_PASS
-                pg = row // PS if SPARSE and PS <= BC else 0
-                within = row % PS if SPARSE and PS <= BC else row
-                off = pages[pg] + int64(within) * row_stride
-                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off)
-                if not HAS_K:
-                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off)
-        else:
-            last = end - 1
-            for r in range(COPIES):
-                j = j0 + U32(r * ROWS_PER_PASS)
-                pos = min(t0 + int64(j), last)
-                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
-                cp_async16_to(smem, vb + dv + U32(r) * dv_step, v, off + int64(8 * c))
-                if not HAS_K:
-                    cp_async16_to(smem, kb + dk + U32(r) * dk_step, k, off + int64(8 * c))
-        if HAS_K:  # the key hook (RoPE) runs on the way in: through registers
-            for e in range(tid, BC * HALF, NT):
-                j = e // HALF
-                d = 2 * (e % HALF)
-                pos = min(t0 + j, end - 1)
-                off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride)
-                kp = key_position(kv_indptr, kv_indices, b, pos)
-                x0 = kv_f32(k[off + d])
-                x1 = kv_f32(k[off + d + 1])
-                y0 = float32(hook_key(x0, kv_f32(k[off + (d + HALF) % D]), d, D, kp, hk))
-                y1 = float32(hook_key(x1, kv_f32(k[off + (d + 1 + HALF) % D]), d + 1, D, kp, hk))
-                store_pair(smem, kb + q_offset(j, d), y0, y1)
-        commit()
+    load_kv_tile = kv_tile_loader(spec, ops)
+    stage_q = q_tile_stager(spec, ops)
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
                            tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
@@ -558,32 +651,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                                  start + pt * BC, end, hk, tid)
                 else:
                     commit()
-            # Q tile -> its staging area (rounded to the operand type, after the query hook).
-            # A fixed count of element pairs per thread, every load unconditional (rows past
-            # nrows read the last row and store zeros): the loads of a thread are independent
-            # and issue back to back, where a guarded runtime loop waited on each in turn.
-            tu = U32(tid)
-            last_row = nrows - 1
-            for r in range(Q_PAIRS):
-                e = tu + U32(r * NT)
-                p = e // U32(HALF)
-                d = U32(2) * (e % U32(HALF))
-                row = p // U32(G)
-                qb = (int64(q0 + qs + min(row, last_row)) * q_stride_n
-                      + int64(hk * G + p % U32(G)) * q_stride_h)
-                x0 = q_f32(q[qb + d])
-                x1 = q_f32(q[qb + d + 1])
-                if HAS_Q:
-                    qp = pos0 + row
-                    qh = hk * G + p % U32(G)
-                    y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
-                    x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
-                                            qp, qh))
-                    x0 = y0
-                if row >= nrows:
-                    x0 = ZERO
-                    x1 = ZERO
-                store_pair(smem, base + U32(Q_BASE) + q_offset(p, d), x0, x1)
+            # Q tile -> its staging area (rounded to the operand type, after the query hook)
+            stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n, q_stride_h,
+                    tid, ONE)
             publish()  # (wgmma: the tensor cores read Q through the async proxy)
             cuda.syncthreads()
             # A kv_split item: every warp takes the tile's first 16 packed rows (all of them)

@@ -216,8 +216,21 @@ def wgmma_intrinsics():
 
         return hold
 
+    @intrinsic
+    def opaque_u32(typingctx, x):
+        # x through a volatile mov: LLVM cannot hoist what is computed from the result out of
+        # the loop it is called in (the lean prefill's eight Q descriptors: hoisted out of its
+        # tile loop they held 16 registers, 153 instead of 128 with the rest of the loop)
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.IntType(32), [ir.IntType(32)])
+            asm = ir.InlineAsm(fnty, "mov.b32 $0, $1;", "=r,r", side_effect=True)
+            return builder.call(asm, [context.cast(builder, args[0], sig.args[0], U32)])
+
+        return U32(x), codegen
+
     kinds = [(n, kind) for n in WGMMA_N for kind in WGMMA_KINDS.values()]
     return SimpleNamespace(
+        opaque_u32=opaque_u32,
         mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
         mma_rs={nk: make_mma(*nk, a_regs=True) for nk in kinds},
         fence=make_void("wgmma.fence.sync.aligned;"),
@@ -441,6 +454,16 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     def publish():
         proxy_fence()
 
+    # K's and V's k-steps start 2 LBO bytes apart: a step's descriptor is the first one's low
+    # word plus 2 LBO >> 4 (the start address field, bits 0-13, cannot carry: shared addresses
+    # stay below 256 KiB) under a constant high word (SBO), one 32-bit add per step instead of
+    # a shift, mask and or of a 64-bit value (ptxas: 595 -> 565 instructions per tile of the
+    # lean prefill). Q's stay whole: built that way from one base, ptxas serialised the chains
+    # for want of registers (bench/NOTES.md, session 17).
+    STEP = 2 * LBO >> 4
+    LO_LBO = U32((LBO >> 4) << 16)
+    HI_K, HI_V = U64((SBO_K >> 4) << 32), U64((SBO_V >> 4) << 32)
+
     @jit_dev
     def qk_smem(smem, kbase, qbase, warp, lane, s):
         qa = U32(qbase) + U32((warp // 4) * QWG_BYTES)
@@ -448,9 +471,10 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
             s[i] = float32(0.0)
         hold_s(s)  # registers a wgmma reads are written before its fence
         fence()
+        lb = (U32(kbase) >> U32(4)) | LO_LBO
         for ks in range(KSTEPS):
             mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_K)),
-                   U64(descriptor(U32(kbase) + U32(ks * 2 * LBO), LBO, SBO_K)), s)
+                   HI_K | U64(lb + U32(ks * STEP)), s)
         commit()
         wait0()
         hold_s(s)  # and its results are read only after its wait
@@ -461,9 +485,10 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
         # mma.sync's packing) and V's tile at vbase, waited for
         hold_o(o)  # the rescaled accumulators, written before the fence
         fence()
+        lv = (U32(vbase) >> U32(4)) | LO_LBO
         for kk in range(VSTEPS):
             mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                   U64(descriptor(U32(vbase) + U32(kk * 2 * LBO), LBO, SBO_V)), o)
+                   HI_V | U64(lv + U32(kk * STEP)), o)
         commit()
         wait0()
         hold_o(o)

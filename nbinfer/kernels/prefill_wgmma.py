@@ -1,0 +1,336 @@
+"""Batch prefill on Hopper's warpgroup MMA, lean: the plain variants only (FlashInfer's ``fa3``
+backend has the same scope against its ``fa2``).
+
+:mod:`.prefill_mma` with ``wgmma=True`` keeps every feature of the tensor-core kernel (hooks on
+each score, custom masks, clear and masked paths per warp, row sums by a ones-``mma``, the fused
+merge) and measured *slower* than its ``mma.sync`` form on the H200: 206 registers, one CTA of
+8 warps per SM, and ~1060 instructions per warp and 64-key tile around 12 ``HGMMA``
+(bench/NOTES.md, "Issue 13, session 16"). This kernel is the standalone tile that measured
+0.86-0.95x SDPA flash (``bench/wgmma_attention.py``'s ``build_pipe``, ``r128``) grown to
+nbinfer's work items, and nothing more:
+
+- the same plan, arguments and companions as the tensor-core kernel (``prefill_signature``;
+  the value scan before it and the ``mma.sync`` guarded twin after it when the variant masks,
+  the merge launch after it for split rows: ``defer_merge``);
+- a CTA of two warpgroups takes 128 packed rows (query rows x GQA group); Q is staged once per
+  item, K / V tiles of 64 keys stream through a ring of two stages by ``cp.async``
+  (:func:`.prefill_mma.kv_tile_loader`: ragged, single or paged), one barrier per tile;
+- per tile each warpgroup runs ``S = Q K^T`` (``D / 16`` ``wgmma.m64n64k16``), the online
+  softmax on S's registers, ``O += P V`` (4 ``wgmma.m64nDk16``, P from registers, V through
+  the transpose flag);
+- *clear* tiles (every key before the CTA's first row and inside the KV range) run in a loop
+  of their own with no mask; the tiles that cross the diagonal or the KV end follow, with the
+  mask as a pass of its own (a select inside the max loop cost 11 registers in the standalone);
+- no hooks: the variant is causal or nothing (:func:`lean_eligible`), 16-bit q and KV of one
+  type, D 64 / 128, no custom mask, no block positions; ptxas's cap of 128 registers lets two
+  CTAs (2 x 256 threads) share an SM.
+
+Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
+tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
+one FFMA + exp2 + add per score, 64 rescales); bytes: 32 KiB of K and V per tile for the CTA's
+128 rows, 128 FLOP/byte, so at 4.2 TB/s the copies could feed ~540 TFLOP/s: the tile is
+compute- and issue-bound, not bandwidth-bound.
+
+The non-finite rule (nbinfer's, :mod:`.value_scan`): a NaN reaches the output by itself; a
+``-inf`` score (inf in q or K) would vanish in ``exp2``, so each kept score also enters a
+running minimum per row and a row whose minimum is ``-inf`` is made NaN at the end; a masked
+key's non-finite V (``0 x NaN`` in the ``P V`` product) is the guarded twin's, run only on the
+pairs the scan flags.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, types
+
+from ..variants.builtins import is_causal_mask
+from .common import F_INF, F_LN2, state_finalize
+from .fused_merge import build_merge_list
+from .hooks import device_hooks
+from .mma import _gpu_mma_intrinsics
+from .positions import prefill_item_reader
+from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
+from .primitives import LOG2E, primitives
+from .wgmma import WGMMA_KINDS, wgmma_intrinsics, wgmma_tile_ops
+
+# The lean kernel's fixed shape: two warpgroups, 64-key tiles, two stages, ptxas's cap
+LEAN_WARPS = 8
+LEAN_KV_TILE = 64
+LEAN_STAGES = 2
+LEAN_MAX_REGISTERS = 128
+
+
+def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
+    """Whether the lean warpgroup kernel computes this problem: softmax attention whose only
+    mask is causal (or none), no query / key / logits / output hook, no custom mask, affine
+    query positions (the dtype, head dim and device are the caller's to check)."""
+    if (variant.query_transform or variant.key_transform or variant.logits_transform
+            or variant.output_transform):
+        return False
+    if not variant.use_softmax or custom_mask or block_positions:
+        return False
+    return all(is_causal_mask(f) for f in variant.logits_mask)
+
+
+def prefill_wgmma_kernel_source(spec):
+    """The lean kernel's Python source for ``spec`` (an ``MmaPrefillSpec`` with ``lean=True``:
+    8 warps, 64-key tiles, 2 stages, ``defer_merge``); launched like the tensor-core kernel."""
+    prims = primitives(False)
+    hooks = device_hooks(spec.variant, False)
+    D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
+    ops = wgmma_tile_ops(D, BC, spec.q_dtype, spec.num_warps)
+    qk_smem, pv_words, publish = ops.qk_smem, ops.pv_words, ops.publish
+    NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
+    A_WORDS = BC // 4  # P as the P V product's A fragments
+    opaque = wgmma_intrinsics().opaque_u32  # Q's address, recomputed per tile
+    pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
+    TILE_BYTES = ops.TILE_BYTES
+    load_kv_tile = kv_tile_loader(spec, ops)
+    stage_q = q_tile_stager(spec, ops)
+    read_item = prefill_item_reader(spec.sparse, spec.page_size, False, False)
+    shared = shared_layout(spec)
+    STAGE_BYTES, Q_BASE, NSTG = shared["stage"], shared["q_base"], spec.stages
+    SMEM_DECL = 0 if shared["dynamic"] else shared["total"] // 4
+    store = build_merge_list(G, D, NT, shared["total"] // 4, spec.variant, spec.q_dtype,
+                             False).store
+    CAUSAL = hooks.has_mask  # lean_eligible: the only mask is causal
+    finalize = state_finalize(False)
+    exp2, shared_addr, commit = prims.exp2, prims.shared_addr, prims.commit
+    wait_tile = prims.wait(NSTG - 2)  # at the top of tile i, tiles past i may still fly
+    U32 = types.uint32
+    NEG_INF, POS_INF = float32(-np.inf), float32(np.inf)
+    NAN, ZERO, ONE = float32(np.nan), float32(0.0), float32(1.0)
+    PRE = float32(LOG2E)
+    FULL = 0xFFFFFFFF
+
+    @cuda.jit(device=True)
+    def tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off, page_stride,
+             it, n_tiles, start, end, hk, tid, warp, s, acc, pw, masked, qp0, qp1, t2, ks,
+             m0, m1, den0, den1, lo0, lo1):
+        # One KV tile: wait for it, refill the ring, S = Q K^T, the mask (masked tiles only),
+        # the online softmax, O += P V. Returns the rows' running state.
+        wait_tile()
+        publish()  # cp.async's stores, visible to the tensor cores (the async proxy)
+        cuda.syncthreads()  # tile it is in for every thread; every warp is done with it - 1
+        nxt = it + NSTG - 1
+        if nxt < n_tiles:  # (stages by unsigned arithmetic: a signed % costs sign fix-ups)
+            load_kv_tile(smem, base + (U32(nxt) % U32(NSTG)) * U32(STAGE_BYTES), k, v, kv_indices,
+                         kv_indptr, b, ib, row_stride, head_off, page_stride, start + nxt * BC,
+                         end, hk, tid)
+        else:
+            commit()  # an empty group keeps group i meaning tile i
+        kb = base + (U32(it) % U32(NSTG)) * U32(STAGE_BYTES)
+        # (Q's address through an opaque move: hoisted out of the loop, its 8 descriptors
+        # held 16 registers, 153 instead of 128 with the rest of the tile)
+        qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, 0, s)
+        tk = start + it * BC + t2  # the key of this lane's first column
+        # s[4 j + 2 h + c]: row h (qp0 / qp1), key tk + 8 j + c
+        if masked:
+            for j in range(NS // 4):
+                for c in range(2):
+                    key = tk + 8 * j + c
+                    x0 = s[4 * j + c]
+                    x1 = s[4 * j + 2 + c]
+                    live = key < end
+                    if live and (not CAUSAL or key <= qp0):
+                        lo0 = min(lo0, x0)
+                    else:
+                        s[4 * j + c] = NEG_INF
+                    if live and (not CAUSAL or key <= qp1):
+                        lo1 = min(lo1, x1)
+                    else:
+                        s[4 * j + 2 + c] = NEG_INF
+            mx0 = NEG_INF
+            mx1 = NEG_INF
+            for j in range(NS // 4):
+                for c in range(2):
+                    mx0 = max(mx0, s[4 * j + c])
+                    mx1 = max(mx1, s[4 * j + 2 + c])
+        else:
+            mx0 = NEG_INF
+            mx1 = NEG_INF
+            for j in range(NS // 4):
+                for c in range(2):
+                    x0 = s[4 * j + c]
+                    x1 = s[4 * j + 2 + c]
+                    mx0 = max(mx0, x0)
+                    mx1 = max(mx1, x1)
+                    lo0 = min(lo0, x0)
+                    lo1 = min(lo1, x1)
+        # the row's four lanes hold its 64 keys between them
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
+        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
+        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+        mn0 = max(m0, mx0 * ks)  # log2 units; ks >= 0 (a negative scale negated Q instead)
+        mn1 = max(m1, mx1 * ks)
+        mr0 = mn0 if mn0 > NEG_INF else ZERO  # a row with no kept key yet: exp2(-inf) = 0
+        mr1 = mn1 if mn1 > NEG_INF else ZERO
+        a0 = exp2(m0 - mr0)
+        a1 = exp2(m1 - mr1)
+        m0 = mn0
+        m1 = mn1
+        r0 = ZERO
+        r1 = ZERO
+        for j in range(NS // 4):  # one FFMA and one exp2 per score
+            for c in range(2):
+                p0 = exp2(s[4 * j + c] * ks - mr0)
+                p1 = exp2(s[4 * j + 2 + c] * ks - mr1)
+                s[4 * j + c] = p0
+                s[4 * j + 2 + c] = p1
+                r0 += p0
+                r1 += p1
+        den0 = den0 * a0 + r0
+        den1 = den1 * a1 + r1
+        for j in range(NO // 4):
+            for c in range(2):
+                acc[4 * j + c] *= a0
+                acc[4 * j + 2 + c] *= a1
+        # P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk, 2 kk + 1
+        for w in range(A_WORDS):
+            pw[w] = pack(s[2 * w], s[2 * w + 1])
+        pv_words(pw, kb + U32(TILE_BYTES), acc)
+        return m0, m1, den0, den1, lo0, lo1
+
+    def prefill_wgmma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
+                             tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
+                             q_stride_n, q_stride_h, sm_scale, v_scale, work_off,
+                             cta_indptr_off, cta_work_off, merge_rows_off, merge_indptr_off,
+                             merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
+                             mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
+        # [stage 0 K|V, stage 1 K|V, Q]: 96 KiB at D 128, allocated at launch
+        smem = cuda.shared.array(SMEM_DECL, float32, alignment=256)
+        s = cuda.local.array(NS, float32)
+        acc = cuda.local.array(NO, float32)
+        pw = cuda.local.array(A_WORDS, U32)
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        t2 = 2 * (lane % 4)
+        base = shared_addr(smem, 0)
+        hq = hkv * G
+        # Scores come out unscaled: sm_scale and log2 e go into exp2's FFMA, and the row
+        # maximum of raw scores, scaled, is the scaled maximum, for a scale >= 0. A negative
+        # scale negates Q as it is staged instead (exact), so that the loop has one form: a
+        # branch scaling each score first cost 22 registers across the loop (ptxas).
+        ks = sm_scale * PRE
+        sign = ONE
+        if ks < ZERO:
+            ks = -ks
+            sign = -ONE
+        c = cuda.blockIdx.x
+        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+            item = plan[cta_work_off + wi]
+            (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
+             pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
+                               kv_indptr, kv_last, kv_stride_n, kv_stride_h)
+            n_tiles = (end - start + BC - 1) // BC if end > start else 0
+            cuda.syncthreads()  # the previous item is done with shared memory
+            for pt in range(NSTG - 1):  # group i is tile i (empty past the last)
+                if pt < n_tiles:
+                    load_kv_tile(smem, base + U32(pt * STAGE_BYTES), k, v, kv_indices,
+                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                 start + pt * BC, end, hk, tid)
+                else:
+                    commit()
+            stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n,
+                    q_stride_h, tid, sign)
+            # (published and waited for at the first tile's barrier)
+            pr0 = 16 * warp + lane // 4  # this lane's packed rows: pr0 and pr0 + 8
+            pr1 = pr0 + 8
+            qp0 = pos0 + pr0 // G  # their query positions (bottom-right aligned)
+            qp1 = pos0 + pr1 // G
+            # Tiles wholly before the CTA's first row and inside the range need no mask.
+            full = (end - start) // BC
+            n_clear = full
+            if CAUSAL:
+                n_clear = min(full, (pos0 + 1 - start) // BC) if pos0 + 1 > start else 0
+            m0 = NEG_INF
+            m1 = NEG_INF
+            den0 = ZERO
+            den1 = ZERO
+            lo0 = POS_INF
+            lo1 = POS_INF
+            for i in range(NO):
+                acc[i] = ZERO
+            for it in range(n_clear):
+                m0, m1, den0, den1, lo0, lo1 = tile(
+                    smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, False,
+                    qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
+            # The tiles crossing the diagonal or the range's end, masked. Both warpgroups run
+            # each (wgmma is warpgroup-wide, and a warpgroup-uniform skip cost the standalone
+            # 32 registers); a warpgroup's rows before the tile keep none of its keys.
+            for it in range(n_clear, n_tiles):
+                m0, m1, den0, den1, lo0, lo1 = tile(
+                    smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, True,
+                    qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
+
+            # The epilogue: a row's sum over its four lanes, O normalised, the non-finite rule.
+            den0 += cuda.shfl_xor_sync(FULL, den0, 1)
+            den1 += cuda.shfl_xor_sync(FULL, den1, 1)
+            den0 += cuda.shfl_xor_sync(FULL, den0, 2)
+            den1 += cuda.shfl_xor_sync(FULL, den1, 2)
+            inv0, lse0 = finalize(m0, den0)
+            inv1, lse1 = finalize(m1, den1)
+            inv0 *= v_scale
+            inv1 *= v_scale
+            lse0 *= F_LN2
+            lse1 *= F_LN2
+            # A -inf score among a row's kept keys, or a non-finite output: the row is NaN.
+            f0 = ONE if lo0 == NEG_INF else ZERO
+            f1 = ONE if lo1 == NEG_INF else ZERO
+            for j in range(NO // 4):
+                for cc in range(2):
+                    x0 = acc[4 * j + cc] * inv0
+                    x1 = acc[4 * j + 2 + cc] * inv1
+                    acc[4 * j + cc] = x0
+                    acc[4 * j + 2 + cc] = x1
+                    if not abs(x0) < F_INF:
+                        f0 = ONE
+                    if not abs(x1) < F_INF:
+                        f1 = ONE
+            f0 = max(f0, cuda.shfl_xor_sync(FULL, f0, 1))
+            f1 = max(f1, cuda.shfl_xor_sync(FULL, f1, 1))
+            f0 = max(f0, cuda.shfl_xor_sync(FULL, f0, 2))
+            f1 = max(f1, cuda.shfl_xor_sync(FULL, f1, 2))
+            if f0 > ZERO:
+                lse0 = NAN
+            if f1 > ZERO:
+                lse1 = NAN
+            split = prow >= 0
+            ok0 = pr0 // G < nrows
+            ok1 = pr1 // G < nrows
+            row0 = (prow if split else q0 + qs) + pr0 // G
+            row1 = (prow if split else q0 + qs) + pr1 // G
+            head0 = hk * G + pr0 % G
+            head1 = hk * G + pr1 % G
+            ob0 = (row0 * hq + head0) * D + t2
+            ob1 = (row1 * hq + head1) * D + t2
+            # accumulators 4 j + (0, 1): row pr0's dims 8 j + t2 + (0, 1); + (2, 3) row pr1's
+            for j in range(NO // 4):
+                for h in range(2):
+                    if ok1 if h else ok0:
+                        i = (ob1 if h else ob0) + 8 * j
+                        bad = (f1 if h else f0) > ZERO
+                        x0 = NAN if bad else acc[4 * j + 2 * h]
+                        x1 = NAN if bad else acc[4 * j + 2 * h + 1]
+                        if split:  # a partial row: the merge launch combines them
+                            tmp_o[i] = x0
+                            tmp_o[i + 1] = x1
+                        else:
+                            store(o, i, x0)
+                            store(o, i + 1, x1)
+            if t2 == 0:
+                dst = tmp_lse if split else lse
+                if ok0:
+                    dst[row0 * hq + head0] = lse0
+                if ok1:
+                    dst[row1 * hq + head1] = lse1
+
+    return prefill_wgmma_kernel
+
+
+__all__ = ["LEAN_KV_TILE", "LEAN_MAX_REGISTERS", "LEAN_STAGES", "LEAN_WARPS", "lean_eligible",
+           "prefill_wgmma_kernel_source"]
