@@ -46,7 +46,6 @@ from numba import cuda, float32, types
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
 from .fused_merge import build_merge_list
-from .hooks import device_hooks
 from .mma import _gpu_mma_intrinsics
 from .positions import prefill_item_reader
 from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
@@ -76,10 +75,10 @@ def prefill_wgmma_kernel_source(spec):
     """The lean kernel's Python source for ``spec`` (an ``MmaPrefillSpec`` with ``lean=True``:
     8 warps, 64-key tiles, 2 stages, ``defer_merge``); launched like the tensor-core kernel."""
     prims = primitives(False)
-    hooks = device_hooks(spec.variant, False)
     D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, spec.num_warps)
     qk_smem, pv_words, publish = ops.qk_smem, ops.pv_words, ops.publish
+    quad_reduce = ops.quad_reduce  # over the four lanes that hold a row (two shuffles)
     NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
     A_WORDS = BC // 4  # P as the P V product's A fragments
     opaque = wgmma_intrinsics().opaque_u32  # Q's address, recomputed per tile
@@ -93,7 +92,7 @@ def prefill_wgmma_kernel_source(spec):
     SMEM_DECL = 0 if shared["dynamic"] else shared["total"] // 4
     store = build_merge_list(G, D, NT, shared["total"] // 4, spec.variant, spec.q_dtype,
                              False).store
-    CAUSAL = hooks.has_mask  # lean_eligible: the only mask is causal
+    CAUSAL = bool(spec.variant.logits_mask)  # lean_eligible: the only mask is causal
     finalize = state_finalize(False)
     exp2, shared_addr, commit = prims.exp2, prims.shared_addr, prims.commit
     wait_tile = prims.wait(NSTG - 2)  # at the top of tile i, tiles past i may still fly
@@ -101,12 +100,11 @@ def prefill_wgmma_kernel_source(spec):
     NEG_INF, POS_INF = float32(-np.inf), float32(np.inf)
     NAN, ZERO, ONE = float32(np.nan), float32(0.0), float32(1.0)
     PRE = float32(LOG2E)
-    FULL = 0xFFFFFFFF
 
     @cuda.jit(device=True)
     def tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off, page_stride,
-             it, n_tiles, start, end, hk, tid, warp, s, acc, pw, masked, qp0, qp1, t2, ks,
-             m0, m1, den0, den1, lo0, lo1):
+             it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, masked, qp0, qp1, t2,
+             ks, m0, m1, den0, den1, lo0, lo1):
         # One KV tile: wait for it, refill the ring, S = Q K^T, the mask (masked tiles only),
         # the online softmax, O += P V. Returns the rows' running state.
         wait_tile()
@@ -157,11 +155,7 @@ def prefill_wgmma_kernel_source(spec):
                     mx1 = max(mx1, x1)
                     lo0 = min(lo0, x0)
                     lo1 = min(lo1, x1)
-        # the row's four lanes hold its 64 keys between them
-        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 1))
-        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 1))
-        mx0 = max(mx0, cuda.shfl_xor_sync(FULL, mx0, 2))
-        mx1 = max(mx1, cuda.shfl_xor_sync(FULL, mx1, 2))
+        mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)  # the row's 64 keys, 4 lanes
         mn0 = max(m0, mx0 * ks)  # log2 units; ks >= 0 (a negative scale negated Q instead)
         mn1 = max(m1, mx1 * ks)
         mr0 = mn0 if mn0 > NEG_INF else ZERO  # a row with no kept key yet: exp2(-inf) = 0
@@ -203,6 +197,7 @@ def prefill_wgmma_kernel_source(spec):
         s = cuda.local.array(NS, float32)
         acc = cuda.local.array(NO, float32)
         pw = cuda.local.array(A_WORDS, U32)
+        scratch = cuda.shared.array(1, float32)  # quad_reduce's simulator twin's; unused here
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32
@@ -256,7 +251,7 @@ def prefill_wgmma_kernel_source(spec):
             for it in range(n_clear):
                 m0, m1, den0, den1, lo0, lo1 = tile(
                     smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, False,
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, False,
                     qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
             # The tiles crossing the diagonal or the range's end, masked. Both warpgroups run
             # each (wgmma is warpgroup-wide, and a warpgroup-uniform skip cost the standalone
@@ -264,14 +259,11 @@ def prefill_wgmma_kernel_source(spec):
             for it in range(n_clear, n_tiles):
                 m0, m1, den0, den1, lo0, lo1 = tile(
                     smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, True,
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, True,
                     qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
 
             # The epilogue: a row's sum over its four lanes, O normalised, the non-finite rule.
-            den0 += cuda.shfl_xor_sync(FULL, den0, 1)
-            den1 += cuda.shfl_xor_sync(FULL, den1, 1)
-            den0 += cuda.shfl_xor_sync(FULL, den0, 2)
-            den1 += cuda.shfl_xor_sync(FULL, den1, 2)
+            den0, den1 = quad_reduce(den0, den1, False, tid, scratch)
             inv0, lse0 = finalize(m0, den0)
             inv1, lse1 = finalize(m1, den1)
             inv0 *= v_scale
@@ -291,10 +283,7 @@ def prefill_wgmma_kernel_source(spec):
                         f0 = ONE
                     if not abs(x1) < F_INF:
                         f1 = ONE
-            f0 = max(f0, cuda.shfl_xor_sync(FULL, f0, 1))
-            f1 = max(f1, cuda.shfl_xor_sync(FULL, f1, 1))
-            f0 = max(f0, cuda.shfl_xor_sync(FULL, f0, 2))
-            f1 = max(f1, cuda.shfl_xor_sync(FULL, f1, 2))
+            f0, f1 = quad_reduce(f0, f1, True, tid, scratch)
             if f0 > ZERO:
                 lse0 = NAN
             if f1 > ZERO:
