@@ -52,8 +52,7 @@ def compile_spec(spec):
         source, sig = prefill_wgmma_kernel_source(spec), prefill_signature(spec)
     else:
         source, sig = prefill_mma_kernel_source(spec), prefill_signature(spec)
-    fm = set() if os.environ.get("NO_FASTMATH") else set(FASTMATH)
-    ptx, _ = cuda.compile_ptx(source, sig, cc=(9, 0), fastmath=fm)
+    ptx, _ = cuda.compile_ptx(source, sig, cc=(9, 0), fastmath=set(FASTMATH))
     return ptx
 
 
