@@ -32,11 +32,10 @@ from nbinfer.lessons_tool import gpu_present, run_bench, start_lesson
 
 ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
 
-import csv
-import gzip
 import json
 import math
 import re
+import sys
 
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -695,6 +694,9 @@ assert min(ladder[True][4:] + ladder[False][4:]) > max(ladder[True][3], ladder[F
 # once per masked tile.
 
 # %%
+sys.path.insert(0, str(ROOT / "bench"))  # bench/ncu_stalls.py reads Nsight's source-page CSV
+import ncu_stalls  # noqa: E402
+
 res17 = ROOT / "bench" / "results" / "issue13" / "session17"
 ab = json.loads((res17 / "call4" / "r" / "prefill_lean_ab.json").read_text())["kv_tile_ab"]
 bars = {}
@@ -708,14 +710,11 @@ def time_by_code(path):
     each ran (per warp): the per-item code once per item (the most instructions), the masked
     tiles twice per item, the Q stager's loop 8 rounds per item in this build (counted per
     item), the clear-tile loop the largest of the other groups."""
-    with gzip.open(path, "rt", newline="") as f:
-        rows = list(csv.reader(f))
-    head = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
-    cols = rows[head]
-    samples = cols.index("Warp Stall Sampling (All Samples)")
+    cols, rows = ncu_stalls.read_rows(str(path))  # the per-instruction table
+    samples = cols.index(ncu_stalls.ALL)
     runs = cols.index("Instructions Executed")
     by_runs, count = {}, {}
-    for r in rows[head + 1:]:
+    for r in rows:
         n = int(r[runs]) if r[runs].isdigit() else 0
         by_runs[n] = by_runs.get(n, 0) + (int(r[samples]) if r[samples].isdigit() else 0)
         count[n] = count.get(n, 0) + 1
