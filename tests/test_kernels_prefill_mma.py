@@ -110,23 +110,6 @@ def test_kernel_choice_and_spec_errors():
     assert MmaPrefillSpec(128, 4, 16, "float16", "float16", "NHD", var).tile_q == 64
 
 
-def test_wgmma_knob_leaves_the_simulator_on_mma_sync(rng, monkeypatch):
-    # MMA_WGMMA asks for the warpgroup products, which exist only on an sm_90 GPU: the
-    # simulator's plan keeps mma.sync's twins (and its two warps), and still computes right.
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    ptr = np.array([0, 5])
-    q, k, v = (rng.standard_normal((5, 2, 64)).astype(np.float32) for _ in range(3))
-    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD", backend="sim")
-    w.plan(ptr, ptr, 2, 2, 64, causal=True, q_data_type="float16")
-    spec = w.step_plan.spec
-    assert isinstance(spec, MmaPrefillSpec) and not spec.wgmma and spec.num_warps == 2
-    out = w.run(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
-    ref = reference.batch_prefill_with_ragged_kv_cache(
-        q.astype(np.float16).astype(np.float64), k.astype(np.float16).astype(np.float64),
-        v.astype(np.float16).astype(np.float64), ptr, ptr, causal=True)
-    assert rel_err(np.asarray(out, np.float64), ref) <= TOLERANCE["float16"]
-
-
 def test_tile_merge_stage_batches_and_long_lists(rng):
     # The tile merge stages partial rows through shared memory (sim: D 64, 4096 floats, a
     # quarter for weights, 3072 for the stage = 48 partial slices). Request 0's 12 chunks per

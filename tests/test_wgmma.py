@@ -142,7 +142,8 @@ def test_wgmma_pv_product_matches_numpy(rng, n, kdim, dtype):
 
 def test_wgmma_prefill_spec_needs_the_gpu_and_the_row_tile():
     # The simulator has no warpgroup MMA; the spec says so instead of building a kernel that
-    # cannot run, and so for the tile shapes the warpgroup path does not take.
+    # cannot run (only the lean kernel has a form there), and so for the tile shapes the
+    # warpgroup path does not take.
     from nbinfer.kernels.prefill_mma import MmaPrefillSpec
     from nbinfer.variants import builtins
 
@@ -153,6 +154,9 @@ def test_wgmma_prefill_spec_needs_the_gpu_and_the_row_tile():
         with pytest.raises(ValueError, match="wgmma=True needs"):
             MmaPrefillSpec(*args, **opts)
     assert MmaPrefillSpec(*args, kv_tile=64, num_warps=8, wgmma=True).tile_q == 128
+    # the lean kernel alone has a simulator form (tests/test_kernels_prefill_wgmma.py)
+    lean = dict(kv_tile=64, num_warps=8, wgmma=True, lean=True, stages=2, defer_merge=True)
+    assert MmaPrefillSpec(*args, sim=True, **lean).sim
 
 
 def test_lean_prefill_spec_takes_plain_variants_only():

@@ -140,10 +140,14 @@ def wgmma_choice(sim: bool, split: bool, lean_ok: bool, rows: float) -> tuple[bo
     """``(wgmma, lean)`` for a tensor-core plan (:data:`MMA_WGMMA`): ``split`` (the one-launch
     cascade, kv_split items) stays on mma.sync; ``lean_ok``: the lean kernel computes the plan
     (:func:`~nbinfer.kernels.prefill_wgmma.lean_eligible`); ``rows``: packed query rows per
-    request on average. Only on an sm_90 GPU."""
-    if sim or split or MMA_WGMMA is False:
+    request on average. Only on an sm_90 GPU; in the simulator, asked for by ``MMA_WGMMA =
+    True``, the lean kernel's form over the ``mma.sync`` twins (the rule leaves the simulator's
+    plans on two-warp ``mma.sync``: a lean CTA is 256 simulated threads)."""
+    if split or MMA_WGMMA is False:
         return False, False
     lean = lean_ok and MMA_WGMMA_LEAN is not False
+    if sim:
+        return (True, True) if MMA_WGMMA and lean else (False, False)
     if MMA_WGMMA is None:
         knobs = (MMA_KV_TILE, MMA_Q_SHARED, MMA_MAX_REGISTERS, MMA_STAGES, MMA_DEFER_MERGE,
                  MMA_WARPS, MMA_KV_SPLIT)

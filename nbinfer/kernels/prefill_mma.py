@@ -112,8 +112,9 @@ class MmaPrefillSpec(PrefillSpec):
     # end. Chosen per item at run time: the other items of the same launch keep the row tile.
     kv_split: bool = False
     # The products on Hopper's warpgroup MMA (nbinfer.kernels.wgmma.wgmma_tile_ops): tiles in
-    # the canonical layouts, each warpgroup's Q K^T and P V one wgmma chain. GPU only (sm_90);
-    # 64-key tiles, 4 or 8 warps, no kv_split; its guarded twin runs on mma.sync.
+    # the canonical layouts, each warpgroup's Q K^T and P V one wgmma chain. GPU only (sm_90;
+    # the lean kernel also has a simulator form over the mma.sync twins); 64-key tiles, 4 or 8
+    # warps, no kv_split; its guarded twin runs on mma.sync.
     wgmma: bool = False
     # With ``wgmma``: the lean warpgroup kernel (:mod:`.prefill_wgmma`) instead of this one's
     # warpgroup form: plain variants only (causal or none, no hooks, no custom mask), 8 warps,
@@ -134,9 +135,11 @@ class MmaPrefillSpec(PrefillSpec):
             raise ValueError(f"kv_tile must be one of {KV_TILES}, got {self.kv_tile}")
         if self.stages not in STAGES:
             raise ValueError(f"stages must be in {STAGES}, got {self.stages}")
-        if self.wgmma and (self.sim or self.kv_tile != 64 or self.num_warps not in (4, 8)
-                           or self.kv_split or self.value_guard):
-            raise ValueError("wgmma=True needs the GPU (the simulator has no warpgroup MMA), "
+        # (the simulator has no warpgroup MMA: only the lean kernel has a form there, over
+        # the mma.sync twins)
+        if self.wgmma and ((self.sim and not self.lean) or self.kv_tile != 64
+                           or self.num_warps not in (4, 8) or self.kv_split or self.value_guard):
+            raise ValueError("wgmma=True needs the GPU (in the simulator only lean=True), "
                              "kv_tile 64, num_warps 4 or 8, and neither kv_split nor "
                              f"value_guard; got sim={self.sim}, kv_tile={self.kv_tile}, "
                              f"num_warps={self.num_warps}, kv_split={self.kv_split}, "
@@ -228,8 +231,9 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
 
     # The GPU's sizes decide static or dynamic (1 KiB is left for the row flags); the
     # simulator's twins keep 4-byte slots but take the same path as the GPU would.
-    def row_bytes(sim):  # wgmma's canonical layouts have no padding
-        return 2 * spec.head_dim if spec.wgmma else smem_row_bytes(spec.head_dim, sim)
+    def row_bytes(sim):  # wgmma's canonical layouts have no padding (its twins' rows do)
+        return 2 * spec.head_dim if spec.wgmma and not sim else smem_row_bytes(spec.head_dim,
+                                                                                sim)
 
     gpu = sizes(row_bytes(False))
     stage, q_base, total = sizes(row_bytes(spec.sim))

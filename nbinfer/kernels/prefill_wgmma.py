@@ -31,6 +31,11 @@ one FFMA + exp2 + add per score, 64 rescales); bytes: 32 KiB of K and V per tile
 128 rows, 128 FLOP/byte, so at 4.2 TB/s the copies could feed ~540 TFLOP/s: the tile is
 compute- and issue-bound, not bandwidth-bound.
 
+In the simulator (``spec.sim``) the two products are the ``mma.sync`` twins of
+:func:`nbinfer.kernels.mma.tile_ops`, whose per-lane fragments are the warpgroup's, over padded
+rows: the rest of the kernel (items, ring, masks, softmax, epilogue) runs as the GPU runs it,
+so tests/test_kernels_prefill_wgmma.py checks it in CI (``MMA_WGMMA = True`` asks for it).
+
 The non-finite rule (nbinfer's, :mod:`.value_scan`): a NaN reaches the output by itself; a
 ``-inf`` score (inf in q or K) would vanish in ``exp2``, so each kept score also enters a
 running minimum per row and a row whose minimum is ``-inf`` is made NaN at the end; a masked
@@ -46,10 +51,10 @@ from numba import cuda, float32, types
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
 from .fused_merge import build_merge_list
-from .mma import _gpu_mma_intrinsics
+from .mma import _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
 from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
-from .primitives import LOG2E, primitives
+from .primitives import LOG2E, device_jit, primitives
 from .wgmma import WGMMA_KINDS, wgmma_intrinsics, wgmma_tile_ops
 
 # The lean kernel's fixed shape: two warpgroups, 64-key tiles, two stages, ptxas's cap
@@ -71,29 +76,64 @@ def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
     return all(is_causal_mask(f) for f in variant.logits_mask)
 
 
+def _products(spec, sim: bool):
+    """``(ops, p_times_v, opaque)`` for one target. On the GPU: the warpgroup tile ops, ``O +=
+    P V`` from P packed into its A words, Q's address through an opaque move. In the simulator
+    (which has no warpgroup MMA): the ``mma.sync`` twins of :func:`.mma.tile_ops`, whose
+    fragments are the same - warp ``w`` of the CTA holds packed rows ``16 w + lane // 4 (+ 8)``,
+    ``s[4 j + 2 h + c]`` key ``8 j + 2 (lane % 4) + c`` - over padded rows instead of the
+    canonical layouts (each product's layout is checked against NumPy on the H200 by
+    tests/test_wgmma.py); everything else below runs as it is."""
+    D, BC, NW = spec.head_dim, spec.tile_kv, spec.num_warps
+    A_WORDS = BC // 4  # P as the P V product's A fragments
+    if sim:
+        ops = tile_ops(D, BC, spec.q_dtype, NW, True)
+        pv = ops.pv
+
+        @device_jit(True)
+        def p_times_v(smem, vbase, tid, lane, s, pw, acc, scratch):
+            pv(smem, vbase, tid, lane, s, acc, scratch)  # rounds P to the operand type
+
+        return ops, p_times_v, lambda x: x
+    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW)
+    pv_words = ops.pv_words
+    pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
+
+    @device_jit(False)
+    def p_times_v(smem, vbase, tid, lane, s, pw, acc, scratch):
+        # P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk, 2 kk + 1
+        for w in range(A_WORDS):
+            pw[w] = pack(s[2 * w], s[2 * w + 1])
+        pv_words(pw, vbase, acc)
+
+    return ops, p_times_v, wgmma_intrinsics().opaque_u32
+
+
 def prefill_wgmma_kernel_source(spec):
     """The lean kernel's Python source for ``spec`` (an ``MmaPrefillSpec`` with ``lean=True``:
-    8 warps, 64-key tiles, 2 stages, ``defer_merge``); launched like the tensor-core kernel."""
-    prims = primitives(False)
+    8 warps, 64-key tiles, 2 stages, ``defer_merge``); launched like the tensor-core kernel.
+    With ``spec.sim`` the products are the simulator's twins (:func:`_products`)."""
+    sim = spec.sim
+    prims = primitives(sim)
     D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
-    ops = wgmma_tile_ops(D, BC, spec.q_dtype, spec.num_warps)
-    qk_smem, pv_words, publish = ops.qk_smem, ops.pv_words, ops.publish
+    ops, p_times_v, opaque = _products(spec, sim)  # (opaque: Q's address, per tile)
+    qk_smem, publish = ops.qk_smem, ops.publish
     quad_reduce = ops.quad_reduce  # over the four lanes that hold a row (two shuffles)
     NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
     A_WORDS = BC // 4  # P as the P V product's A fragments
-    opaque = wgmma_intrinsics().opaque_u32  # Q's address, recomputed per tile
-    pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
+    SCRATCH = max(ops.SCRATCH, 1)  # the simulator twins' exchange; unused on the GPU
     TILE_BYTES = ops.TILE_BYTES
     load_kv_tile = kv_tile_loader(spec, ops)
     stage_q = q_tile_stager(spec, ops)
-    read_item = prefill_item_reader(spec.sparse, spec.page_size, False, False)
+    read_item = prefill_item_reader(spec.sparse, spec.page_size, False, sim)
     shared = shared_layout(spec)
     STAGE_BYTES, Q_BASE, NSTG = shared["stage"], shared["q_base"], spec.stages
     SMEM_DECL = 0 if shared["dynamic"] else shared["total"] // 4
+    SMEM_ALIGN = 256 if prims.SMEM_ALIGN else None  # (the simulator's arrays take none)
     store = build_merge_list(G, D, NT, shared["total"] // 4, spec.variant, spec.q_dtype,
-                             False).store
+                             sim).store
     CAUSAL = bool(spec.variant.logits_mask)  # lean_eligible: the only mask is causal
-    finalize = state_finalize(False)
+    finalize = state_finalize(sim)
     exp2, shared_addr, commit = prims.exp2, prims.shared_addr, prims.commit
     wait_tile = prims.wait(NSTG - 2)  # at the top of tile i, tiles past i may still fly
     U32 = types.uint32
@@ -120,7 +160,7 @@ def prefill_wgmma_kernel_source(spec):
         kb = base + (U32(it) % U32(NSTG)) * U32(STAGE_BYTES)
         # (Q's address through an opaque move: hoisted out of the loop, its 8 descriptors
         # held 16 registers, 153 instead of 128 with the rest of the tile)
-        qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, 0, s)
+        qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, tid % 32, s)
         tk = start + it * BC + t2  # the key of this lane's first column
         # s[4 j + 2 h + c]: row h (qp0 / qp1), key tk + 8 j + c
         if masked:
@@ -180,10 +220,7 @@ def prefill_wgmma_kernel_source(spec):
             for c in range(2):
                 acc[4 * j + c] *= a0
                 acc[4 * j + 2 + c] *= a1
-        # P's A fragment for keys 16 kk .. 16 kk + 15 is S's column blocks 2 kk, 2 kk + 1
-        for w in range(A_WORDS):
-            pw[w] = pack(s[2 * w], s[2 * w + 1])
-        pv_words(pw, kb + U32(TILE_BYTES), acc)
+        p_times_v(smem, kb + U32(TILE_BYTES), tid, tid % 32, s, pw, acc, scratch)
         return m0, m1, den0, den1, lo0, lo1
 
     def prefill_wgmma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
@@ -193,11 +230,11 @@ def prefill_wgmma_kernel_source(spec):
                              merge_indices_off, item_merge_off, qo_indptr_off, mask_indptr_off,
                              mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
         # [stage 0 K|V, stage 1 K|V, Q]: 96 KiB at D 128, allocated at launch
-        smem = cuda.shared.array(SMEM_DECL, float32, alignment=256)
+        smem = cuda.shared.array(SMEM_DECL, float32, alignment=SMEM_ALIGN)
         s = cuda.local.array(NS, float32)
         acc = cuda.local.array(NO, float32)
         pw = cuda.local.array(A_WORDS, U32)
-        scratch = cuda.shared.array(1, float32)  # quad_reduce's simulator twin's; unused here
+        scratch = cuda.shared.array(SCRATCH, float32)
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

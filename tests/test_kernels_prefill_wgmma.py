@@ -1,0 +1,112 @@
+"""The lean warpgroup prefill kernel (:mod:`nbinfer.kernels.prefill_wgmma`) in the simulator.
+
+The simulator has no warpgroup MMA; the lean kernel's simulator form runs its two products on
+the ``mma.sync`` twins (the same per-lane fragments) and everything else as the H200 runs it:
+the plan's work items, the clear and masked tile loops, the two-stage KV ring, GQA packing,
+bottom-right causal positions, the LSE, the non-finite rule's running minimum, split rows and
+their merge launch. The products' shared-memory layouts and descriptors are the GPU's alone
+(tests/test_wgmma.py checks them against NumPy on the H200, tests/test_gpu_prefill.py the
+kernel). A CTA is 256 simulated threads, so the shapes stay small.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import TOLERANCE, rel_err
+
+from nbinfer import reference
+from nbinfer.api import prefill as prefill_api
+from nbinfer.api.prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+)
+from nbinfer.formats import PageTable
+
+
+def _ws():
+    return np.zeros(1 << 22, np.uint8)
+
+
+def _lean(w):
+    spec = w.step_plan.spec
+    assert spec.lean and spec.wgmma and spec.sim and spec.num_warps == 8
+    return spec
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf - inf, on purpose
+def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch):
+    # G 4: 128 packed rows are 32 query rows, so request 1's 40 rows take two items (a tail of
+    # 8); its KV is longer than its queries (bottom-right causal: clear tiles, then masked
+    # ones). A -inf in K (request 1, key 70, kv head 1) is kept by rows 10.. of that request
+    # (running minimum -> NaN); a NaN in q poisons its row and nothing else.
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    hq, hkv, d = 8, 2, 64
+    qo_indptr, kv_indptr = np.array([0, 3, 43]), np.array([0, 150, 250])
+    q = rng.standard_normal((43, hq, d)).astype(np.float16)
+    k = rng.standard_normal((250, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((250, hkv, d)).astype(np.float16)
+    k[150 + 70, 1, 5] = -np.inf
+    q[1, 2, 7] = np.nan
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=True)
+    _lean(w)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
+    # rows of request 1 at or past key 70's diagonal (40 rows over 100 keys: rows 10..39),
+    # kv head 1's four query heads, and (row 1, head 2)
+    assert np.isnan(ref_lse).sum() == 30 * 4 + 1
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(ref_lse))
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    fin = ~np.isnan(ref)
+    assert rel_err(out[fin], ref[fin]) <= TOLERANCE["float16"]
+    ok = ~np.isnan(ref_lse)
+    np.testing.assert_allclose(lse[ok], ref_lse[ok], atol=2e-3)
+
+
+def test_lean_paged_non_causal_split_rows_negative_scale_and_an_empty_kv(rng, monkeypatch):
+    # D 128, HND pages of 5 (a tile's 64 keys cross 13 pages), G 1, request 0's 150 keys in
+    # chunks of 64 (split rows: partial states merged by the merge launch), a negative scale
+    # (the kernel negates Q as it stages it), a request with no KV (zeros, LSE -inf).
+    # (bf16 runs on the H200 only: NumPy has no bf16 the kernels take.)
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    hq = hkv = 2
+    d, ps = 128, 5
+    qo_lens, kv_lens = [3, 2], [150, 0]
+    pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 1,
+                                rng=rng)
+    cache = rng.standard_normal((pt.num_pages, 2, hkv, ps, d)).astype(np.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((5, hq, d)).astype(np.float16)
+    w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "HND")
+    w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+           q_data_type="float16", sm_scale=-0.07, fixed_split_size=64)
+    _lean(w)
+    assert w.schedule.num_merge_rows > 0
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout="HND",
+        sm_scale=-0.07, return_lse=True)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(lse[:3], ref_lse[:3], atol=2e-3)
+    assert np.all(lse[3:] == -np.inf) and np.all(out[3:] == 0)
+
+
+def test_the_simulator_takes_the_lean_kernel_only_when_asked(rng, monkeypatch):
+    # The rule (MMA_WGMMA None) keeps the simulator on two-warp mma.sync; MMA_WGMMA True takes
+    # the lean kernel for the plans it computes, and mma.sync for the others (a custom mask).
+    ptr = np.array([0, 5])
+    kw = dict(q_data_type="float16")
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(ptr, ptr, 2, 2, 64, causal=True, **kw)
+    assert not w.step_plan.spec.wgmma and w.step_plan.spec.num_warps == 2
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    w.plan(ptr, ptr, 2, 2, 64, causal=True, **kw)
+    _lean(w)
+    w.plan(ptr, ptr, 2, 2, 64, custom_mask=np.tril(np.ones((5, 5), bool)).ravel(), **kw)
+    spec = w.step_plan.spec
+    assert not spec.wgmma and not spec.lean and spec.num_warps == 2
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", False)  # the warpgroup form: GPU only
+    w.plan(ptr, ptr, 2, 2, 64, causal=True, **kw)
+    assert not w.step_plan.spec.wgmma
