@@ -117,6 +117,10 @@ def main():
                     help="prefill: the lean warpgroup kernel (MmaPrefillSpec(lean=True): 8 warps, "
                          "64-key tiles, 2 stages, a 128-register cap unless --max-registers; "
                          "implies --wgmma)")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="prefill, with --lean: MmaPrefillSpec(prefetch=True), the per-item "
+                         "overlap (Q by cp.async, the next item's first tile and Q requested "
+                         "during the last tile, unrolled stores)")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -152,7 +156,7 @@ def main():
                               sparse=not args.ragged, kv_tile=args.kv_tile,
                               stages=args.stages, num_warps=args.warps,
                               q_shared=args.q_shared, kv_split=args.kv_split,
-                              wgmma=args.wgmma, lean=args.lean,
+                              wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
                               defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,

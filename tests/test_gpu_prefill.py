@@ -143,6 +143,44 @@ def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case):
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 
+@pytest.mark.parametrize("case", [0, 2, 3, 4])
+def test_paged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, case):
+    # The lean kernel's per-item overlap (LEAN_PREFETCH: Q by cp.async, the next item's first
+    # KV tile and Q requested during the last tile): paged causal G 4, HND bf16 D 64, split
+    # rows, and a negative scale (Q through the stager: cp.async cannot negate).
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
+    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
+    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
+    spec = w.step_plan.spec
+    assert spec.lean and spec.prefetch and spec.max_registers == 128
+    assert w.step_plan.launch.launch.kernel.regs <= 128
+
+
+@pytest.mark.parametrize("aligned", [True, False])
+def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned):
+    # Ragged causal G 4 with tails against the 128-row tile; q 16-byte aligned (Q by
+    # cp.async) or a view one element in (the stager).
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
+    qo_lens, kv_lens, hq, hkv, d = [1, 129, 300, 64], [1, 700, 300, 2000], 32, 8, 128
+    qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
+    q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)
+    k, v = (rng.standard_normal((int(kv[-1]), hkv, d)).astype(np.float32) for _ in range(2))
+    tq, tk, tv = (_t(x, "float16") for x in (q, k, v))
+    if not aligned:
+        tq = torch.empty(tq.numel() + 1, dtype=tq.dtype, device="cuda")[1:].view(tq.shape)
+        tq.copy_(_t(q, "float16"))
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo, kv, hq, hkv, d, causal=True, q_data_type="float16")
+    assert w.step_plan.spec.lean and w.step_plan.spec.prefetch
+    out, lse = w.run(tq, tk, tv, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        _np(tq), _np(tk), _np(tv), qo, kv, causal=True, return_lse=True)
+    assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
+
+
 @pytest.mark.parametrize("causal, dtype, d, hkv", [(True, "float16", 128, 32),
                                                    (False, "bfloat16", 128, 4),
                                                    (True, "bfloat16", 64, 8),

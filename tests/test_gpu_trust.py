@@ -182,12 +182,15 @@ def test_prefill_variants_at_group_size_three(rng, kw):
     assert rel_err(_host(w.run(q, k, v)), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("wgmma", [False, True, "lean"])
+@pytest.mark.parametrize("wgmma", [False, True, "lean", "lean-prefetch"])
 def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
     # wgmma: the same on the warpgroup-MMA tile (causal: its value scan and mma.sync twin);
-    # "lean": on the lean warpgroup kernel (the -inf score found by its running minimum)
+    # "lean": on the lean warpgroup kernel (the -inf score found by its running minimum),
+    # "lean-prefetch" with its per-item overlap
+    lean = str(wgmma).startswith("lean")
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", bool(wgmma))
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", wgmma == "lean")
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", lean)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", wgmma == "lean-prefetch")
     lens = [300, 40]
     q = torch.randn(sum(lens), HQ, D, device="cuda").half()
     k = torch.randn(sum(lens), HKV, D, device="cuda").half()
@@ -205,7 +208,7 @@ def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
     for causal, count in ((True, 1 + (30 + 280 + 1) * g), (False, 300 * g + 40 * g + 40 * g)):
         w.plan(ptr, ptr, HQ, HKV, D, causal=causal, q_data_type="float16")
         assert w.step_plan.spec.wgmma == bool(wgmma)
-        assert w.step_plan.spec.lean == (wgmma == "lean")
+        assert w.step_plan.spec.lean == lean
         out, lse = w.run(q, k, v, return_lse=True)
         ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
             _host(q), _host(k), _host(v), ptr, ptr, causal=causal, return_lse=True)

@@ -109,6 +109,10 @@ MMA_WGMMA = None
 # the tensor-core kernel's warpgroup form (bench/prefill.py's ``g`` and ``gl`` tokens).
 MMA_WGMMA_LEAN = None
 LEAN_MIN_ROWS = 64
+# The lean kernel's per-item overlap (MmaPrefillSpec's ``prefetch``: Q by cp.async, the next
+# work item's first KV tile and Q requested during the last tile, unrolled stores). None: off,
+# until it is measured against the form above (bench/prefill.py's ``glp`` token).
+LEAN_PREFETCH = None
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
@@ -245,7 +249,8 @@ class PrefillWrapperBase(WrapperBase):
             if lean:
                 # its fixed shape; a register cap set by MMA_MAX_REGISTERS still applies
                 tiles.update(lean=True, stages=LEAN_STAGES, defer_merge=True,
-                             max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS)
+                             max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS,
+                             prefetch=bool(LEAN_PREFETCH))
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM

@@ -120,6 +120,10 @@ class MmaPrefillSpec(PrefillSpec):
     # warpgroup form: plain variants only (causal or none, no hooks, no custom mask), 8 warps,
     # 64-key tiles, 2 stages, split rows merged by the merge launch (``defer_merge``).
     lean: bool = False
+    # With ``lean``: a work item's fixed cost overlapped with its neighbours' tiles: Q copied by
+    # cp.async, the next item's first KV tile and Q requested during this item's last tile,
+    # the output stored by one unrolled loop per path (:mod:`.prefill_wgmma`).
+    prefetch: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -157,6 +161,8 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
+        if self.prefetch and not self.lean:
+            raise ValueError("prefetch=True is the lean kernel's (lean=True)")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")

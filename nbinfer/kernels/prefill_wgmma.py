@@ -45,8 +45,10 @@ pairs the scan flags.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
-from numba import cuda, float32, types
+from numba import cuda, float32, int64, types
 
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
@@ -55,7 +57,7 @@ from .mma import _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
 from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
 from .primitives import LOG2E, device_jit, primitives
-from .wgmma import WGMMA_KINDS, wgmma_intrinsics, wgmma_tile_ops
+from .wgmma import WGMMA_KINDS, copy_slot, wgmma_intrinsics, wgmma_tile_ops
 
 # The lean kernel's fixed shape: two warpgroups, 64-key tiles, two stages, ptxas's cap
 LEAN_WARPS = 8
@@ -76,14 +78,17 @@ def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
     return all(is_causal_mask(f) for f in variant.logits_mask)
 
 
-def _products(spec, sim: bool):
-    """``(ops, p_times_v, opaque)`` for one target. On the GPU: the warpgroup tile ops, ``O +=
-    P V`` from P packed into its A words, Q's address through an opaque move. In the simulator
-    (which has no warpgroup MMA): the ``mma.sync`` twins of :func:`.mma.tile_ops`, whose
-    fragments are the same - warp ``w`` of the CTA holds packed rows ``16 w + lane // 4 (+ 8)``,
-    ``s[4 j + 2 h + c]`` key ``8 j + 2 (lane % 4) + c`` - over padded rows instead of the
-    canonical layouts (each product's layout is checked against NumPy on the H200 by
-    tests/test_wgmma.py); everything else below runs as it is."""
+def _target(spec, sim: bool):
+    """The kernel's target-specific pieces, as a namespace: ``ops``, ``p_times_v(smem, vbase,
+    tid, lane, s, pw, acc, scratch)``, ``opaque(x)``, ``addr_low(arr)``, ``store_u32`` and
+    ``pack`` (two floats -> one b32 of the operand type; :func:`.wgmma.wgmma_intrinsics`).
+    On the GPU: the warpgroup tile ops, ``O += P V`` from P packed into its A words. In the
+    simulator (which has no warpgroup MMA): the ``mma.sync``
+    twins of :func:`.mma.tile_ops`, whose fragments are the same - warp ``w`` of the CTA holds
+    packed rows ``16 w + lane // 4 (+ 8)``, ``s[4 j + 2 h + c]`` key ``8 j + 2 (lane % 4) +
+    c`` - over padded rows instead of the canonical layouts (each product's layout is checked
+    against NumPy on the H200 by tests/test_wgmma.py) and no 32-bit output stores; everything
+    else runs as it is."""
     D, BC, NW = spec.head_dim, spec.tile_kv, spec.num_warps
     A_WORDS = BC // 4  # P as the P V product's A fragments
     if sim:
@@ -94,10 +99,15 @@ def _products(spec, sim: bool):
         def p_times_v(smem, vbase, tid, lane, s, pw, acc, scratch):
             pv(smem, vbase, tid, lane, s, acc, scratch)  # rounds P to the operand type
 
-        return ops, p_times_v, lambda x: x
+        def addr_low(arr):
+            return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
+
+        return SimpleNamespace(ops=ops, p_times_v=p_times_v, opaque=lambda x: x,
+                               addr_low=addr_low, store_u32=None, pack=None)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW)
     pv_words = ops.pv_words
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
+    intr = wgmma_intrinsics()
 
     @device_jit(False)
     def p_times_v(smem, vbase, tid, lane, s, pw, acc, scratch):
@@ -106,17 +116,19 @@ def _products(spec, sim: bool):
             pw[w] = pack(s[2 * w], s[2 * w + 1])
         pv_words(pw, vbase, acc)
 
-    return ops, p_times_v, wgmma_intrinsics().opaque_u32
+    return SimpleNamespace(ops=ops, p_times_v=p_times_v, opaque=intr.opaque_u32,
+                           addr_low=intr.addr_low, store_u32=intr.store_u32, pack=pack)
 
 
 def prefill_wgmma_kernel_source(spec):
     """The lean kernel's Python source for ``spec`` (an ``MmaPrefillSpec`` with ``lean=True``:
     8 warps, 64-key tiles, 2 stages, ``defer_merge``); launched like the tensor-core kernel.
-    With ``spec.sim`` the products are the simulator's twins (:func:`_products`)."""
+    With ``spec.sim`` the products are the simulator's twins (:func:`_target`)."""
     sim = spec.sim
     prims = primitives(sim)
     D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
-    ops, p_times_v, opaque = _products(spec, sim)  # (opaque: Q's address, per tile)
+    tgt = _target(spec, sim)
+    ops, p_times_v, opaque = tgt.ops, tgt.p_times_v, tgt.opaque  # (opaque: Q's address)
     qk_smem, publish = ops.qk_smem, ops.publish
     quad_reduce = ops.quad_reduce  # over the four lanes that hold a row (two shuffles)
     NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
@@ -140,24 +152,72 @@ def prefill_wgmma_kernel_source(spec):
     NEG_INF, POS_INF = float32(-np.inf), float32(np.inf)
     NAN, ZERO, ONE = float32(np.nan), float32(0.0), float32(1.0)
     PRE = float32(LOG2E)
+    # spec.prefetch: a work item's fixed cost overlapped with the tiles around it. Q by
+    # cp.async (each warpgroup its own 64 packed rows: D / 16 copies of 16 bytes per thread,
+    # where the stager issued D / 4 dependent 16-bit loads); the next item's first KV tile
+    # requested at the last tile's refill (the ring's free stage; the item after starts on
+    # the other stage) and its Q after the last tile's P V; the output by one unrolled loop per
+    # store path.
+    PREFETCH = spec.prefetch
+    O_WORDS = PREFETCH and not sim  # pairs of outputs as one 32-bit store
+    addr_low, store_u32, pack_o = tgt.addr_low, tgt.store_u32, tgt.pack  # (o: q's type)
+    cp16 = prims.cp_async16_to
+    slot = cuda.jit(device=True)(copy_slot)
+    Q_STEP = 128 // (D // 8)  # packed rows one pass of a warpgroup's 16-byte copies covers
+    Q_COPIES = 64 // Q_STEP
+    # bytes between a thread's consecutive Q copies (Q_STEP rows on): whole 8-row core
+    # matrices on the GPU, padded rows of 4-byte slots in the simulator
+    Q_DST_STEP = Q_STEP * ops.RS if sim else Q_STEP // 8 * (D // 8 * 128)
+    q_offset = ops.q_offset
+
+    @cuda.jit(device=True)
+    def copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid):
+        # The calling warpgroup's 64 packed rows of the item's Q tile, by cp.async (no commit):
+        # eight consecutive threads one 16-byte chunk of eight rows (copy_slot: a core
+        # matrix). Rows past nrows copy the last row: computed, never stored.
+        r0, ch, _, _, _ = slot(tid % 128, 128, D, False, 0, 128, 2)
+        p0 = U32(64 * (tid // 128) + r0)
+        dst = qbase + q_offset(p0, U32(8 * ch))
+        last = nrows - 1
+        for i in range(Q_COPIES):
+            p = p0 + U32(i * Q_STEP)
+            off = (int64(q0 + qs + min(int64(p // U32(G)), last)) * q_stride_n
+                   + int64(hk * G + p % U32(G)) * q_stride_h + 8 * ch)
+            cp16(smem, dst + U32(i * Q_DST_STEP), q, off)
 
     @cuda.jit(device=True)
     def tile(smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off, page_stride,
              it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, masked, qp0, qp1, t2,
-             ks, m0, m1, den0, den1, lo0, lo1):
+             ks, m0, m1, den0, den1, lo0, lo1, phase, nxt_item, q_async, q, plan, work_off,
+             qo_indptr_off, qo_end_off, q_pos0_off, kv_last, kv_stride_n, kv_stride_h,
+             q_stride_n, q_stride_h):
         # One KV tile: wait for it, refill the ring, S = Q K^T, the mask (masked tiles only),
-        # the online softmax, O += P V. Returns the rows' running state.
+        # the online softmax, O += P V. Returns the rows' running state. The item's tile 0
+        # is in stage ``phase`` (always 0 without PREFETCH); ``nxt_item``: the CTA's next
+        # work item (-1: none), whose first tile and Q the last tile requests (PREFETCH).
         wait_tile()
         publish()  # cp.async's stores, visible to the tensor cores (the async proxy)
         cuda.syncthreads()  # tile it is in for every thread; every warp is done with it - 1
         nxt = it + NSTG - 1
-        if nxt < n_tiles:  # (stages by unsigned arithmetic: a signed % costs sign fix-ups)
-            load_kv_tile(smem, base + (U32(nxt) % U32(NSTG)) * U32(STAGE_BYTES), k, v, kv_indices,
-                         kv_indptr, b, ib, row_stride, head_off, page_stride, start + nxt * BC,
-                         end, hk, tid)
+        # (stages by unsigned arithmetic: a signed % costs sign fix-ups)
+        nb = base + ((phase + U32(nxt)) % U32(NSTG)) * U32(STAGE_BYTES)
+        if nxt < n_tiles:
+            load_kv_tile(smem, nb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
+                         page_stride, start + nxt * BC, end, hk, tid)
+        elif PREFETCH and nxt_item >= 0:
+            # the next item's tile 0 into the stage this item no longer needs
+            (nb_, nhk, nqs, nrows_, nstart, nend, nprow, nq0, nkv_len, nib, nrow_stride,
+             nhead_off, npos0) = read_item(plan, nxt_item, work_off, qo_indptr_off,
+                                           qo_end_off, q_pos0_off, kv_indptr, kv_last,
+                                           kv_stride_n, kv_stride_h)
+            if nend > nstart:
+                load_kv_tile(smem, nb, k, v, kv_indices, kv_indptr, nb_, nib, nrow_stride,
+                             nhead_off, page_stride, nstart, nend, nhk, tid)
+            else:
+                commit()
         else:
             commit()  # an empty group keeps group i meaning tile i
-        kb = base + (U32(it) % U32(NSTG)) * U32(STAGE_BYTES)
+        kb = base + ((phase + U32(it)) % U32(NSTG)) * U32(STAGE_BYTES)
         # (Q's address through an opaque move: hoisted out of the loop, its 8 descriptors
         # held 16 registers, 153 instead of 128 with the rest of the tile)
         qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, tid % 32, s)
@@ -221,6 +281,19 @@ def prefill_wgmma_kernel_source(spec):
                 acc[4 * j + c] *= a0
                 acc[4 * j + 2 + c] *= a1
         p_times_v(smem, kb + U32(TILE_BYTES), tid, tid % 32, s, pw, acc, scratch)
+        if PREFETCH and q_async and nxt >= n_tiles and nxt_item >= 0:
+            # The next item's Q, once every warp has read this item's: its Q K^T is done
+            # (each warp waited for its P V since). A barrier per item: one per warpgroup
+            # (bar.sync 1 + wg, 128) took a register for the id, ptxas then reserved all 16
+            # barriers, and with immediate ids serialised the wgmma chains (registers).
+            cuda.syncthreads()
+            (nb_, nhk, nqs, nrows_, nstart, nend, nprow, nq0, nkv_len, nib, nrow_stride,
+             nhead_off, npos0) = read_item(plan, nxt_item, work_off, qo_indptr_off,
+                                           qo_end_off, q_pos0_off, kv_indptr, kv_last,
+                                           kv_stride_n, kv_stride_h)
+            copy_q(smem, base + U32(Q_BASE), q, nq0, nqs, nrows_, nhk, q_stride_n, q_stride_h,
+                   tid)
+            commit()
         return m0, m1, den0, den1, lo0, lo1
 
     def prefill_wgmma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
@@ -250,23 +323,39 @@ def prefill_wgmma_kernel_source(spec):
         if ks < ZERO:
             ks = -ks
             sign = -ONE
+        # Q by cp.async (PREFETCH): 16-byte copies need q's base and strides 16-byte aligned,
+        # and a positive scale (the copy cannot negate); else the stager.
+        q_async = PREFETCH and (sign > ZERO and addr_low(q) % U32(16) == U32(0)
+                                and q_stride_n % 8 == 0 and q_stride_h % 8 == 0)
+        o_words = O_WORDS and addr_low(o) % U32(4) == U32(0)
         c = cuda.blockIdx.x
-        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+        w_hi = plan[cta_indptr_off + c + 1]
+        phase = U32(0)  # the ring stage of the item's tile 0
+        ready = False  # the item's tile 0 (and Q, q_async) requested by the one before
+        for wi in range(plan[cta_indptr_off + c], w_hi):
             item = plan[cta_work_off + wi]
+            nxt_item = plan[cta_work_off + wi + 1] if PREFETCH and wi + 1 < w_hi else -1
             (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
                                kv_indptr, kv_last, kv_stride_n, kv_stride_h)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
-            cuda.syncthreads()  # the previous item is done with shared memory
-            for pt in range(NSTG - 1):  # group i is tile i (empty past the last)
-                if pt < n_tiles:
-                    load_kv_tile(smem, base + U32(pt * STAGE_BYTES), k, v, kv_indices,
-                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
-                                 start + pt * BC, end, hk, tid)
-                else:
-                    commit()
-            stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n,
-                    q_stride_h, tid, sign)
+            if not ready or not q_async:
+                cuda.syncthreads()  # the previous item is done with shared memory
+            if not ready:
+                if q_async:
+                    copy_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, q_stride_n,
+                           q_stride_h, tid)
+                for pt in range(NSTG - 1):  # group i is tile i (empty past the last)
+                    if pt < n_tiles:
+                        load_kv_tile(smem, base + ((phase + U32(pt)) % U32(NSTG))
+                                     * U32(STAGE_BYTES), k, v, kv_indices, kv_indptr, b, ib,
+                                     row_stride, head_off, page_stride, start + pt * BC, end,
+                                     hk, tid)
+                    else:
+                        commit()
+            if not q_async:
+                stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n,
+                        q_stride_h, tid, sign)
             # (published and waited for at the first tile's barrier)
             pr0 = 16 * warp + lane // 4  # this lane's packed rows: pr0 and pr0 + 8
             pr1 = pr0 + 8
@@ -288,16 +377,23 @@ def prefill_wgmma_kernel_source(spec):
             for it in range(n_clear):
                 m0, m1, den0, den1, lo0, lo1 = tile(
                     smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, False,
-                    qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch,
+                    False, qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1, phase, nxt_item,
+                    q_async, q, plan, work_off, qo_indptr_off, qo_end_off, q_pos0_off, kv_last,
+                    kv_stride_n, kv_stride_h, q_stride_n, q_stride_h)
             # The tiles crossing the diagonal or the range's end, masked. Both warpgroups run
             # each (wgmma is warpgroup-wide, and a warpgroup-uniform skip cost the standalone
             # 32 registers); a warpgroup's rows before the tile keep none of its keys.
             for it in range(n_clear, n_tiles):
                 m0, m1, den0, den1, lo0, lo1 = tile(
                     smem, base, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch, True,
-                    qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1)
+                    page_stride, it, n_tiles, start, end, hk, tid, warp, s, acc, pw, scratch,
+                    True, qp0, qp1, t2, ks, m0, m1, den0, den1, lo0, lo1, phase, nxt_item,
+                    q_async, q, plan, work_off, qo_indptr_off, qo_end_off, q_pos0_off, kv_last,
+                    kv_stride_n, kv_stride_h, q_stride_n, q_stride_h)
+            if PREFETCH:  # the next item starts on the stage after this one's last tile
+                phase = (phase + U32(n_tiles)) % U32(NSTG)
+                ready = n_tiles > 0
 
             # The epilogue: a row's sum over its four lanes, O normalised, the non-finite rule.
             den0, den1 = quad_reduce(den0, den1, False, tid, scratch)
@@ -335,19 +431,52 @@ def prefill_wgmma_kernel_source(spec):
             ob0 = (row0 * hq + head0) * D + t2
             ob1 = (row1 * hq + head1) * D + t2
             # accumulators 4 j + (0, 1): row pr0's dims 8 j + t2 + (0, 1); + (2, 3) row pr1's
-            for j in range(NO // 4):
-                for h in range(2):
-                    if ok1 if h else ok0:
-                        i = (ob1 if h else ob0) + 8 * j
-                        bad = (f1 if h else f0) > ZERO
-                        x0 = NAN if bad else acc[4 * j + 2 * h]
-                        x1 = NAN if bad else acc[4 * j + 2 * h + 1]
-                        if split:  # a partial row: the merge launch combines them
-                            tmp_o[i] = x0
-                            tmp_o[i + 1] = x1
-                        else:
-                            store(o, i, x0)
-                            store(o, i + 1, x1)
+            if PREFETCH:
+                # NaN rows first, then one store loop per path, each small enough to unroll
+                # (one loop holding the three paths was not: its indices put acc in local
+                # memory, bench/NOTES.md, session 17, call 6)
+                for j in range(NO // 4):
+                    for cc in range(2):
+                        if f0 > ZERO:
+                            acc[4 * j + cc] = NAN
+                        if f1 > ZERO:
+                            acc[4 * j + 2 + cc] = NAN
+                if split:  # partial rows: the merge launch combines them
+                    for j in range(NO // 4):
+                        if ok0:
+                            tmp_o[ob0 + 8 * j] = acc[4 * j]
+                            tmp_o[ob0 + 8 * j + 1] = acc[4 * j + 1]
+                        if ok1:
+                            tmp_o[ob1 + 8 * j] = acc[4 * j + 2]
+                            tmp_o[ob1 + 8 * j + 1] = acc[4 * j + 3]
+                elif O_WORDS and o_words:  # each pair as one 32-bit store (ob0, ob1 even)
+                    for j in range(NO // 4):
+                        if ok0:
+                            store_u32(o, ob0 + 8 * j, pack_o(acc[4 * j], acc[4 * j + 1]))
+                        if ok1:
+                            store_u32(o, ob1 + 8 * j, pack_o(acc[4 * j + 2], acc[4 * j + 3]))
+                else:
+                    for j in range(NO // 4):
+                        if ok0:
+                            store(o, ob0 + 8 * j, acc[4 * j])
+                            store(o, ob0 + 8 * j + 1, acc[4 * j + 1])
+                        if ok1:
+                            store(o, ob1 + 8 * j, acc[4 * j + 2])
+                            store(o, ob1 + 8 * j + 1, acc[4 * j + 3])
+            else:
+                for j in range(NO // 4):
+                    for h in range(2):
+                        if ok1 if h else ok0:
+                            i = (ob1 if h else ob0) + 8 * j
+                            bad = (f1 if h else f0) > ZERO
+                            x0 = NAN if bad else acc[4 * j + 2 * h]
+                            x1 = NAN if bad else acc[4 * j + 2 * h + 1]
+                            if split:  # a partial row: the merge launch combines them
+                                tmp_o[i] = x0
+                                tmp_o[i + 1] = x1
+                            else:
+                                store(o, i, x0)
+                                store(o, i + 1, x1)
             if t2 == 0:
                 dst = tmp_lse if split else lse
                 if ok0:

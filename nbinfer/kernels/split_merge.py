@@ -42,7 +42,8 @@ def split_merge_spec(spec):
     return dataclasses.replace(spec, page_size=1, kv_layout="NHD", sparse=True,
                                custom_mask=False, block_positions=False, value_guard=False,
                                defer_merge=True, kv_tile=32, q_shared=False, max_registers=None,
-                               stages=2, kv_split=False, wgmma=False, lean=False)
+                               stages=2, kv_split=False, wgmma=False, lean=False,
+                               prefetch=False)
 
 
 @functools.cache

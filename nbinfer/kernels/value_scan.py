@@ -53,7 +53,8 @@ def scan_spec(spec):
     """The spec the scan of ``spec`` compiles for: only the addressing, page size, V dtype,
     head dim and CTA size matter, so every variant and group size shares one scan kernel."""
     return dataclasses.replace(spec, variant=standard(), group_size=1, custom_mask=False,
-                               block_positions=False, value_guard=False, wgmma=False, lean=False)
+                               block_positions=False, value_guard=False, wgmma=False, lean=False,
+                               prefetch=False)
 
 
 @functools.cache
@@ -80,7 +81,7 @@ def value_guard_kernels(spec) -> tuple[tuple, tuple]:
         return (), ()
     # the twin cleans V in shared memory row by row: on mma.sync's padded rows
     # (the lean kernel's twin drops its register cap too: 8 warps of mma.sync need more)
-    twin = dataclasses.replace(spec, value_guard=True, wgmma=False, lean=False,
+    twin = dataclasses.replace(spec, value_guard=True, wgmma=False, lean=False, prefetch=False,
                                max_registers=None if spec.lean else spec.max_registers)
     return (build_value_scan_kernel(spec),), (build_prefill_mma_kernel(twin),)
 

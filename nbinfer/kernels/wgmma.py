@@ -123,8 +123,11 @@ def wgmma_intrinsics():
     ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done),
     ``hold[m](acc)`` (pins the first ``m`` accumulators between a wait and the next fence:
     call after ``wait0`` and before ``fence``) and ``proxy_fence()`` (shared stores made
-    visible to the async proxy). Every register a ``wgmma`` reads (its A fragment, its
-    accumulators) must be written before the ``fence`` that precedes it."""
+    visible to the async proxy); for the lean prefill around them, ``opaque_u32(x)`` (``x``
+    through a volatile move), ``addr_low(arr)`` (the low 32 bits of ``arr``'s address)
+    and ``store_u32(arr, i, word)`` (two 16-bit elements as one store). Every register a
+    ``wgmma`` reads (its A fragment, its accumulators) must be written before the ``fence``
+    that precedes it."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.cuda.extending import intrinsic
@@ -228,9 +231,38 @@ def wgmma_intrinsics():
 
         return U32(x), codegen
 
+    def element_ptr(context, builder, aryty, ary, idx):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        return cgutils.get_item_pointer(context, builder, aryty, arr, [idx], wraparound=False)
+
+    @intrinsic
+    def addr_low(typingctx, arr):
+        # The low 32 bits of arr's first element's address: its alignment, known on the device
+        # (a kernel taking any strided view can then choose 16-byte copies where they are legal)
+        def codegen(context, builder, sig, args):
+            ptr = element_ptr(context, builder, sig.args[0], args[0],
+                              context.get_constant(types.intp, 0))
+            return builder.trunc(builder.ptrtoint(ptr, i64), ir.IntType(32))
+
+        return U32(arr), codegen
+
+    @intrinsic
+    def store_u32(typingctx, arr, idx, val):
+        # 32 bits at element idx of a 16-bit array (two elements, 4-byte aligned): one store
+        # where two element stores would issue twice
+        def codegen(context, builder, sig, args):
+            ptr = element_ptr(context, builder, sig.args[0], args[0], args[1])
+            word = context.cast(builder, args[2], sig.args[2], U32)
+            builder.store(word, builder.bitcast(ptr, ir.IntType(32).as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return types.void(arr, idx, val), codegen
+
     kinds = [(n, kind) for n in WGMMA_N for kind in WGMMA_KINDS.values()]
     return SimpleNamespace(
         opaque_u32=opaque_u32,
+        addr_low=addr_low,
+        store_u32=store_u32,
         mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
         mma_rs={nk: make_mma(*nk, a_regs=True) for nk in kinds},
         fence=make_void("wgmma.fence.sync.aligned;"),
