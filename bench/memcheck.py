@@ -249,6 +249,20 @@ def decode_with(ctx, rng, kv_lens, layout, fmt=None, **settings):
         return batch_decode(ctx, rng, kv_lens, layout, fmt)
 
 
+def prefill_with(settings: dict, fn, *args, **kw):
+    """``fn(*args, **kw)`` (a prefill case) with ``nbinfer.api.prefill``'s module settings
+    overridden, e.g. ``MMA_WGMMA=True`` (the lean warpgroup kernel on sm_90, whatever the rows
+    per request) and ``LEAN_PREFETCH=True`` (its per-item overlap)."""
+    from unittest import mock
+
+    from nbinfer.api import prefill as prefill_api
+
+    with mock.patch.multiple(prefill_api, **settings):
+        return fn(*args, **kw)
+
+
+LEAN = dict(MMA_WGMMA=True)
+LEAN_PF = dict(MMA_WGMMA=True, LEAN_PREFETCH=True)
 PLAIN_LENS = [1, 16, 17, 0, 100, 255, 33, 64]  # 0: an empty request (O = 0, LSE = -inf)
 SPLIT_LENS = [20000, 7, 300, 1, 513]
 
@@ -526,6 +540,15 @@ CASES = [
                                  causal=True)),
     ("single_prefill_tc_causal", "tensor-core prefill bf16 D64 ragged HND causal",
      lambda c, r: single_prefill(c, r, 45, 300, 64, "bfloat16", "HND", causal=True)),
+    ("prefill_paged_lean_causal", "lean warpgroup prefill fp16 D128 NHD page 16 causal",
+     lambda c, r: prefill_with(LEAN, paged_prefill, c, r, [1, 37, 170, 16], [100, 333, 170, 600],
+                               128, "float16", "NHD", causal=True)),
+    ("prefill_paged_lean_prefetch", "lean prefill, per-item overlap, fp16 D128 NHD page 16 causal",
+     lambda c, r: prefill_with(LEAN_PF, paged_prefill, c, r, [1, 37, 170, 16],
+                               [100, 333, 170, 600], 128, "float16", "NHD", causal=True)),
+    ("prefill_ragged_lean_prefetch", "lean prefill, per-item overlap, bf16 D64 ragged HND causal",
+     lambda c, r: prefill_with(LEAN_PF, ragged_prefill, c, r, [50, 3, 170], [50, 400, 1000], 64,
+                               "bfloat16", "HND", causal=True)),
     ("prefill_paged_cc_causal", "CUDA-core prefill fp32 D128 HND page 16 causal",
      lambda c, r: paged_prefill(c, r, [9, 30], [40, 300], 128, "float32", "HND", causal=True)),
     ("prefill_ragged_cc_mask", "CUDA-core prefill fp16 D256 ragged NHD custom mask",
