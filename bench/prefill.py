@@ -109,6 +109,28 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     parts["schedule_sweep"] = sweep
     casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16")  # back to the default schedule
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
+    # Level by level (CASCADE_LAUNCH = "levels"): the prefix level on the prefill wrapper's
+    # rule (the lean warpgroup kernel on sm_90: 256 packed rows per KV head), with and without
+    # its per-item overlap, the own level on the decode kernel, merge_state_in_place between.
+    from nbinfer.api import cascade as cascade_api
+
+    for name, prefetch in (("levels", None), ("levels_prefetch", True)):
+        lv = MultiLevelCascadeAttentionWrapper(2, ws1)
+        with api_overrides(LEAN_PREFETCH=prefetch):
+            saved, cascade_api.CASCADE_LAUNCH = cascade_api.CASCADE_LAUNCH, "levels"
+            try:
+                lv.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
+            finally:
+                cascade_api.CASCADE_LAUNCH = saved
+        spec0 = lv._wrappers[0].step_plan.spec
+        parts[name] = dict(
+            max_abs_diff=float((lv.run(q, cache).float() - b.float()).abs().max()),
+            prefix_kernel=type(spec0).__name__, prefix_lean=bool(getattr(spec0, "lean", False)),
+            prefix_prefetch=bool(getattr(spec0, "prefetch", False)),
+            last_on_decode=lv.last_level_on_decode,
+            ms=median_ms(lambda lv=lv: lv.run(q, cache)),
+            gpu_ms=back_to_back_ms(lambda lv=lv: lv.run(q, cache)),
+            graph_ms=graph_ms(lambda lv=lv: lv.run(q, cache)))
     # As a serving engine runs decode: each path captured once in a CUDA graph and replayed.
     parts["cascade_graph_ms"] = graph_ms(lambda: casc.run(q, cache))
     parts["plain_graph_ms"] = graph_ms(lambda: plain.run(q, cache))

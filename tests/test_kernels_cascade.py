@@ -102,6 +102,42 @@ def test_cascade_prefill_levels_one_launch_or_level_by_level(rng):
         np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(causal=True, logits_soft_cap=4.0)])
+def test_cascade_level_by_level_with_the_last_level_on_decode(rng, monkeypatch, kw):
+    # CASCADE_LAUNCH = "levels": three levels (a prefix shared by all, one shared by requests
+    # 1-2, each request's own pages) run one after another; the last, one query row per
+    # request, on the decode kernel; merged in level order. A last level of several rows per
+    # segment keeps the prefill wrapper.
+    from nbinfer.api import cascade as cascade_api
+
+    monkeypatch.setattr(cascade_api, "CASCADE_LAUNCH", "levels")
+    ps, hq, hkv, d = 4, 4, 2, 64
+    qo = [np.array([0, 3]), np.array([0, 1, 3]), np.array([0, 1, 2, 3])]
+    indptr = [np.array([0, 2]), np.array([0, 0, 2]), np.array([0, 1, 3, 4])]
+    indices = [np.array([5, 1]), np.array([7, 6]), np.array([2, 0, 3, 4])]
+    last = [np.array([ps]), np.array([0, 3]), np.array([2, ps, 1])]
+    cache = rng.standard_normal((8, 2, ps, hkv, d)).astype(np.float16)
+    q = rng.standard_normal((3, hq, d)).astype(np.float16)
+    w = MultiLevelCascadeAttentionWrapper(3, np.zeros(1 << 22, np.uint8))
+    w.plan(qo, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16", **kw)
+    assert not w.one_launch and w.last_level_on_decode
+    out, lse = w.run(q, cache, return_lse=True)
+    ref, ref_lse = reference.multi_level_cascade_attention(
+        q, qo, cache, indptr, indices, last, return_lse=True, **kw)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    np.testing.assert_allclose(lse, ref_lse, atol=2e-3)
+    # two query rows in request 1's last segment: every level on the prefill wrapper
+    qo2 = [np.array([0, 4]), np.array([0, 1, 4]), np.array([0, 1, 3, 4])]
+    q2 = rng.standard_normal((4, hq, d)).astype(np.float16)
+    w.plan(qo2, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16", **kw)
+    assert not w.one_launch and not w.last_level_on_decode
+    ref2 = reference.multi_level_cascade_attention(q2, qo2, cache, indptr, indices, last, **kw)
+    assert rel_err(w.run(q2, cache), ref2) <= TOLERANCE["float16"]
+    monkeypatch.setattr(cascade_api, "CASCADE_LAUNCH", "split")
+    with pytest.raises(ValueError, match="CASCADE_LAUNCH"):
+        w.plan(qo, indptr, indices, last, hq, hkv, d, ps, q_data_type="float16")
+
+
 def test_one_launch_cascade_with_split_levels(rng):
     # Chunks of 4 keys: every row merges 3 prefix chunks and 1-2 own chunks in one launch; an
     # LPT weight per packed row changes who runs what, never the result.

@@ -10,7 +10,9 @@ By default all levels run as **one launch** (:func:`nbinfer.scheduler.cascade_pl
 concatenated, and each output row's states from every level and KV chunk are merged by the
 kernel's fused merge, in level order. Where that cannot express the masks (``causal`` with a
 last level of more than one row per segment, whose mask depends on positions inside the level),
-the levels run one after another with ``return_lse`` and are merged by ``merge_state_in_place``.
+or when :data:`CASCADE_LAUNCH` asks for it, the levels run one after another with
+``return_lse`` and are merged by ``merge_state_in_place``; level by level, a last level of one
+query row per segment (a decode step's own tokens) runs on the decode kernel.
 
 Positions inside a level are relative to the level, so the wrapper accepts only the flags whose
 result does not depend on absolute positions: ``causal`` (applied to the last level, where the
@@ -33,13 +35,22 @@ from ..scheduler.planner import check_weights
 from ..variants import from_flashinfer_args
 from . import arrays, binding
 from .base import WrapperBase, write_reference
-from .decode import MIN_CHUNK
+from .decode import MIN_CHUNK, BatchDecodeWithPagedKVCacheWrapper
 from .dtypes import normalize_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, mma_item_overhead
 from .state import merge_state_in_place
 from .step import StepPlan
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
+
+# How a cascade whose masks one launch can express runs. None: one launch (64 x (8192 + 256)
+# tokens on the H200: 0.103 ms under graph replay, 4.5x plain decode; bench/NOTES.md, issue 13
+# session 10). "levels": level by level, each prefix level on the prefill wrapper's own kernel
+# (on an sm_90 GPU the lean warpgroup kernel, when its segments fill the tile) and a last level
+# of one row per segment on the decode kernel, which streamed the same case's own tokens in
+# 24 us where the one launch's tile spends ~51 us on them; merged by merge_state_in_place.
+# Not yet timed against the one launch (bench/prefill.py's --cascade-launch).
+CASCADE_LAUNCH = None
 
 
 class MultiLevelCascadeAttentionWrapper(WrapperBase):
@@ -62,6 +73,8 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         self._wrappers = [_LevelWrapper(self._workspace, kv_layout, backend=self._backend)
                           for _ in range(self._levels)]
         self._fused = _FusedCascade(self._workspace, kv_layout, backend=self._backend)
+        self._last_decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout,
+                                                               backend=self._backend)
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -126,14 +139,27 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         head_dim = check_positive_int("head_dim", head_dim)
         var = from_flashinfer_args(causal=causal, logits_soft_cap=logits_soft_cap,
                                    num_qo_heads=num_qo_heads)
-        fused = self._backend != "reference" and (
+        if CASCADE_LAUNCH not in (None, "levels"):
+            raise ValueError(f"CASCADE_LAUNCH must be None or 'levels', got {CASCADE_LAUNCH!r}")
+        one_row = len(qo[-1]) > 1 and bool(np.all(np.diff(qo[-1]) == 1))  # a decode step
+        fused = self._backend != "reference" and CASCADE_LAUNCH is None and (
             not causal or int(np.diff(qo[-1]).max(initial=0)) <= 1)
+        # level by level, a last level of single rows on the decode kernel (a row sees its
+        # segment's every key, causal or not)
+        decode_last = not fused and self._backend != "reference" and one_row
         if fused:  # one launch; a single query row per last-level segment sees every key
             self._fused.plan_levels(qo, host, num_qo_heads, num_kv_heads, head_dim, page_size,
                                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                                     q_data_type=q_data_type, kv_data_type=kv_data_type,
                                     **schedule)
         for lvl, w in enumerate([] if fused or self._backend == "reference" else self._wrappers):
+            if decode_last and lvl == self._levels - 1:
+                self._last_decode.plan(host[0][lvl], host[1][lvl], host[2][lvl], num_qo_heads,
+                                       num_kv_heads, head_dim, page_size,
+                                       logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                                       q_data_type=q_data_type, kv_data_type=kv_data_type,
+                                       fixed_split_size=schedule["fixed_split_size"])
+                continue
             w.plan(qo[lvl], host[0][lvl], host[1][lvl], host[2][lvl], num_qo_heads, num_kv_heads,
                    head_dim, page_size, causal=causal and lvl == self._levels - 1,
                    logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
@@ -146,12 +172,19 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                         empty, empty, empty, lens,
                         schedule=self._fused.schedule if fused else None,
                         extra=dict(levels=tuple(qo), tables=tuple(tuple(t) for t in host[:3]),
-                                   causal=causal, logits_soft_cap=logits_soft_cap, fused=fused))
+                                   causal=causal, logits_soft_cap=logits_soft_cap, fused=fused,
+                                   decode_last=decode_last))
 
     @property
     def one_launch(self) -> bool:
         """Whether the current plan runs all levels as one launch (else level by level)."""
         return bool(self.step_plan.extra["fused"])
+
+    @property
+    def last_level_on_decode(self) -> bool:
+        """Whether the current plan runs level by level with its last level (one query row per
+        segment) on the decode kernel."""
+        return bool(self.step_plan.extra["decode_last"])
 
     @property
     def fused_wrapper(self):
@@ -177,8 +210,11 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                                                       step.head_dim), step.q_dtype, return_lse)
         if x["fused"]:
             return self._fused.run(q, paged_kv_cache, out=out, lse=lse, return_lse=return_lse)
-        o, s = self._wrappers[0].run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
-        for w in self._wrappers[1:]:
+        last = self._levels - 1
+        runs = [self._last_decode if x["decode_last"] and lvl == last else w
+                for lvl, w in enumerate(self._wrappers)]
+        o, s = runs[0].run(q, paged_kv_cache, out=out, lse=lse, return_lse=True)
+        for w in runs[1:]:
             o_l, s_l = w.run(q, paged_kv_cache, return_lse=True)
             merge_state_in_place(o, s, o_l, s_l, lse_base=math.e, backend=self._backend)
         return (o, s) if return_lse else o
