@@ -409,12 +409,28 @@ def block_sparse(ctx, rng, M, N, R, C, causal=False, mask=False, empty_row=None)
     return state(out, lse, ref, dt)
 
 
-def cascade(ctx, rng, causal):
+def cascade(ctx, rng, causal, levels=False):
     """2 levels over one pool: a 100-token shared prefix (partial last page), then each request's
     own pages; several query rows per request. Not causal: all levels in one launch; causal with
-    several rows per request: one launch per level, merged by merge_state_in_place."""
+    several rows per request: one launch per level, merged by merge_state_in_place. ``levels``:
+    one query row per request, level by level (CASCADE_LAUNCH): the prefix level on the lean
+    kernel (MMA_WGMMA), the own level on the decode kernel."""
+    if levels:
+        from unittest import mock
+
+        from nbinfer.api import cascade as cascade_api
+        from nbinfer.api import prefill as prefill_api
+
+        with mock.patch.object(cascade_api, "CASCADE_LAUNCH", "levels"), \
+                mock.patch.multiple(prefill_api, MMA_WGMMA=True, LEAN_PREFETCH=True):
+            return _cascade(ctx, rng, causal, [1] * 40)
+    return _cascade(ctx, rng, causal, [3, 1, 5, 7])
+
+
+def _cascade(ctx, rng, causal, qo_lens):
     d, ps, dt, layout = 128, 16, "float16", "NHD"
-    qo_lens, own_lens = [3, 1, 5, 7], [20, 1, 47, 16]
+    own_lens = rng.integers(1, 50, len(qo_lens)).tolist() if len(qo_lens) > 4 \
+        else [20, 1, 47, 16]
     (t0, t1), _, used = allocate(rng, [[100], own_lens], ps)
     cache = paged_cache(rng, used, HKV, d, layout, dt)
     nnz = sum(qo_lens)
@@ -426,7 +442,7 @@ def cascade(ctx, rng, causal):
     w = planned(ctx, lambda ws: nbinfer.MultiLevelCascadeAttentionWrapper(
         2, ws, layout, backend=ctx.backend),
         lambda w: w.plan(qo, *tables, HQ, HKV, d, ps, causal=causal, q_data_type=ctx.dt(dt)),
-        levels=2 if causal else 1)  # one launch uses the whole buffer, per-level ones a share
+        levels=2 if causal or len(qo_lens) > 4 else 1)  # one launch: the whole buffer
     out, lse = w.run(ctx.dev(q, dt), ctx.dev(cache, dt), return_lse=True)
     return state(out, lse, ref, dt)
 
@@ -525,6 +541,8 @@ CASES = [
     ("prefill_paged_tc", TC,
      lambda c, r: paged_prefill(c, r, [1, 37, 70, 5], [100, 333, 17, 0], 128, "float16", "NHD")),
     ("cascade_fused", TC, lambda c, r: cascade(c, r, causal=False)),
+    ("cascade_levels_lean", "cascade level by level: lean prefill (overlap) + decode + merge",
+     lambda c, r: cascade(c, r, causal=False, levels=True)),
     ("prefill_paged_tc_causal", TC + " causal",
      lambda c, r: paged_prefill(c, r, [1, 37, 70, 16], [100, 333, 70, 600], 128, "float16",
                                 "NHD", causal=True)),

@@ -307,10 +307,17 @@ def test_block_sparse_gpu(rng, R, C):
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("kv_split", [False, True])
+@pytest.mark.parametrize("kv_split", [False, True, "levels", "levels-prefetch"])
 def test_cascade_gpu(rng, monkeypatch, kv_split):
-    # (kv_split: the own level's items, one row of 4 packed heads each, split by keys)
-    monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split)
+    # (kv_split: the own level's items, one row of 4 packed heads each, split by keys;
+    # "levels": CASCADE_LAUNCH = "levels", the prefix level on the prefill rule's kernel (the
+    # lean one on sm_90: 64 packed rows per KV head), the own level on the decode kernel)
+    from nbinfer.api import cascade as cascade_api
+
+    levels = str(kv_split).startswith("levels")
+    monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split is True)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", kv_split == "levels-prefetch")
+    monkeypatch.setattr(cascade_api, "CASCADE_LAUNCH", "levels" if levels else None)
     batch, prefix_pages, own_pages, ps = 16, 64, 4, 16
     pool = rng.permutation(prefix_pages + batch * own_pages)
     prefix, own = pool[:prefix_pages], pool[prefix_pages:].reshape(batch, own_pages)
@@ -323,7 +330,12 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
     tq, tc = _t(q, "float16"), _t(cache, "float16")
     w = MultiLevelCascadeAttentionWrapper(2, _ws())
     w.plan(qo, indptr, indices, last, 32, 8, 128, ps, q_data_type="float16")
-    assert w._fused.step_plan.spec.kv_split == kv_split
+    if levels:
+        assert w.last_level_on_decode
+        spec = w._wrappers[0].step_plan.spec
+        assert spec.prefetch == (kv_split == "levels-prefetch") and spec.lean
+    else:
+        assert w._fused.step_plan.spec.kv_split == kv_split
     out = w.run(tq, tc)
     ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
