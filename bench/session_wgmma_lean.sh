@@ -20,7 +20,7 @@ t "$p::test_ragged_prefill_gpu_wgmma_lean" "tests/test_gpu_trust.py::test_prefil
   "$p::test_ragged_prefill_gpu_wgmma_lean_prefetch" >"$OUT/r/gpu_l2.log" 2>&1 &
 b=$!
 t "$p::test_ragged_and_single_prefill_gpu[True]" "$p::test_paged_prefill_gpu_wgmma[0]" \
-  "$p::test_paged_prefill_gpu_wgmma[5]" "$p::test_paged_prefill_gpu_wgmma_lean_prefetch" \
+  "$p::test_paged_prefill_gpu_wgmma[5]" \
   >"$OUT/r/gpu_l3.log" 2>&1 &
 c=$!
 for p in $a $b $c; do wait "$p" || status=1; done

@@ -130,30 +130,21 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
                dict(sm_scale=-0.05, fixed_split_size=256))]
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("case", range(len(LEAN_PAGED)))
-def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case):
+def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, prefetch):
     # The lean warpgroup kernel (kernels/prefill_wgmma.py) on paged KV: causal and not, GQA 1-8,
     # pages of 1 / 5 / 16, NHD / HND, fp16 / bf16, D 64 / 128, split rows (merge launch), and a
-    # negative scale (each score scaled before the maximum).
+    # negative scale (each score scaled before the maximum; with the per-item overlap, Q through
+    # the stager: cp.async cannot negate). prefetch: LEAN_PREFETCH, the per-item overlap (Q by
+    # cp.async, the next item's first KV tile and Q requested during the last tile).
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", prefetch)
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
-    assert w.step_plan.launch.launch.kernel.regs <= 128
-
-
-@pytest.mark.parametrize("case", [0, 2, 3, 4])
-def test_paged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, case):
-    # The lean kernel's per-item overlap (LEAN_PREFETCH: Q by cp.async, the next item's first
-    # KV tile and Q requested during the last tile): paged causal G 4, HND bf16 D 64, split
-    # rows, and a negative scale (Q through the stager: cp.async cannot negate).
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
-    qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
-    w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
-    spec = w.step_plan.spec
-    assert spec.lean and spec.prefetch and spec.max_registers == 128
+    assert spec.prefetch == prefetch
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 
