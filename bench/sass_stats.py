@@ -121,6 +121,9 @@ def main():
                     help="prefill, with --lean: MmaPrefillSpec(prefetch=True), the per-item "
                          "overlap (Q by cp.async, the next item's first tile and Q requested "
                          "during the last tile, unrolled stores)")
+    ap.add_argument("--lazy", action="store_true",
+                    help="prefill, with --lean: MmaPrefillSpec(lazy_rescale=True), the online "
+                         "softmax's rescale only when a row's maximum grows by more than 2^8")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -157,6 +160,7 @@ def main():
                               stages=args.stages, num_warps=args.warps,
                               q_shared=args.q_shared, kv_split=args.kv_split,
                               wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
+                              lazy_rescale=args.lazy,
                               defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,

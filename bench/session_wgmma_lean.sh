@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the lean warpgroup prefill (kernels/prefill_wgmma.py, issue 13 req 1):
-# its gpu tests (paged, ragged, single, the non-finite rule, each with and without
-# LEAN_PREFETCH, and the tensor-core kernel's warpgroup form, whose products it shares; three
-# processes side by side, each compiling its own kernels), then, if they pass,
-# bench/prefill.py's A/B of the mma.sync kernel and the lean kernel without and with its
-# per-item overlap (TILES, default 64,64w8gl,64w8glp) with SDPA flash / cuDNN in the same
-# process, then (GRID=1) the req 1 rows GRID_SHAPES with the plan's rule (nbinfer's default
-# kernel), then (NCU=1) bench/ncu_prefill.sh at B4 L4096 causal.
+# its gpu tests (paged, ragged, single, the non-finite rule, each plain, with LEAN_PREFETCH
+# and with LEAN_LAZY_RESCALE, and the tensor-core kernel's warpgroup form, whose products it
+# shares; three processes side by side, each compiling its own kernels), then, if they pass,
+# bench/prefill.py's A/B of the mma.sync kernel and the lean kernel, plain, with its per-item
+# overlap, its lazy rescale, and both (TILES, default 64,64w8gl,64w8glp,64w8glz,64w8glpz) with
+# SDPA flash / cuDNN in the same process, then (GRID=1) the req 1 rows GRID_SHAPES with the
+# plan's rule (nbinfer's default kernel), then (NCU=1) bench/ncu_prefill.sh at B4 L4096 causal.
 #   OUT=$OUT bash bench/session_wgmma_lean.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -17,6 +17,7 @@ t "$p::test_paged_prefill_gpu_wgmma_lean" >"$OUT/r/gpu_l1.log" 2>&1 &
 a=$!
 t "$p::test_ragged_prefill_gpu_wgmma_lean" "tests/test_gpu_trust.py::test_prefill_nan_rule_on_the_tensor_core_kernel[lean]" \
   "tests/test_gpu_trust.py::test_prefill_nan_rule_on_the_tensor_core_kernel[lean-prefetch]" \
+  "tests/test_gpu_trust.py::test_prefill_nan_rule_on_the_tensor_core_kernel[lean-lazy]" \
   "$p::test_ragged_prefill_gpu_wgmma_lean_prefetch" >"$OUT/r/gpu_l2.log" 2>&1 &
 b=$!
 t "$p::test_ragged_and_single_prefill_gpu[True]" "$p::test_paged_prefill_gpu_wgmma[0]" \
@@ -27,7 +28,7 @@ for p in $a $b $c; do wait "$p" || status=1; done
 for f in gpu_l1 gpu_l2 gpu_l3; do echo "$f: $(tail -1 "$OUT/r/$f.log")"; done
 echo "gpu tests: $((SECONDS - t0)) s"
 if [ $status = 0 ] || [ -n "${FORCE:-}" ]; then
-  python3 bench/prefill.py --kv-tiles "${TILES:-64,64w8gl,64w8glp}" \
+  python3 bench/prefill.py --kv-tiles "${TILES:-64,64w8gl,64w8glp,64w8glz,64w8glpz}" \
     --out "$OUT/r/prefill_lean_ab.json" >"$OUT/r/ab.log" 2>&1 || status=1
   grep -v -i warn "$OUT/r/ab.log" | tail -4
   echo "a/b: $((SECONDS - t0)) s"

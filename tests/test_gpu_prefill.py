@@ -130,30 +130,33 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
                dict(sm_scale=-0.05, fixed_split_size=256))]
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("form", ["plain", "prefetch", "lazy"])
 @pytest.mark.parametrize("case", range(len(LEAN_PAGED)))
-def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, prefetch):
+def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
     # The lean warpgroup kernel (kernels/prefill_wgmma.py) on paged KV: causal and not, GQA 1-8,
     # pages of 1 / 5 / 16, NHD / HND, fp16 / bf16, D 64 / 128, split rows (merge launch), and a
     # negative scale (each score scaled before the maximum; with the per-item overlap, Q through
-    # the stager: cp.async cannot negate). prefetch: LEAN_PREFETCH, the per-item overlap (Q by
-    # cp.async, the next item's first KV tile and Q requested during the last tile).
+    # the stager: cp.async cannot negate). "prefetch": LEAN_PREFETCH, the per-item overlap (Q by
+    # cp.async, the next item's first KV tile and Q requested during the last tile); "lazy":
+    # LEAN_LAZY_RESCALE, the rescale only when a row's maximum grows by more than 2^8.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", prefetch)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", form == "prefetch")
+    monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", form == "lazy")
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
-    assert spec.prefetch == prefetch
+    assert (spec.prefetch, spec.lazy_rescale) == (form == "prefetch", form == "lazy")
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned):
+@pytest.mark.parametrize("aligned, lazy", [(True, False), (False, False), (True, True)])
+def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy):
     # Ragged causal G 4 with tails against the 128-row tile; q 16-byte aligned (Q by
-    # cp.async) or a view one element in (the stager).
+    # cp.async) or a view one element in (the stager); with the lazy rescale too.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
     monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
+    monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", lazy)
     qo_lens, kv_lens, hq, hkv, d = [1, 129, 300, 64], [1, 700, 300, 2000], 32, 8, 128
     qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
     q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)

@@ -182,15 +182,16 @@ def test_prefill_variants_at_group_size_three(rng, kw):
     assert rel_err(_host(w.run(q, k, v)), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("wgmma", [False, True, "lean", "lean-prefetch"])
+@pytest.mark.parametrize("wgmma", [False, True, "lean", "lean-prefetch", "lean-lazy"])
 def test_prefill_nan_rule_on_the_tensor_core_kernel(rng, monkeypatch, wgmma):
     # wgmma: the same on the warpgroup-MMA tile (causal: its value scan and mma.sync twin);
     # "lean": on the lean warpgroup kernel (the -inf score found by its running minimum),
-    # "lean-prefetch" with its per-item overlap
+    # "lean-prefetch" with its per-item overlap, "lean-lazy" with its lazy rescale
     lean = str(wgmma).startswith("lean")
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", bool(wgmma))
     monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", lean)
     monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", wgmma == "lean-prefetch")
+    monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", wgmma == "lean-lazy")
     lens = [300, 40]
     q = torch.randn(sum(lens), HQ, D, device="cuda").half()
     k = torch.randn(sum(lens), HKV, D, device="cuda").half()

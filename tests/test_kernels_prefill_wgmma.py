@@ -28,32 +28,43 @@ def _ws():
     return np.zeros(1 << 22, np.uint8)
 
 
-def _lean(w, prefetch=False):
+FORMS = ["plain", "prefetch", "lazy"]  # LEAN_PREFETCH, LEAN_LAZY_RESCALE
+
+
+def _form(monkeypatch, form):
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", form == "prefetch")
+    monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", form == "lazy")
+
+
+def _lean(w, form="plain"):
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.sim and spec.num_warps == 8
-    assert spec.prefetch == prefetch
+    assert (spec.prefetch, spec.lazy_rescale) == (form == "prefetch", form == "lazy")
     return spec
 
 
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # inf - inf, on purpose
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, prefetch):
+@pytest.mark.parametrize("form", FORMS)
+def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, form):
     # G 4: 128 packed rows are 32 query rows, so request 1's 40 rows take two items (a tail of
     # 8); its KV is longer than its queries (bottom-right causal: clear tiles, then masked
     # ones). A -inf in K (request 1, key 70, kv head 1) is kept by rows 10.. of that request
-    # (running minimum -> NaN); a NaN in q poisons its row and nothing else.
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", prefetch)
+    # (running minimum -> NaN); a NaN in q poisons its row and nothing else. Key 80 of
+    # request 1, kv head 0, is 30x the others: rows 20.. see their maximum jump by far more
+    # than 2^8 in the second tile (the lazy rescale's branch), the others keep theirs.
+    _form(monkeypatch, form)
     hq, hkv, d = 8, 2, 64
     qo_indptr, kv_indptr = np.array([0, 3, 43]), np.array([0, 150, 250])
     q = rng.standard_normal((43, hq, d)).astype(np.float16)
     k = rng.standard_normal((250, hkv, d)).astype(np.float16)
     v = rng.standard_normal((250, hkv, d)).astype(np.float16)
     k[150 + 70, 1, 5] = -np.inf
+    k[150 + 80, 0] *= 30
     q[1, 2, 7] = np.nan
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=True)
-    _lean(w, prefetch)
+    _lean(w, form)
     out, lse = w.run(q, k, v, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
@@ -68,15 +79,14 @@ def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, prefetc
     np.testing.assert_allclose(lse[ok], ref_lse[ok], atol=2e-3)
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("form", FORMS)
 def test_lean_paged_non_causal_split_rows_negative_scale_and_an_empty_kv(rng, monkeypatch,
-                                                                         prefetch):
+                                                                         form):
     # D 128, HND pages of 5 (a tile's 64 keys cross 13 pages), G 1, request 0's 150 keys in
     # chunks of 64 (split rows: partial states merged by the merge launch), a negative scale
     # (the kernel negates Q as it stages it), a request with no KV (zeros, LSE -inf).
     # (bf16 runs on the H200 only: NumPy has no bf16 the kernels take.)
-    monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", prefetch)
+    _form(monkeypatch, form)
     hq = hkv = 2
     d, ps = 128, 5
     qo_lens, kv_lens = [3, 2], [150, 0]
@@ -88,7 +98,7 @@ def test_lean_paged_non_causal_split_rows_negative_scale_and_an_empty_kv(rng, mo
     w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "HND")
     w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
            q_data_type="float16", sm_scale=-0.07, fixed_split_size=64)
-    _lean(w, prefetch)
+    _lean(w, form)
     assert w.schedule.num_merge_rows > 0
     out, lse = w.run(q, cache, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(

@@ -113,6 +113,10 @@ LEAN_MIN_ROWS = 64
 # work item's first KV tile and Q requested during the last tile, unrolled stores). None: off,
 # until it is measured against the form above (bench/prefill.py's ``glp`` token).
 LEAN_PREFETCH = None
+# The lean kernel's lazy rescale (MmaPrefillSpec's ``lazy_rescale``: the online softmax's 64
+# rescales per tile only when a row's maximum grows by more than 2^8). None: off, until timed
+# (bench/prefill.py's ``glz`` token).
+LEAN_LAZY_RESCALE = None
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
@@ -250,7 +254,8 @@ class PrefillWrapperBase(WrapperBase):
                 # its fixed shape; a register cap set by MMA_MAX_REGISTERS still applies
                 tiles.update(lean=True, stages=LEAN_STAGES, defer_merge=True,
                              max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS,
-                             prefetch=bool(LEAN_PREFETCH))
+                             prefetch=bool(LEAN_PREFETCH),
+                             lazy_rescale=bool(LEAN_LAZY_RESCALE))
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM

@@ -124,6 +124,9 @@ class MmaPrefillSpec(PrefillSpec):
     # cp.async, the next item's first KV tile and Q requested during this item's last tile,
     # the output stored by one unrolled loop per path (:mod:`.prefill_wgmma`).
     prefetch: bool = False
+    # With ``lean``: the online softmax's rescale only when a row's maximum grows by more than
+    # 2^8 (the rest of the tiles skip it; exact: O and its sum share the stale reference).
+    lazy_rescale: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -161,8 +164,9 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        if self.prefetch and not self.lean:
-            raise ValueError("prefetch=True is the lean kernel's (lean=True)")
+        if (self.prefetch or self.lazy_rescale) and not self.lean:
+            raise ValueError("prefetch=True and lazy_rescale=True are the lean kernel's "
+                             "(lean=True)")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")

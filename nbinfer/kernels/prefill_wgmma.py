@@ -53,7 +53,7 @@ from numba import cuda, float32, int64, types
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
 from .fused_merge import build_merge_list
-from .mma import _gpu_mma_intrinsics, tile_ops
+from .mma import FULL_MASK, _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
 from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
 from .primitives import LOG2E, device_jit, primitives
@@ -159,6 +159,10 @@ def prefill_wgmma_kernel_source(spec):
     # the other stage) and its Q after the last tile's P V; the output by one unrolled loop per
     # store path.
     PREFETCH = spec.prefetch
+    # spec.lazy_rescale: the online softmax's rescale only when a row's maximum grows by more
+    # than a factor 2^LAZY_LOG2 (FlashAttention-4's threshold): 64 FMUL of ~565 instructions
+    # per tile, skipped on most tiles of a long row.
+    LAZY, LAZY_LOG2 = spec.lazy_rescale, float32(8.0)
     O_WORDS = PREFETCH and not sim  # pairs of outputs as one 32-bit store
     addr_low, store_u32, pack_o = tgt.addr_low, tgt.store_u32, tgt.pack  # (o: q's type)
     cp16 = prims.cp_async16_to
@@ -256,14 +260,40 @@ def prefill_wgmma_kernel_source(spec):
                     lo0 = min(lo0, x0)
                     lo1 = min(lo1, x1)
         mx0, mx1 = quad_reduce(mx0, mx1, True, tid, scratch)  # the row's 64 keys, 4 lanes
-        mn0 = max(m0, mx0 * ks)  # log2 units; ks >= 0 (a negative scale negated Q instead)
-        mn1 = max(m1, mx1 * ks)
-        mr0 = mn0 if mn0 > NEG_INF else ZERO  # a row with no kept key yet: exp2(-inf) = 0
-        mr1 = mn1 if mn1 > NEG_INF else ZERO
-        a0 = exp2(m0 - mr0)
-        a1 = exp2(m1 - mr1)
-        m0 = mn0
-        m1 = mn1
+        t0 = mx0 * ks  # log2 units; ks >= 0 (a negative scale negated Q instead)
+        t1 = mx1 * ks
+        if LAZY:
+            # A row's reference maximum moves only when the tile's exceeds it by more than
+            # LAZY_LOG2 (any row of the warp: the branch stays warp-uniform), so most tiles
+            # skip the 64 rescales; P is then at most 2^LAZY_LOG2, and O / den and the LSE are
+            # exact whatever reference they share.
+            grow = t0 > m0 + LAZY_LOG2 or t1 > m1 + LAZY_LOG2
+            if grow if sim else cuda.any_sync(FULL_MASK, grow):
+                mn0 = max(m0, t0)
+                mn1 = max(m1, t1)
+                a0 = exp2(m0 - (mn0 if mn0 > NEG_INF else ZERO))
+                a1 = exp2(m1 - (mn1 if mn1 > NEG_INF else ZERO))
+                m0 = mn0
+                m1 = mn1
+                den0 *= a0
+                den1 *= a1
+                for j in range(NO // 4):
+                    for c in range(2):
+                        acc[4 * j + c] *= a0
+                        acc[4 * j + 2 + c] *= a1
+            mr0 = m0 if m0 > NEG_INF else ZERO  # a row with no kept key yet: exp2(-inf) = 0
+            mr1 = m1 if m1 > NEG_INF else ZERO
+            a0 = ONE
+            a1 = ONE
+        else:
+            mn0 = max(m0, t0)
+            mn1 = max(m1, t1)
+            mr0 = mn0 if mn0 > NEG_INF else ZERO  # a row with no kept key yet: exp2(-inf) = 0
+            mr1 = mn1 if mn1 > NEG_INF else ZERO
+            a0 = exp2(m0 - mr0)
+            a1 = exp2(m1 - mr1)
+            m0 = mn0
+            m1 = mn1
         r0 = ZERO
         r1 = ZERO
         for j in range(NS // 4):  # one FFMA and one exp2 per score
@@ -276,10 +306,11 @@ def prefill_wgmma_kernel_source(spec):
                 r1 += p1
         den0 = den0 * a0 + r0
         den1 = den1 * a1 + r1
-        for j in range(NO // 4):
-            for c in range(2):
-                acc[4 * j + c] *= a0
-                acc[4 * j + 2 + c] *= a1
+        if not LAZY:
+            for j in range(NO // 4):
+                for c in range(2):
+                    acc[4 * j + c] *= a0
+                    acc[4 * j + 2 + c] *= a1
         p_times_v(smem, kb + U32(TILE_BYTES), tid, tid % 32, s, pw, acc, scratch)
         if PREFETCH and q_async and nxt >= n_tiles and nxt_item >= 0:
             # The next item's Q, once every warp has read this item's: its Q K^T is done

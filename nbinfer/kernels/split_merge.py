@@ -43,7 +43,7 @@ def split_merge_spec(spec):
                                custom_mask=False, block_positions=False, value_guard=False,
                                defer_merge=True, kv_tile=32, q_shared=False, max_registers=None,
                                stages=2, kv_split=False, wgmma=False, lean=False,
-                               prefetch=False)
+                               prefetch=False, lazy_rescale=False)
 
 
 @functools.cache

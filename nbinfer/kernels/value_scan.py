@@ -54,7 +54,7 @@ def scan_spec(spec):
     head dim and CTA size matter, so every variant and group size shares one scan kernel."""
     return dataclasses.replace(spec, variant=standard(), group_size=1, custom_mask=False,
                                block_positions=False, value_guard=False, wgmma=False, lean=False,
-                               prefetch=False)
+                               prefetch=False, lazy_rescale=False)
 
 
 @functools.cache
@@ -82,7 +82,7 @@ def value_guard_kernels(spec) -> tuple[tuple, tuple]:
     # the twin cleans V in shared memory row by row: on mma.sync's padded rows
     # (the lean kernel's twin drops its register cap too: 8 warps of mma.sync need more)
     twin = dataclasses.replace(spec, value_guard=True, wgmma=False, lean=False, prefetch=False,
-                               max_registers=None if spec.lean else spec.max_registers)
+                               lazy_rescale=False, max_registers=None if spec.lean else spec.max_registers)
     return (build_value_scan_kernel(spec),), (build_prefill_mma_kernel(twin),)
 
 
