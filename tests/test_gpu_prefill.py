@@ -153,11 +153,14 @@ def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
 @pytest.mark.parametrize("aligned, lazy", [(True, False), (False, False), (True, True)])
 def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy):
     # Ragged causal G 4 with tails against the 128-row tile; q 16-byte aligned (Q by
-    # cp.async) or a view one element in (the stager); with the lazy rescale too.
+    # cp.async) or a view one element in (the stager); with the lazy rescale too. Items
+    # without a tile among the others: a request with no KV, and one with more queries than
+    # keys (bottom-right causal: its first 200 rows see no key).
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
     monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
     monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", lazy)
-    qo_lens, kv_lens, hq, hkv, d = [1, 129, 300, 64], [1, 700, 300, 2000], 32, 8, 128
+    qo_lens, kv_lens = [1, 129, 300, 64, 40, 300], [1, 700, 300, 2000, 0, 100]
+    hq, hkv, d = 32, 8, 128
     qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
     q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)
     k, v = (rng.standard_normal((int(kv[-1]), hkv, d)).astype(np.float32) for _ in range(2))
@@ -171,6 +174,7 @@ def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy)
     out, lse = w.run(tq, tk, tv, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         _np(tq), _np(tk), _np(tv), qo, kv, causal=True, return_lse=True)
+    assert np.isneginf(ref_lse).sum() == (40 + 200) * hq  # the rows that see no key
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
     np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
 

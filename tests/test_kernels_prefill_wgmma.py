@@ -55,8 +55,9 @@ def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, form):
     # than 2^8 in the second tile (the lazy rescale's branch), the others keep theirs.
     _form(monkeypatch, form)
     hq, hkv, d = 8, 2, 64
-    qo_indptr, kv_indptr = np.array([0, 3, 43]), np.array([0, 150, 250])
-    q = rng.standard_normal((43, hq, d)).astype(np.float16)
+    # (request 2 has no KV: items without a tile, which request no Q)
+    qo_indptr, kv_indptr = np.array([0, 3, 43, 45]), np.array([0, 150, 250, 250])
+    q = rng.standard_normal((45, hq, d)).astype(np.float16)
     k = rng.standard_normal((250, hkv, d)).astype(np.float16)
     v = rng.standard_normal((250, hkv, d)).astype(np.float16)
     k[150 + 70, 1, 5] = -np.inf

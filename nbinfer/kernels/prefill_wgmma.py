@@ -148,6 +148,7 @@ def prefill_wgmma_kernel_source(spec):
     finalize = state_finalize(sim)
     exp2, shared_addr, commit = prims.exp2, prims.shared_addr, prims.commit
     wait_tile = prims.wait(NSTG - 2)  # at the top of tile i, tiles past i may still fly
+    wait_all = prims.wait(0)
     U32 = types.uint32
     NEG_INF, POS_INF = float32(-np.inf), float32(np.inf)
     NAN, ZERO, ONE = float32(np.nan), float32(0.0), float32(1.0)
@@ -373,6 +374,11 @@ def prefill_wgmma_kernel_source(spec):
             if not ready or not q_async:
                 cuda.syncthreads()  # the previous item is done with shared memory
             if not ready:
+                # Copies of Q may still fly into these bytes: the previous item had no tile to
+                # wait for the Q its predecessor requested for it (PTX orders no two cp.async
+                # to one address unless a wait separates them). At most once per item.
+                if PREFETCH:
+                    wait_all()
                 if q_async:
                     copy_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, q_stride_n,
                            q_stride_h, tid)
@@ -514,6 +520,9 @@ def prefill_wgmma_kernel_source(spec):
                     dst[row0 * hq + head0] = lse0
                 if ok1:
                     dst[row1 * hq + head1] = lse1
+
+        if PREFETCH:
+            wait_all()  # no copy into shared memory outlives the CTA (an item without tiles)
 
     return prefill_wgmma_kernel
 
