@@ -73,8 +73,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         self._wrappers = [_LevelWrapper(self._workspace, kv_layout, backend=self._backend)
                           for _ in range(self._levels)]
         self._fused = _FusedCascade(self._workspace, kv_layout, backend=self._backend)
-        self._last_decode = BatchDecodeWithPagedKVCacheWrapper(self._workspace, kv_layout,
-                                                               backend=self._backend)
+        self._last_decode = None  # the last level's decode wrapper, made when first planned
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -154,6 +153,9 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                                     **schedule)
         for lvl, w in enumerate([] if fused or self._backend == "reference" else self._wrappers):
             if decode_last and lvl == self._levels - 1:
+                if self._last_decode is None:
+                    self._last_decode = BatchDecodeWithPagedKVCacheWrapper(
+                        self._workspace, self._kv_layout, backend=self._backend)
                 self._last_decode.plan(host[0][lvl], host[1][lvl], host[2][lvl], num_qo_heads,
                                        num_kv_heads, head_dim, page_size,
                                        logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
