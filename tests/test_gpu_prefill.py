@@ -313,7 +313,8 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
     from nbinfer.api import cascade as cascade_api
 
     levels = str(kv_split).startswith("levels")
-    monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split is True)
+    if not levels:  # (any knob set, even False, turns the lean kernel's rule off)
+        monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split)
     monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", kv_split == "levels-prefetch")
     monkeypatch.setattr(cascade_api, "CASCADE_LAUNCH", "levels" if levels else None)
     batch, prefix_pages, own_pages, ps = 16, 64, 4, 16
