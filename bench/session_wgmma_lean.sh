@@ -6,7 +6,8 @@
 # bench/prefill.py's A/B of the mma.sync kernel and the lean kernel, plain, with its per-item
 # overlap, its lazy rescale, and both (TILES, default 64,64w8gl,64w8glp,64w8glz,64w8glpz) with
 # SDPA flash / cuDNN in the same process, then (GRID=1) the req 1 rows GRID_SHAPES with the
-# plan's rule (nbinfer's default kernel), then (NCU=1) bench/ncu_prefill.sh at B4 L4096 causal.
+# plan's rule (nbinfer's default kernel), then (NCU=1) bench/ncu_prefill.sh at B4 L4096 causal
+# (NCU_ARGS="--kv-tile 64w8glp": a rung's kernel instead of the rule's).
 #   OUT=$OUT bash bench/session_wgmma_lean.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -39,7 +40,9 @@ if [ $status = 0 ] || [ -n "${FORCE:-}" ]; then
     grep -v -i warn "$OUT/r/grid.log" | tail -10
   fi
   if [ -n "${NCU:-}" ]; then  # where the lean kernel's warps wait, per instruction
-    OUT="$OUT/r" bash bench/ncu_prefill.sh "--batch 4 --length 4096" >"$OUT/r/ncu.log" 2>&1 || true
+    # (NCU_ARGS: more profile_prefill.py options, e.g. "--kv-tile 64w8glp" for a rung)
+    OUT="$OUT/r" bash bench/ncu_prefill.sh "--batch 4 --length 4096 ${NCU_ARGS:-}" \
+      >"$OUT/r/ncu.log" 2>&1 || true
     rm -f "$OUT"/r/*.ncu-rep
   fi
 else
