@@ -80,15 +80,17 @@ def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
 
 def _target(spec, sim: bool):
     """The kernel's target-specific pieces, as a namespace: ``ops``, ``p_times_v(smem, vbase,
-    tid, lane, s, pw, acc, scratch)``, ``opaque(x)``, ``addr_low(arr)``, ``store_u32`` and
+    tid, lane, s, pw, acc, scratch)``, ``warp_any(pred, tid, scratch)`` (whether ``pred``
+    holds in any lane of the calling warp), ``opaque(x)``, ``addr_low(arr)``, ``store_u32`` and
     ``pack`` (two floats -> one b32 of the operand type; :func:`.wgmma.wgmma_intrinsics`).
     On the GPU: the warpgroup tile ops, ``O += P V`` from P packed into its A words. In the
-    simulator (which has no warpgroup MMA): the ``mma.sync``
-    twins of :func:`.mma.tile_ops`, whose fragments are the same - warp ``w`` of the CTA holds
-    packed rows ``16 w + lane // 4 (+ 8)``, ``s[4 j + 2 h + c]`` key ``8 j + 2 (lane % 4) +
-    c`` - over padded rows instead of the canonical layouts (each product's layout is checked
-    against NumPy on the H200 by tests/test_wgmma.py) and no 32-bit output stores; everything
-    else runs as it is."""
+    simulator (which has no warpgroup MMA and no warp votes): the ``mma.sync`` twins of
+    :func:`.mma.tile_ops`, whose fragments are the same - warp ``w`` of the CTA holds packed
+    rows ``16 w + lane // 4 (+ 8)``, ``s[4 j + 2 h + c]`` key ``8 j + 2 (lane % 4) + c`` - over
+    padded rows instead of the canonical layouts (each product's layout is checked against
+    NumPy on the H200 by tests/test_wgmma.py), a vote through shared memory (the twins'
+    scratch, after ``quad_reduce``'s slots' use: each call meets the block at two barriers)
+    and no 32-bit output stores; everything else runs as it is."""
     D, BC, NW = spec.head_dim, spec.tile_kv, spec.num_warps
     A_WORDS = BC // 4  # P as the P V product's A fragments
     if sim:
@@ -99,11 +101,24 @@ def _target(spec, sim: bool):
         def p_times_v(smem, vbase, tid, lane, s, pw, acc, scratch):
             pv(smem, vbase, tid, lane, s, acc, scratch)  # rounds P to the operand type
 
+        VOTE = NW * 32 * ops.NS  # quad_reduce's slots: [VOTE, VOTE + 2 NT)
+
+        @cuda.jit(device=True)  # binds the simulator's syncthreads
+        def warp_any(pred, tid, scratch):
+            scratch[VOTE + 2 * tid] = 1.0 if pred else 0.0
+            cuda.syncthreads()
+            w0 = tid - tid % 32
+            hit = False
+            for u in range(32):
+                hit = hit or scratch[VOTE + 2 * (w0 + u)] > 0.0
+            cuda.syncthreads()
+            return hit
+
         def addr_low(arr):
             return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
 
-        return SimpleNamespace(ops=ops, p_times_v=p_times_v, opaque=lambda x: x,
-                               addr_low=addr_low, store_u32=None, pack=None)
+        return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
+                               opaque=lambda x: x, addr_low=addr_low, store_u32=None, pack=None)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW)
     pv_words = ops.pv_words
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
@@ -116,8 +131,13 @@ def _target(spec, sim: bool):
             pw[w] = pack(s[2 * w], s[2 * w + 1])
         pv_words(pw, vbase, acc)
 
-    return SimpleNamespace(ops=ops, p_times_v=p_times_v, opaque=intr.opaque_u32,
-                           addr_low=intr.addr_low, store_u32=intr.store_u32, pack=pack)
+    @device_jit(False)
+    def warp_any(pred, tid, scratch):
+        return cuda.any_sync(FULL_MASK, pred)
+
+    return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
+                           opaque=intr.opaque_u32, addr_low=intr.addr_low,
+                           store_u32=intr.store_u32, pack=pack)
 
 
 def prefill_wgmma_kernel_source(spec):
@@ -129,6 +149,7 @@ def prefill_wgmma_kernel_source(spec):
     D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
     tgt = _target(spec, sim)
     ops, p_times_v, opaque = tgt.ops, tgt.p_times_v, tgt.opaque  # (opaque: Q's address)
+    warp_any = tgt.warp_any
     qk_smem, publish = ops.qk_smem, ops.publish
     quad_reduce = ops.quad_reduce  # over the four lanes that hold a row (two shuffles)
     NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
@@ -269,7 +290,7 @@ def prefill_wgmma_kernel_source(spec):
             # skip the 64 rescales; P is then at most 2^LAZY_LOG2, and O / den and the LSE are
             # exact whatever reference they share.
             grow = t0 > m0 + LAZY_LOG2 or t1 > m1 + LAZY_LOG2
-            if grow if sim else cuda.any_sync(FULL_MASK, grow):
+            if warp_any(grow, tid, scratch):
                 mn0 = max(m0, t0)
                 mn1 = max(m1, t1)
                 a0 = exp2(m0 - (mn0 if mn0 > NEG_INF else ZERO))
