@@ -80,34 +80,39 @@ def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, form):
     np.testing.assert_allclose(lse[ok], ref_lse[ok], atol=2e-3)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_lean_paged_non_causal_split_rows_negative_scale_and_an_empty_kv(rng, monkeypatch,
-                                                                         form):
-    # D 128, HND pages of 5 (a tile's 64 keys cross 13 pages), G 1, request 0's 150 keys in
-    # chunks of 64 (split rows: partial states merged by the merge launch), a negative scale
-    # (the kernel negates Q as it stages it), a request with no KV (zeros, LSE -inf).
-    # (bf16 runs on the H200 only: NumPy has no bf16 the kernels take.)
+@pytest.mark.parametrize("form, scale", [("plain", -0.07), ("prefetch", -0.07),
+                                         ("prefetch", 0.07), ("lazy", -0.07)])
+def test_lean_paged_non_causal_split_rows_scale_sign_and_an_empty_kv(rng, monkeypatch, form,
+                                                                     scale):
+    # D 128, HND pages of 5 (a tile's 64 keys cross 13 pages), G 1, requests 0 and 2 in chunks
+    # of 64 keys (split rows: partial states merged by the merge launch; each CTA's items
+    # change request and head, so a Q left from the item before shows), request 1 with no KV
+    # (zeros, LSE -inf). A negative scale: the kernel negates Q as it stages it; a
+    # positive one with the overlap: paged, each item copies its Q by cp.async as it starts,
+    # its first KV tile requested by the item before. (bf16 runs on the H200 only: NumPy has no
+    # bf16 the kernels take.)
     _form(monkeypatch, form)
     hq = hkv = 2
     d, ps = 128, 5
-    qo_lens, kv_lens = [3, 2], [150, 0]
+    qo_lens, kv_lens = [3, 2, 4], [150, 0, 90]
     pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 1,
                                 rng=rng)
     cache = rng.standard_normal((pt.num_pages, 2, hkv, ps, d)).astype(np.float16)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
-    q = rng.standard_normal((5, hq, d)).astype(np.float16)
+    q = rng.standard_normal((9, hq, d)).astype(np.float16)
     w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "HND")
     w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
-           q_data_type="float16", sm_scale=-0.07, fixed_split_size=64)
+           q_data_type="float16", sm_scale=scale, fixed_split_size=64)
     _lean(w, form)
     assert w.schedule.num_merge_rows > 0
     out, lse = w.run(q, cache, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
         q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout="HND",
-        sm_scale=-0.07, return_lse=True)
+        sm_scale=scale, return_lse=True)
     assert rel_err(out, ref) <= TOLERANCE["float16"]
-    np.testing.assert_allclose(lse[:3], ref_lse[:3], atol=2e-3)
-    assert np.all(lse[3:] == -np.inf) and np.all(out[3:] == 0)
+    kept = np.r_[0:3, 5:9]
+    np.testing.assert_allclose(lse[kept], ref_lse[kept], atol=2e-3)
+    assert np.all(lse[3:5] == -np.inf) and np.all(out[3:5] == 0)
 
 
 def test_the_simulator_takes_the_lean_kernel_only_when_asked(rng, monkeypatch):

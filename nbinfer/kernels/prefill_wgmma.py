@@ -181,6 +181,11 @@ def prefill_wgmma_kernel_source(spec):
     # the other stage) and its Q after the last tile's P V; the output by one unrolled loop per
     # store path.
     PREFETCH = spec.prefetch
+    # The next item's Q requested by the last tile too: ragged and single plans. Paged, the
+    # request inside the tile loop put 6 more local-memory accesses on every tile's path
+    # (ptxas; G 4 bf16: the page-table loader's registers), so there the item requests its Q
+    # as it starts, by cp.async, its first KV tile still requested ahead.
+    Q_AHEAD = PREFETCH and not spec.sparse
     # spec.lazy_rescale: the online softmax's rescale only when a row's maximum grows by more
     # than a factor 2^LAZY_LOG2 (FlashAttention-4's threshold): 64 FMUL of ~565 instructions
     # per tile, skipped on most tiles of a long row.
@@ -334,7 +339,7 @@ def prefill_wgmma_kernel_source(spec):
                     acc[4 * j + c] *= a0
                     acc[4 * j + 2 + c] *= a1
         p_times_v(smem, kb + U32(TILE_BYTES), tid, tid % 32, s, pw, acc, scratch)
-        if PREFETCH and q_async and nxt >= n_tiles and nxt_item >= 0:
+        if PREFETCH and Q_AHEAD and q_async and nxt >= n_tiles and nxt_item >= 0:
             # The next item's Q, once every warp has read this item's: its Q K^T is done
             # (each warp waited for its P V since). A barrier per item: one per warpgroup
             # (bar.sync 1 + wg, 128) took a register for the id, ptxas then reserved all 16
@@ -392,7 +397,8 @@ def prefill_wgmma_kernel_source(spec):
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
                                kv_indptr, kv_last, kv_stride_n, kv_stride_h)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
-            if not ready or not q_async:
+            # (Q_AHEAD: this item's Q was requested by the previous item's last tile)
+            if not ready or not (q_async and Q_AHEAD):
                 cuda.syncthreads()  # the previous item is done with shared memory
             if not ready:
                 # Copies of Q may still fly into these bytes: the previous item had no tile to
@@ -411,6 +417,10 @@ def prefill_wgmma_kernel_source(spec):
                                      hk, tid)
                     else:
                         commit()
+            elif q_async and not Q_AHEAD:  # tile 0 requested ahead, Q now (its own group)
+                copy_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, q_stride_n, q_stride_h,
+                       tid)
+                commit()
             if not q_async:
                 stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n,
                         q_stride_h, tid, sign)
