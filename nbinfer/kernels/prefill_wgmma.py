@@ -23,7 +23,12 @@ nbinfer's work items, and nothing more:
   mask as a pass of its own (a select inside the max loop cost 11 registers in the standalone);
 - no hooks: the variant is causal or nothing (:func:`lean_eligible`), 16-bit q and KV of one
   type, D 64 / 128, no custom mask, no block positions; ptxas's cap of 128 registers lets two
-  CTAs (2 x 256 threads) share an SM.
+  CTAs (2 x 256 threads) share an SM;
+- two rungs, each off unless its spec flag asks (built against the fixed cost of a work item
+  and the rescales of the tile loop, not yet timed): ``prefetch`` (Q by ``cp.async``; the next
+  item's first K / V tile, and on ragged KV its Q, requested during this item's last tile) and
+  ``lazy_rescale`` (the accumulators rescaled only when a row's maximum grows by more than
+  2^8).
 
 Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
 tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
