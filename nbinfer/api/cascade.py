@@ -49,7 +49,7 @@ __all__ = ["MultiLevelCascadeAttentionWrapper"]
 # (on an sm_90 GPU the lean warpgroup kernel, when its segments fill the tile) and a last level
 # of one row per segment on the decode kernel, which streamed the same case's own tokens in
 # 24 us where the one launch's tile spends ~51 us on them; merged by merge_state_in_place.
-# Not yet timed against the one launch (bench/prefill.py's --cascade-launch).
+# Not yet timed against the one launch (bench/prefill.py's default run times both).
 CASCADE_LAUNCH = None
 
 

@@ -61,6 +61,7 @@ accumulators are laid out as ``mma.m16n8``'s. Its guarded twin runs on ``mma.syn
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -172,6 +173,13 @@ class MmaPrefillSpec(PrefillSpec):
                              f"{self.max_registers}")
         if self.kv_split and self.num_warps < 2:
             raise ValueError("kv_split needs at least 2 warps to split a tile's keys over")
+
+    def on_mma_sync(self, **changes) -> MmaPrefillSpec:
+        """This spec with ``changes`` and none of the warpgroup kernels' fields (``wgmma``,
+        ``lean`` and the lean kernel's rungs): the form of a companion that runs on
+        ``mma.sync`` whatever the main kernel (the guarded twin, the value scan, the merge)."""
+        return dataclasses.replace(self, wgmma=False, lean=False, prefetch=False,
+                                   lazy_rescale=False, **changes)
 
     @property
     def tile_q(self) -> int:

@@ -19,7 +19,6 @@ step.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from numba import cuda, float32
@@ -39,11 +38,10 @@ def split_merge_spec(spec):
     dim, CTA size, dtypes (the signature) and variant (its output hook), not on the KV
     addressing, masks or tiles, so those take fixed values and every such spec shares one
     kernel."""
-    return dataclasses.replace(spec, page_size=1, kv_layout="NHD", sparse=True,
-                               custom_mask=False, block_positions=False, value_guard=False,
-                               defer_merge=True, kv_tile=32, q_shared=False, max_registers=None,
-                               stages=2, kv_split=False, wgmma=False, lean=False,
-                               prefetch=False, lazy_rescale=False)
+    return spec.on_mma_sync(page_size=1, kv_layout="NHD", sparse=True, custom_mask=False,
+                            block_positions=False, value_guard=False, defer_merge=True,
+                            kv_tile=32, q_shared=False, max_registers=None, stages=2,
+                            kv_split=False)
 
 
 @functools.cache

@@ -24,7 +24,6 @@ With finite values everywhere, steps 1 and 3 cost a scan and an empty launch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from numba import cuda, types
@@ -52,9 +51,8 @@ SCAN_CTAS_PER_SM = 16
 def scan_spec(spec):
     """The spec the scan of ``spec`` compiles for: only the addressing, page size, V dtype,
     head dim and CTA size matter, so every variant and group size shares one scan kernel."""
-    return dataclasses.replace(spec, variant=standard(), group_size=1, custom_mask=False,
-                               block_positions=False, value_guard=False, wgmma=False, lean=False,
-                               prefetch=False, lazy_rescale=False)
+    return spec.on_mma_sync(variant=standard(), group_size=1, custom_mask=False,
+                            block_positions=False, value_guard=False)
 
 
 @functools.cache
@@ -81,8 +79,8 @@ def value_guard_kernels(spec) -> tuple[tuple, tuple]:
         return (), ()
     # the twin cleans V in shared memory row by row: on mma.sync's padded rows
     # (the lean kernel's twin drops its register cap too: 8 warps of mma.sync need more)
-    twin = dataclasses.replace(spec, value_guard=True, wgmma=False, lean=False, prefetch=False,
-                               lazy_rescale=False, max_registers=None if spec.lean else spec.max_registers)
+    twin = spec.on_mma_sync(value_guard=True,
+                            max_registers=None if spec.lean else spec.max_registers)
     return (build_value_scan_kernel(spec),), (build_prefill_mma_kernel(twin),)
 
 
