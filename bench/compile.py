@@ -3,8 +3,9 @@ the persistent cache leaves of them.
 
 Each kernel is compiled in a fresh process against an empty cache folder (cold), then loaded in
 another fresh process from that folder (warm). Per kernel: the compile phases from
-``CompiledKernel.timings`` (``lower``: Numba typing and lowering to LLVM IR; ``ptx``: NVVM;
-``link``: PTX -> cubin; ``load``: the driver), the child's wall time from before
+``CompiledKernel.timings`` (``lower``: Numba's compile call; ``ptx``: NVVM; ``link``: PTX ->
+cubin; ``load``: the driver; since 2026-12-04 Numba's call runs NVVM and the link for the
+target nbinfer asks for, so ``lower`` holds all three), the child's wall time from before
 ``import nbinfer`` to the end of its first call, and the same for the warm child.
 
     python3 bench/compile.py --out bench/results/issue14/compile_h200.json

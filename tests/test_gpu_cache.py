@@ -88,6 +88,22 @@ def test_a_corrupt_entry_is_rebuilt_not_loaded(tmp_path):
     assert _child(tmp_path)["from_cache"]
 
 
+def test_a_stored_cubin_the_driver_refuses_is_rebuilt(tmp_path):
+    # An entry intact by its checksums whose payload is no cubin (as one built elsewhere for
+    # another driver could be: bench/prebuild_cache.py): the load fails, the entry is dropped,
+    # the kernel compiled and stored again, and the next process loads it.
+    from nbinfer.kernels.cache import KernelStore, read_header
+
+    _child(tmp_path)
+    store = KernelStore(tmp_path / "kernels")
+    for path in sorted(store.root.glob("*.nbk")):
+        header = read_header(path.read_bytes())
+        store.save(header["key"], header["meta"], header["name"], b"\x7fELF not a cubin" * 64)
+    rebuilt = _child(tmp_path)
+    assert not rebuilt["from_cache"]
+    assert _child(tmp_path)["from_cache"]
+
+
 def test_warmup_fills_the_cache_in_parallel_and_reports_it(tmp_path, monkeypatch):
     import nbinfer
 

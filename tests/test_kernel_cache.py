@@ -150,6 +150,31 @@ def test_a_damaged_or_stale_entry_is_never_loaded_and_is_rebuilt(tmp_path, damag
     assert store.load(key, meta)[1] == payload
 
 
+def test_entries_hold_the_cubin_compressed_and_older_raw_entries_still_load(tmp_path):
+    store = _store(tmp_path)
+    key, meta, payload = _entry(store)
+    data = store.path(key).read_bytes()
+    header = cache.read_header(data)
+    assert header["encoding"] == "zlib" and len(data) - header["_offset"] < len(payload) // 4
+    # an entry written before compression (no "encoding"): the cubin as it is
+    raw = dict(cache._header(key, meta, "_Z6kernel", payload, None))
+    blob = json.dumps(raw, sort_keys=True).encode()
+    store.path(key).write_bytes(cache.MAGIC + len(blob).to_bytes(8, "little") + blob + payload)
+    assert store.load(key, meta)[1] == payload
+
+
+@pytest.mark.parametrize("encoding", ["zlib", "lz4"])
+def test_an_entry_that_does_not_decode_is_deleted(tmp_path, encoding):
+    store = _store(tmp_path)
+    key, meta = _key(_spec())
+    stored = b"not zlib at all" * 10  # checksums match the stored bytes; decoding fails
+    header = cache._header(key, meta, "_Z6kernel", stored, {"encoding": encoding})
+    blob = json.dumps(header, sort_keys=True).encode()
+    store.path(key).parent.mkdir(parents=True, exist_ok=True)
+    store.path(key).write_bytes(cache.MAGIC + len(blob).to_bytes(8, "little") + blob + stored)
+    assert store.load(key, meta) is None and not store.path(key).exists()
+
+
 def test_two_processes_building_one_key_build_it_once(tmp_path):
     root = tmp_path / "kernels"
     log = tmp_path / "builds.log"

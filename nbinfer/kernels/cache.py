@@ -24,11 +24,13 @@ A variant whose hooks capture something with no stable content (an object known 
 address) cannot be keyed: its kernels compile as before and are not written.
 
 **An entry** is one file: a magic line, a JSON header (the key, what it was built from, the
-kernel's entry name, the payload's length and SHA-256), then the cubin. It is loaded only if
-every check passes; a truncated, corrupt or mismatched entry is deleted and rebuilt. Writes go
-to a temporary file in the same folder and are renamed into place (atomic), and a process
-compiles under an exclusive lock on the key, so two processes asking for the same new kernel at
-once compile it once: the second waits and then loads the first one's entry.
+kernel's entry name, the stored payload's length and SHA-256), then the cubin, zlib-compressed
+(``"encoding": "zlib"``; cubins shrink ~4x, so a folder of a few hundred kernels stays small
+enough to carry to another machine; an entry without the field holds the cubin as it is). It
+is loaded only if every check passes; a truncated, corrupt or mismatched entry is deleted and
+rebuilt. Writes go to a temporary file in the same folder and are renamed into place (atomic),
+and a process compiles under an exclusive lock on the key, so two processes asking for the same
+new kernel at once compile it once: the second waits and then loads the first one's entry.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import os
 import sys
 import types
 import warnings
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -222,17 +225,19 @@ class KernelStore:
         except OSError:  # absent or unreadable: a miss
             return None
         header = _parse(data, key, meta)
-        if header is None:
+        payload = None if header is None else _decode(header, data[header["_offset"]:])
+        if payload is None:
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
-        return header, data[header["_offset"]:]
+        return header, payload
 
     def save(self, key: str, meta: dict, name: str, payload: bytes,
              extra: dict | None = None) -> dict:
         """Write an entry atomically (a temporary file renamed over the final name); returns
         its header."""
-        header = _header(key, meta, name, payload, extra)
+        stored = zlib.compress(payload, 6)
+        header = _header(key, meta, name, stored, dict(extra or {}, encoding="zlib"))
         blob = json.dumps(header, sort_keys=True).encode()
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{key}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
@@ -241,7 +246,7 @@ class KernelStore:
                 f.write(MAGIC)
                 f.write(len(blob).to_bytes(8, "little"))
                 f.write(blob)
-                f.write(payload)
+                f.write(stored)
             os.replace(tmp, self.path(key))
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -288,6 +293,20 @@ class KernelStore:
             if built is None:
                 built = build()
         return _header(key, meta, *built), built[1], True
+
+
+def _decode(header: dict, stored: bytes) -> bytes | None:
+    """The cubin of a checked entry's stored bytes (``None``: an encoding this version cannot
+    read, or bytes that do not decompress)."""
+    encoding = header.get("encoding")
+    if encoding is None:
+        return stored
+    if encoding != "zlib":
+        return None
+    try:
+        return zlib.decompress(stored)
+    except zlib.error:
+        return None
 
 
 def _header(key: str, meta: dict, name: str, payload: bytes, extra: dict | None) -> dict:

@@ -7,9 +7,12 @@ cubin), stores the cubin and loads it. Either way the result is a :class:`Compil
 the cubin loaded into the current context, with its function handle for
 :class:`~.launch.PreparedLaunch` and ``kernel[grid, block](*args)`` for one-off launches.
 
-The compile phases are timed (``kernel.timings``: ``lower`` for Numba to LLVM IR, ``ptx`` for
-NVVM, ``link`` for the cubin, ``load`` for the driver) so ``bench/compile.py`` can say where
-cold-start time goes.
+The compile phases are timed (``kernel.timings``: ``lower`` for Numba's compile call, ``ptx``
+and ``link`` for what NVVM and the linker add after it, ``load`` for the driver) so
+``bench/compile.py`` can say where cold-start time goes. ``cuda.jit(signature)`` itself runs
+NVVM and links a cubin for the device's own target, which :func:`kernel_image` asks for, so
+``lower`` holds all three and ``ptx`` / ``link`` are ~0 (they were separate passes, run twice,
+until 2026-12-04).
 
 A kernel's registers and shared memory fix how many of its CTAs an SM holds at once
 (:meth:`CompiledKernel.resident_ctas`), which the persistent grids are sized by.
@@ -47,7 +50,8 @@ class CompiledKernel:
     key : str or None
         The cache key (None: not cacheable, compiled only).
     timings : dict
-        Seconds per phase: ``lower``, ``ptx``, ``link`` (0 on a cache hit), ``load``, ``total``.
+        Seconds per phase: ``lower`` (Numba's compile, NVVM and link included), ``ptx``,
+        ``link`` (what is left of those two: ~0), all 0 on a cache hit; ``load``, ``total``.
     """
 
     def __init__(self, function, signature, *, from_cache: bool, key, timings: dict):
@@ -135,33 +139,71 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
     for ``signature`` and ``options`` (keyword arguments of ``cuda.jit``), then stored."""
     from numba import cuda
 
+    ctx = cuda.current_context()
+    image = kernel_image(kind, spec, signature, build, options, module,
+                         ctx.device.compute_capability)
+    try:
+        kernel = _load(ctx, image, signature)
+    except Exception:
+        if not image.from_cache:
+            raise
+        # A stored cubin this driver refuses (built elsewhere: bench/prebuild_cache.py) is
+        # dropped and compiled here instead, never retried.
+        image.discard()
+        image = kernel_image(kind, spec, signature, build, options, module,
+                             ctx.device.compute_capability)
+        kernel = _load(ctx, image, signature)
+    kernel.max_registers = options.get("max_registers")
+    LOADED.append((kind, spec, kernel))
+    return kernel
+
+
+class KernelImage:
+    """A compiled kernel not yet loaded: its entry name and cubin, where it came from (the
+    disk cache or this process's compile), its cache key (None: not cacheable) and the compile
+    phases' seconds."""
+
+    def __init__(self, name: str, cubin: bytes, from_cache: bool, key, timings: dict,
+                 store=None):
+        self.name, self.cubin, self.from_cache = name, cubin, from_cache
+        self.key, self.timings, self._store = key, timings, store
+
+    def discard(self) -> None:
+        """Delete this image's cache entry (the next lookup compiles)."""
+        if self._store is not None and self.key is not None:
+            self._store.path(self.key).unlink(missing_ok=True)
+
+
+def kernel_image(kind: str, spec, signature, build, options: dict, module: str,
+                 cc) -> KernelImage:
+    """The cubin of kernel ``kind`` of ``spec`` for compute capability ``cc``: read from the
+    disk cache, or compiled (:func:`gpu_kernel`'s arguments) and stored. Needs no device, only
+    the CUDA toolkit (NVVM and the linker): with :func:`~.offline.assume_device` it fills a
+    cache for another machine."""
     from ..variants.precision import register
 
     register("cuda")  # the hooks' as_type_of, before any hook is typed
-    ctx = cuda.current_context()
-    cc = ctx.device.compute_capability
+    cc = tuple(cc)
     root = cache_dir()
     try:
         key, meta = kernel_key(kind, spec, signature, options, cc, module)
     except Unkeyable:
         key = meta = None
     timings = {"lower": 0.0, "ptx": 0.0, "link": 0.0}
-    # Warpgroup MMA exists only on the architecture-specific target (sm_90a): a spec that uses
-    # it is compiled for it (Numba-CUDA's own default when no cc is passed); the others keep
-    # the portable one.
-    arch = (*cc, "a") if getattr(spec, "wgmma", False) else cc
+    # Numba-CUDA's own target for this device: cuda.jit(signature) has already lowered the
+    # kernel to PTX and linked a cubin for it (on sm_90 and newer the architecture-specific
+    # one, sm_90a, which warpgroup MMA needs), so asking for that target reuses both. Asking
+    # for plain sm_90, as this did until 2026-12-04, ran NVVM and ptxas a second time for
+    # the same SASS (bench/NOTES.md, issue 14: the cold compile).
+    arch = (cc[0], cc[1], "a" if cc >= (9, 0) else "")
     if key is None or root is None:
         name, cubin, _ = _compile(build, signature, options, arch, timings)
-        kernel = _load(ctx, cubin, name, signature, False, key, timings)
-    else:
-        store = KernelStore(root)
-        with _LOCK:  # threads of one process: one compile per key
-            header, cubin, built = store.get_or_build(
-                key, meta, lambda: _compile(build, signature, options, arch, timings))
-        kernel = _load(ctx, cubin, header["name"], signature, not built, key, timings)
-    kernel.max_registers = options.get("max_registers")
-    LOADED.append((kind, spec, kernel))
-    return kernel
+        return KernelImage(name, cubin, False, key, timings)
+    store = KernelStore(root)
+    with _LOCK:  # threads of one process: one compile per key
+        header, cubin, built = store.get_or_build(
+            key, meta, lambda: _compile(build, signature, options, arch, timings))
+    return KernelImage(header["name"], cubin, not built, key, timings, store)
 
 
 def _compile(build, signature, options, cc, timings):
@@ -183,18 +225,19 @@ def _compile(build, signature, options, cc, timings):
     return lib._entry_name, bytes(code), {"cc": list(cc)}
 
 
-def _load(ctx, cubin: bytes, name: str, signature, from_cache: bool, key, timings):
+def _load(ctx, image: KernelImage, signature) -> CompiledKernel:
     from cuda.core import ObjectCode
 
+    timings = image.timings
     t0 = time.perf_counter()
-    module = ctx.create_module_image(ObjectCode.from_cubin(cubin))
-    function = module.get_function(name)
+    module = ctx.create_module_image(ObjectCode.from_cubin(image.cubin))
+    function = module.get_function(image.name)
     timings["load"] = time.perf_counter() - t0
     timings["total"] = sum(timings[k] for k in ("lower", "ptx", "link", "load"))
-    kernel = CompiledKernel(function, signature, from_cache=from_cache, key=key,
+    kernel = CompiledKernel(function, signature, from_cache=image.from_cache, key=image.key,
                             timings=timings)
     kernel.module = module
     return kernel
 
 
-__all__ = ["LOADED", "CompiledKernel", "gpu_kernel"]
+__all__ = ["LOADED", "CompiledKernel", "KernelImage", "gpu_kernel", "kernel_image"]

@@ -1,0 +1,332 @@
+"""Fill a GPU machine's kernel cache on a machine without a GPU.
+
+A device session that starts with a cold cache spends most of its time compiling (8-17 s per
+kernel spec on the H200 host, a few hundred specs over the gpu tests and benchmarks). The cubin
+needs no GPU: Numba lowers, NVVM writes PTX and nvJitLink links it for sm_90 on any machine
+with the CUDA toolkit (:func:`nbinfer.kernels.offline.images_only`). An entry is keyed by the
+Python, numba, numba-cuda, cuda-bindings and cuda-core versions (a hook's key holds its
+bytecode), so the builder must run under the device image's versions: ``bench/prebuild_env.sh``
+makes that interpreter, ``--versions-from`` checks it against entries the device wrote.
+
+Which kernels: every entry of ``--from`` (a cache folder the device filled before; its entries
+name their spec, built again here against today's sources, with today's defaults for fields
+added since), plus ``--lean-rungs``: each lean warpgroup spec also with ``prefetch``,
+``lazy_rescale`` and both (bench/session_wgmma_lean.sh's forms). A spec whose variant is not
+one of nbinfer's built-ins (composed by ``from_flashinfer_args`` or the factories) is skipped.
+
+    bash bench/prebuild_env.sh  # once: /tmp/py312 with the device's versions
+    PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD /tmp/py312/bin/python \\
+        bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs -j 2
+
+Checked against the H200's entries (2026-12-04): a merge kernel built here has the key of the device's
+entry and the same SASS (only Numba's per-process name suffix differs); the device's cubins
+carry ptxas 13.0.88, the version of nvJitLink this environment installs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from nbinfer.kernels import cache  # noqa: E402
+
+# --------------------------------------------------------------------------------------------
+# Reading cache.stable() texts back
+# --------------------------------------------------------------------------------------------
+
+
+class Raw(str):
+    """A part of a stable text this parser keeps as text (a hook's code, a variant)."""
+
+
+def _parse(text: str, i: int = 0):
+    """``(value, end)`` of the stable text starting at ``text[i]``."""
+    for prefix, conv in (("int:", int), ("float:", float.fromhex)):
+        if text.startswith(prefix, i):
+            j = i + len(prefix)
+            k = j
+            while k < len(text) and text[k] not in ",)=":
+                k += 1
+            return conv(text[j:k]), k
+    if text.startswith("bool:", i):
+        v = text.startswith("True", i + 5)
+        return v, i + 5 + (4 if v else 5)
+    if text.startswith("NoneType:None", i):
+        return None, i + 13
+    if text.startswith("str:", i):
+        quote, j = text[i + 4], i + 5
+        out = []
+        while text[j] != quote:
+            if text[j] == "\\":
+                out.append(text[j:j + 2])
+                j += 2
+            else:
+                out.append(text[j])
+                j += 1
+        return json.loads('"' + "".join(out).replace('"', '\\"') + '"'), j + 1
+    for opener, kind in (("tuple(", tuple), ("list(", list)):
+        if text.startswith(opener, i):
+            j, items = i + len(opener), []
+            while text[j] != ")":
+                v, j = _parse(text, j)
+                items.append(v)
+                if text[j] == ",":
+                    j += 1
+            return kind(items), j + 1
+    # anything else with parentheses (code(...), Variant(...), set(...), a dataclass): as text
+    j, depth, quote = i, 0, None
+    while j < len(text):
+        c = text[j]
+        if quote:
+            if c == "\\":
+                j += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            if depth == 0:
+                break
+            depth -= 1
+            if depth == 0:
+                j += 1
+                break
+        elif c == "," and depth == 0:
+            break
+        j += 1
+    return Raw(text[i:j]), j
+
+
+def spec_fields(text: str) -> tuple[str, dict]:
+    """``("module.Class", {field: value})`` of a spec's stable text (a variant stays Raw)."""
+    head, rest = text.split("(", 1)
+    fields, j = {}, 0
+    body = rest[:-1]
+    while j < len(body):
+        eq = body.index("=", j)
+        name = body[j:eq]
+        value, j = _parse(body, eq + 1)
+        fields[name] = value
+        if j < len(body) and body[j] == ",":
+            j += 1
+    return head, fields
+
+
+def variant_name_params(raw: str) -> tuple[str, dict]:
+    """The name and parameters of a variant's stable text."""
+    (name, params, *_), _ = _parse(raw[len("Variant("):-1])
+    return name, {k: v for k, v in params}
+
+
+def rebuild_variant(raw: str):
+    """The built-in variant whose stable text is ``raw``, or None."""
+    from nbinfer import variants as V
+    from nbinfer.variants import builtins as B
+
+    name, p = variant_name_params(raw)
+    parts = name.split("+")
+    tries = []
+    if name in ("standard", "causal"):
+        tries.append(getattr(B, name)())
+    args = dict(causal="causal" in parts)
+    for part in parts:
+        if part.startswith("sliding_window_"):
+            args["window_left"] = p["window_left"]
+        elif part.startswith("soft_cap_"):
+            args["logits_soft_cap"] = p["cap"]
+        elif part.startswith("alibi_"):
+            args.update(pos_encoding_mode="ALIBI", num_qo_heads=p["num_heads"])
+        elif part.startswith("rope_llama"):
+            args.update(pos_encoding_mode="ROPE_LLAMA", rope_scale=p["rope_scale"],
+                        rope_theta=p["rope_theta"])
+    try:
+        tries.append(B.from_flashinfer_args(**args))
+    except (TypeError, ValueError):
+        pass
+    factories = []
+    for part in parts:
+        if part == "causal":
+            factories.append(B.causal())
+        elif part.startswith("attention_sink_"):
+            factories.append(B.attention_sink(list(p["sinks"])))
+        elif part.startswith("sigmoid_"):
+            factories.append(B.sigmoid_attention(p["scale"], p["bias"]))
+        elif part.startswith("sliding_window_"):
+            factories.append(B.sliding_window(p["window_left"]))
+        elif part.startswith("soft_cap_"):
+            factories.append(B.soft_cap(p["cap"]))
+    if factories:
+        tries.append(factories[0] if len(factories) == 1 else V.compose(*factories))
+    for v in tries:
+        if cache.stable(v) == raw:
+            return v
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Specs and their builders
+# --------------------------------------------------------------------------------------------
+
+def _classes():
+    from nbinfer.kernels.append import AppendSpec
+    from nbinfer.kernels.decode import DecodeSpec
+    from nbinfer.kernels.prefill import PrefillSpec
+    from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+    from nbinfer.kernels.state import StateSpec
+
+    return {f"{c.__module__}.{c.__qualname__}": c
+            for c in (AppendSpec, DecodeSpec, PrefillSpec, MmaPrefillSpec, StateSpec)}
+
+
+def _builder(kind: str):
+    from nbinfer.kernels import append, decode, prefill, prefill_mma, split_merge, state, value_scan
+
+    return {"decode": decode.build_decode_kernel, "prefill": prefill.build_prefill_kernel,
+            "prefill_mma": prefill_mma.build_prefill_mma_kernel,
+            "prefill_wgmma": prefill_mma.build_prefill_mma_kernel,
+            "split_merge": split_merge.build_split_merge_kernel,
+            "value_scan": value_scan.build_value_scan_kernel,
+            "append": append.build_append_kernel, "merge_pair": state.build_merge_pair,
+            "merge_stack": state.build_merge_stack}[kind]
+
+
+def rebuild_spec(text: str):
+    """The spec object of an entry's stable spec text with today's class (fields added since
+    take their defaults), or ``(None, why)``."""
+    head, fields = spec_fields(text)
+    cls = _classes().get(head)
+    if cls is None:
+        return None, f"unknown spec class {head}"
+    names = {f.name for f in dataclasses.fields(cls)}
+    gone = sorted(set(fields) - names)
+    if gone:
+        return None, f"fields no longer in {cls.__name__}: {gone}"
+    if isinstance(fields.get("variant"), Raw):
+        v = rebuild_variant(fields["variant"])
+        if v is None:
+            return None, f"variant not a built-in: {variant_name_params(fields['variant'])[0]}"
+        fields["variant"] = v
+    try:
+        return cls(**fields), None
+    except (TypeError, ValueError) as exc:
+        return None, f"{cls.__name__}: {exc}"
+
+
+def jobs_from(folder: Path, lean_rungs: bool) -> tuple[list, collections.Counter]:
+    """``[(kind, spec text, changes)]`` to build from the entries of ``folder`` (specs travel to
+    the worker processes as text: a variant's hooks do not pickle), and why others were
+    skipped."""
+    out, skipped, seen = [], collections.Counter(), set()
+    for path in sorted(folder.glob("*.nbk")):
+        header = cache.read_header(path.read_bytes())
+        if header is None:
+            continue
+        meta = header["meta"]
+        spec, why = rebuild_spec(meta["spec"])
+        if spec is None:
+            skipped[why] += 1
+            continue
+        changes = [{}]
+        if lean_rungs and meta["kind"] == "prefill_wgmma":
+            changes += [dict(prefetch=True), dict(lazy_rescale=True),
+                        dict(prefetch=True, lazy_rescale=True)]
+        for change in changes:
+            k = (meta["kind"], cache.stable(dataclasses.replace(spec, **change)))
+            if k not in seen:
+                seen.add(k)
+                out.append((meta["kind"], meta["spec"], change))
+    return out, skipped
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+
+def _init(root: str):
+    os.environ["NBINFER_CACHE_DIR"] = root
+    from nbinfer.kernels.offline import assume_device
+
+    assume_device((9, 0))
+
+
+def _build(job):
+    kind, text, change = job
+    from nbinfer.kernels.offline import images_only
+
+    t0 = time.perf_counter()
+    try:
+        spec = dataclasses.replace(rebuild_spec(text)[0], **change)
+        with images_only((9, 0)):
+            kernel = _builder(kind)(spec)
+    except Exception as exc:  # noqa: BLE001 - reported per spec, the others go on
+        return kind, None, f"{type(exc).__name__}: {str(exc)[:200]}", time.perf_counter() - t0
+    return kind, kernel.from_cache, None, time.perf_counter() - t0
+
+
+def check_versions(folder: Path) -> None:
+    """Refuse to build when this interpreter's versions differ from the device's entries'."""
+    mine = cache.versions()
+    for path in sorted(folder.glob("*.nbk")):
+        header = cache.read_header(path.read_bytes())
+        if header is not None:
+            theirs = header["meta"]["versions"]
+            if theirs != mine:
+                sys.exit(f"versions differ from the device's ({path.name}): {theirs} here "
+                         f"{mine}; run under bench/prebuild_env.sh's interpreter")
+            return
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from", dest="source", required=True,
+                    help="cache folder whose entries name the specs to build")
+    ap.add_argument("--to", required=True, help="cache folder to fill (NBINFER_CACHE_DIR)")
+    ap.add_argument("--versions-from", default=None,
+                    help="a cache folder the device wrote: its versions must be this one's")
+    ap.add_argument("--lean-rungs", action="store_true",
+                    help="each lean spec also with prefetch / lazy_rescale / both")
+    ap.add_argument("--kinds", default=None, help="comma-separated kernel kinds (default all)")
+    ap.add_argument("--dry-run", action="store_true", help="list the jobs, build nothing")
+    ap.add_argument("-j", type=int, default=2, help="processes")
+    args = ap.parse_args(argv)
+    src = Path(args.source)
+    src = src / "kernels" if (src / "kernels").is_dir() else src
+    if args.versions_from:
+        vf = Path(args.versions_from)
+        check_versions(vf / "kernels" if (vf / "kernels").is_dir() else vf)
+    _init(args.to)
+    jobs, skipped = jobs_from(src, args.lean_rungs)
+    if args.kinds:
+        wanted = set(args.kinds.split(","))
+        jobs = [j for j in jobs if j[0] in wanted]
+    for why, n in skipped.most_common():
+        print(f"skipped {n:4d}: {why}")
+    print(f"{len(jobs)} kernels to build ({collections.Counter(j[0] for j in jobs)})")
+    if args.dry_run:
+        return 0
+    t0 = time.perf_counter()
+    done = collections.Counter()
+    with multiprocessing.get_context("spawn").Pool(args.j, _init, (args.to,)) as pool:
+        for i, (kind, cached, err, sec) in enumerate(pool.imap_unordered(_build, jobs), 1):
+            state = "error" if err else ("cached" if cached else "built")
+            done[state] += 1
+            if err or i % 10 == 0 or i == len(jobs):
+                print(f"[{i}/{len(jobs)}] {kind:<14} {state:<6} {sec:6.1f} s "
+                      f"{err or ''}", flush=True)
+    print(f"done in {time.perf_counter() - t0:.0f} s: {dict(done)}")
+    return 1 if done["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""bench/prebuild_cache.py: specs read back from cache entries, and an offline build.
+
+The prebuilt cache is only useful if every spec comes back exactly (its stable text, and so
+its key, equal to the entry's); these tests check that round trip for every kind of spec and
+built-in variant the suite compiles, and that what cannot come back is skipped with a reason.
+The offline build itself needs the CUDA toolkit's NVVM and nvJitLink (skipped without them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from nbinfer import variants
+from nbinfer.kernels import cache
+from nbinfer.kernels.append import AppendSpec
+from nbinfer.kernels.cache import KernelStore, kernel_key, stable
+from nbinfer.kernels.decode import DecodeSpec
+from nbinfer.kernels.prefill import PrefillSpec
+from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+from nbinfer.kernels.state import StateSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("prebuild_cache", ROOT / "bench" /
+                                               "prebuild_cache.py")
+prebuild = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(prebuild)
+
+B = variants
+
+
+def _variants():
+    return [B.standard(), B.causal(), B.soft_cap(30.0), B.sliding_window(100),
+            B.from_flashinfer_args(causal=True, window_left=100),
+            B.from_flashinfer_args(causal=True, logits_soft_cap=20.0, window_left=50),
+            B.from_flashinfer_args(pos_encoding_mode="ALIBI", num_qo_heads=12, causal=True),
+            B.from_flashinfer_args(pos_encoding_mode="ROPE_LLAMA", rope_theta=5e5),
+            B.from_flashinfer_args(pos_encoding_mode="ROPE_LLAMA", causal=True),
+            B.attention_sink([-1.0, -0.9, 0.25]), B.sigmoid_attention(0.5, -1.0)]
+
+
+def _specs():
+    out = [AppendSpec(8, 32, 16, True, False), StateSpec("float16", 64, 2.718281828459045, False)]
+    for v in _variants():
+        out.append(DecodeSpec(128, 4, 16, "float16", "float16", "NHD", v, sparse=True,
+                              max_registers=128))
+        out.append(PrefillSpec(64, 2, 1, "bfloat16", "bfloat16", "HND", v, custom_mask=True))
+    lean = MmaPrefillSpec(128, 1, 1, "float16", "float16", "NHD", B.causal(), num_warps=8,
+                          kv_tile=64, max_registers=128, defer_merge=True, wgmma=True,
+                          lean=True)
+    out += [lean, dataclasses.replace(lean, prefetch=True, lazy_rescale=True),
+            lean.on_mma_sync(kv_tile=32, max_registers=None)]
+    return out
+
+
+@pytest.mark.parametrize("spec", _specs(), ids=lambda s: f"{type(s).__name__}")
+def test_a_spec_comes_back_from_its_stable_text(spec):
+    text = stable(spec)
+    rebuilt, why = prebuild.rebuild_spec(text)
+    assert why is None and type(rebuilt) is type(spec)
+    assert stable(rebuilt) == text and rebuilt == spec
+
+
+def test_what_cannot_come_back_is_skipped_with_a_reason():
+    scale = 3.0
+    user = variants.Variant("user_scale", logits_transform=lambda s, q, k, h: s * scale)
+    text = stable(DecodeSpec(64, 1, 16, "float16", "float16", "NHD", user))
+    assert prebuild.rebuild_spec(text) == (None, "variant not a built-in: user_scale")
+    gone = text[:-1] + ",retired_knob=bool:True)"
+    spec, why = prebuild.rebuild_spec(gone)
+    assert spec is None and "retired_knob" in why
+    assert prebuild.rebuild_spec("nbinfer.kernels.gone.OldSpec(x=int:1)")[0] is None
+
+
+def test_jobs_from_a_folder_add_the_lean_rungs_and_drop_repeats(tmp_path):
+    store = KernelStore(tmp_path)
+    lean = _specs()[-3]
+    decode = _specs()[2]
+    for i, (kind, spec) in enumerate([("prefill_wgmma", lean), ("decode", decode),
+                                      ("decode", decode)]):
+        key, meta = kernel_key(kind, spec, f"sig{i}", {}, (9, 0))  # two entries, one spec
+        store.save(key, meta, "_Z1k", b"cubin")
+    jobs, skipped = prebuild.jobs_from(tmp_path, lean_rungs=True)
+    assert not skipped
+    kinds = sorted((k, tuple(sorted(c))) for k, _, c in jobs)
+    assert kinds == [("decode", ()), ("prefill_wgmma", ()), ("prefill_wgmma", ("lazy_rescale",)),
+                     ("prefill_wgmma", ("lazy_rescale", "prefetch")),
+                     ("prefill_wgmma", ("prefetch",))]
+
+
+def _toolkit() -> bool:
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    if not (Path(home) / "nvvm").is_dir():
+        return False
+    try:
+        from cuda.bindings import nvjitlink
+        nvjitlink.version()
+    except Exception:  # noqa: BLE001 - no nvJitLink library: cannot link offline
+        return False
+    return True
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1",
+                    reason="the simulator replaces numba.cuda's compiler")
+@pytest.mark.skipif(not _toolkit(),
+                    reason="needs the CUDA toolkit's NVVM and nvJitLink")
+def test_an_offline_build_stores_an_entry_the_gpu_would_look_up(tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, json
+        os.environ["NBINFER_CACHE_DIR"] = {str(tmp_path)!r}
+        from nbinfer.kernels.offline import assume_device, images_only
+        assume_device((9, 0))
+        from nbinfer.kernels.state import StateSpec, build_merge_pair
+        with images_only((9, 0)):
+            k = build_merge_pair(StateSpec("float16", 64, 2.718281828459045, False))
+        print(json.dumps({{"key": k.key, "from_cache": k.from_cache, "n": len(k.image.cubin)}}))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    import json
+
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert not res["from_cache"] and res["n"] > 1000
+    entries = list((tmp_path / "kernels").glob("*.nbk"))
+    assert [p.stem for p in entries] == [res["key"]]
+    header = cache.read_header(entries[0].read_bytes())
+    assert header["meta"]["cc"] == [9, 0] and header["meta"]["kind"] == "merge_pair"
