@@ -11,6 +11,8 @@ both), 64 requests of 1024-token prompts and 256 new tokens each, all arriving a
   ``--step-tokens``), eager and with CUDA-graph decode steps;
 - ``shared``: the same with a 90 % common prompt prefix: prefix caching + cascade decode
   against the engine with both off (each eager and with graphs);
+- ``overlap``: with graphs, each step launched before the previous step's tokens reach the
+  host (``Engine(overlap=True)``), plain and shared;
 - one eager run with CUDA-event timing: the share of GPU time in append + attention.
 
 Every run is timed from the first token in to the last token out (``torch.cuda.synchronize``
@@ -45,7 +47,8 @@ def make_requests(rng, n, prompt, new, shared, vocab):
             for _ in range(n)]
 
 
-def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timing=False):
+def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timing=False,
+               overlap=False):
     """One engine run to completion, after a warm-up run of ``warm`` on the same runner (the
     kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics."""
     need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
@@ -55,7 +58,8 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
 
     def engine():
         return Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
-                      prefix_cache=prefix, cascade="auto" if cascade else "off")
+                      prefix_cache=prefix, cascade="auto" if cascade else "off",
+                      overlap=overlap)
 
     engine().run(warm)
     runner.attention_seconds = 0.0
@@ -205,6 +209,13 @@ def main():
                                                cascade=True),
         "shared, prefix only, graphs": dict(reqs=shared, graphs=True, prefix=True,
                                             cascade=False),
+        # each step launched before the last one's tokens reach the host (Engine's overlap)
+        "engine graphs, overlap": dict(reqs=plain, graphs=True, prefix=False, cascade=False,
+                                       overlap=True),
+        "shared, both off, graphs, overlap": dict(reqs=shared, graphs=True, prefix=False,
+                                                  cascade=False, overlap=True),
+        "shared, prefix+cascade, graphs, overlap": dict(reqs=shared, graphs=True, prefix=True,
+                                                        cascade=True, overlap=True),
     }
     outputs = {}
     for name, kw in runs.items():
@@ -225,7 +236,8 @@ def main():
         print(f"hf {cache}", json.dumps(results[f"hf {cache}"]), flush=True)
     best_hf = max(results["hf dynamic"]["tokens_per_s"], results["hf static"]["tokens_per_s"])
     results["speedup vs hf"] = {k: results[k]["tokens_per_s"] / best_hf
-                                for k in ("engine eager", "engine graphs")}
+                                for k in ("engine eager", "engine graphs",
+                                          "engine graphs, overlap")}
     off = results["shared, both off, graphs"]["tokens_per_s"]
     results["shared-prefix speedup"] = {
         "prefix+cascade vs both off, eager": results["shared, prefix+cascade, eager"][
@@ -233,7 +245,10 @@ def main():
         "prefix+cascade vs both off, graphs": results["shared, prefix+cascade, graphs"][
             "tokens_per_s"] / off,
         "prefix only vs both off, graphs": results["shared, prefix only, graphs"][
-            "tokens_per_s"] / off}
+            "tokens_per_s"] / off,
+        "prefix+cascade vs both off, graphs, overlap": results[
+            "shared, prefix+cascade, graphs, overlap"]["tokens_per_s"] / results[
+            "shared, both off, graphs, overlap"]["tokens_per_s"]}
     # bf16 greedy decoding of random weights: near-ties part the two ways early (the fp32
     # equality of the two models is tests/test_engine_gpu.py's); informational only
     for k in (1, 16):
@@ -241,6 +256,8 @@ def main():
             outputs["engine graphs"], outputs["hf dynamic"], k)
     results["agreement, engine eager vs graphs"] = agreement(
         outputs["engine eager"], outputs["engine graphs"], new)
+    results["agreement, engine graphs vs graphs with overlap"] = agreement(
+        outputs["engine graphs"], outputs["engine graphs, overlap"], new)
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
     if a.plot:

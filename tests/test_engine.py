@@ -61,10 +61,11 @@ def test_tokens_equal_each_request_alone(model, rng, page_size, budget):
         assert any(rid not in dict(r.sampled) for r in reports for rid, _ in r.scheduled)
 
 
-def test_a_small_pool_preempts_the_youngest_and_recomputes(model, rng):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_small_pool_preempts_the_youngest_and_recomputes(model, rng, overlap):
     requests = [Request(list(rng.integers(0, CFG.vocab_size, size=12)), 10) for _ in range(5)]
     # 5 requests of up to 22 tokens = 6 pages each at page size 4; 12 pages hold two of them
-    engine = Engine(NumpyRunner(model, 12, 4), 12, 4, max_step_tokens=64)
+    engine = Engine(NumpyRunner(model, 12, 4), 12, 4, max_step_tokens=64, overlap=overlap)
     preempted = []
     out = engine.run(requests, on_step=lambda r: preempted.extend(r.preempted))
     assert engine.preemptions > 0 and preempted
@@ -189,6 +190,69 @@ def test_step_reports_show_decode_and_prefill_in_one_batch(model, rng):
     mixed = [r for r in reports if len(r.scheduled) == 2]
     assert mixed  # request 0 decodes while request 1's prompt is prefilled in chunks
     assert any(dict(r.scheduled)[0] == 1 and dict(r.scheduled)[1] > 1 for r in mixed)
+
+
+@pytest.mark.parametrize("pool, prefix_cache", [(128, False), (128, True), (14, False),
+                                                 (16, True)])
+def test_overlap_launches_before_the_last_tokens_arrive_and_changes_no_token(model, rng, pool,
+                                                                            prefix_cache):
+    # Each step launched while the previous one's tokens are still "on the device": its
+    # decoding sequences enter the batch as placeholders that the runner fills from its last
+    # sample. Arrivals, chunked prefill, the prefix cache and (small pools) evicted pages all
+    # run under it (preemption: the test above); the tokens are the unpaged reference's.
+    class Spy(NumpyRunner):
+        placeholders = 0
+
+        def forward(self, tokens, *args, **kw):
+            self.placeholders += int(np.sum(np.asarray(tokens) < 0))
+            return super().forward(tokens, *args, **kw)
+
+    requests = _shared_prefix_requests(rng, 6, prefix_len=12) + _requests(rng, 4)
+    want = _alone(model, requests)
+    runner = Spy(model, pool, 4)
+    engine = Engine(runner, pool, 4, max_step_tokens=20, prefix_cache=prefix_cache,
+                    overlap=True)
+    reports = []
+    assert engine.run(requests, on_step=reports.append) == want
+    assert runner.placeholders > 0  # decode tokens did come from the device side
+    assert [r.step for r in reports] == list(range(engine.steps))  # each step reported once
+    assert sum(len(r.sampled) for r in reports) == sum(len(w) for w in want)
+    assert engine.pool.num_free + (engine.tree.num_pages if prefix_cache else 0) == pool
+    # the same schedule as without overlap when nothing is cached and pages are plenty (with
+    # overlap the prefix cache sees a step's pages, and the pool a finished sequence's, one
+    # step later, so admissions may wait a step longer)
+    if not prefix_cache and pool >= 100:
+        plain = []
+        Engine(NumpyRunner(model, pool, 4), pool, 4, max_step_tokens=20).run(
+            requests, on_step=plain.append)
+        assert [r.scheduled for r in plain] == [r.scheduled for r in reports]
+        assert [r.sampled for r in plain] == [r.sampled for r in reports]
+
+
+def test_overlap_through_the_public_api_runner(rng):
+    from nbinfer.engine.runners import ApiRunner
+
+    model32 = NumpyLlama(CFG, init_weights(CFG, seed=3), dtype=np.float32)
+    requests = _shared_prefix_requests(rng, 5, prefix_len=32)
+    engine = Engine(ApiRunner(model32, 128, 4), 128, 4, max_step_tokens=16, prefix_cache=True,
+                    overlap=True)
+    assert engine.run(requests) == _alone(model32, requests)
+    assert engine.cascade_steps > 0
+
+
+def test_overlap_needs_a_runner_that_samples_on_its_side(model):
+    class Plain:  # forward and argmax only
+        def forward(self, *args, **kw):
+            raise AssertionError("never called")
+
+        @staticmethod
+        def argmax(logits):
+            return list(logits)
+
+    with pytest.raises(ValueError, match="overlap=True needs a runner with sample"):
+        Engine(Plain(), 8, 4, overlap=True)
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        Engine(NumpyRunner(model, 8, 4), 8, 4, overlap="yes")
 
 
 def test_requests_are_validated(model):

@@ -6,7 +6,8 @@ with plain SDPA attention over contiguous KV (``generate_alone_sdpa``, no paging
   steps) on and off, and with a pool small enough to preempt;
 - bf16: every sampled token's logits against the fp32 model teacher-forced on the same tokens,
   no further off than the bf16 SDPA model is;
-- CUDA graphs: the graph-replayed decode steps give the eager engine's tokens.
+- CUDA graphs: the graph-replayed decode steps give the eager engine's tokens, and so does
+  the engine's overlap (each step launched before the last one's tokens reach the host).
 """
 
 from __future__ import annotations
@@ -115,6 +116,12 @@ def test_cuda_graph_decode_gives_the_eager_tokens(weights):
     engine = _engine(model, prefix_cache=True, cuda_graphs=True)
     assert engine.run(requests) == eager
     assert engine.runner.graph_replays > 0
+    # each step launched before the last one's tokens reach the host: the placeholders are
+    # filled on the device, in the eager forward and in the graph's token buffer alike
+    for graphs, pages in ((False, 256), (True, 256), (True, 14)):
+        engine = _engine(model, pages, prefix_cache=True, cuda_graphs=graphs, overlap=True)
+        assert engine.run(requests) == eager, (graphs, pages)
+        assert engine.runner.graph_replays > 0 or not graphs
 
 
 def test_generate_command_on_the_gpu(capsys):

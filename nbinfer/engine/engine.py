@@ -18,6 +18,17 @@ Each :meth:`Engine.step`:
 
 The runner (:mod:`.runners`) does the arithmetic; everything here is host bookkeeping, the same
 for the NumPy and the torch model.
+
+**Overlap** (``Engine(overlap=True)``). Steps 1-3 never need the *values* of the tokens the
+last step sampled, only how many there are (a sequence's length, whether it is done: requests
+end after ``max_new_tokens``). So with ``overlap`` a step is scheduled, allocated and launched
+while the GPU still computes the one before it: a token not yet on the host enters the batch as
+a placeholder (``-1 - j``: row ``j`` of the last step's sampled tokens), which the runner
+replaces on the device; then the previous step is *completed* (its tokens copied to the host,
+its placeholders filled in, its finished sequences' pages released, its full pages handed to
+the prefix cache). The host's work of step ``n + 1`` then runs beside the GPU's of step ``n``
+instead of after it. Tokens are the same as without overlap; the prefix cache sees a step's
+pages one step later, and :meth:`Engine.step` returns the report of the step it completed.
 """
 
 from __future__ import annotations
@@ -104,6 +115,19 @@ class StepReport:
         return sum(n for _, n in self.scheduled)
 
 
+@dataclass
+class _Launched:
+    """A step whose batch the runner has; completed once its sampled tokens are on the host."""
+
+    step: int
+    plan: list  # [(sequence, new tokens)]
+    sampled: list  # [(sequence, index in its tokens)]: placeholder -1 - j for sampled row j
+    handle: object  # the runner's sample() handle (None: nothing sampled)
+    finished: list  # sequences done after this step (left the running set, pages held)
+    preempted: list
+    attention: str
+
+
 class Engine:
     """Serve :class:`Request` objects with a model runner over one :class:`PagePool`.
 
@@ -126,6 +150,9 @@ class Engine:
         shared run of pages read once for all its sequences, then each sequence's own pages,
         the states merged) when that saves at least :data:`CASCADE_MIN_SAVING` of the step's KV
         reads and no CUDA graph replays the plain step (:attr:`CASCADE_RULE`); else paged.
+    overlap : bool
+        Launch each step before the previous one's tokens reach the host (module docstring);
+        the runner must have ``sample`` and ``fetch``.
     """
 
     CASCADE_MIN_SAVING = 0.25
@@ -134,9 +161,16 @@ class Engine:
                     "eager cascade step 15.7 ms, a replayed paged one 4.0); else paged attention")
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
-                 max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto"):
+                 max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto",
+                 overlap: bool = False):
         check_positive_int("max_step_tokens", max_step_tokens)
         check_positive_int("max_batch", max_batch)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+        if overlap and not (hasattr(runner, "sample") and hasattr(runner, "fetch")):
+            raise ValueError(f"overlap=True needs a runner with sample() and fetch() (tokens "
+                             f"left on the device), {type(runner).__name__} has none")
+        self.overlap, self._launched = overlap, None
         self.runner, self.pool = runner, PagePool(num_pages, page_size)
         self.max_step_tokens, self.max_batch = max_step_tokens, max_batch
         self.waiting: list[_Sequence] = []
@@ -175,15 +209,27 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._launched)
 
     # -- one step ------------------------------------------------------------------------------
-    def step(self) -> StepReport:
-        """Schedule, allocate, run and sample once (see the module docstring)."""
+    def step(self) -> StepReport | None:
+        """Schedule, allocate, run and sample once (see the module docstring). Returns the
+        step's report; with ``overlap``, the report of the step before it (``None`` when this
+        call launched the first step of a run)."""
+        if not self.overlap:
+            return self._complete(self._launch())
+        launched = self._launch() if self.waiting or self.running else None
+        done, self._launched = self._launched, launched
+        return None if done is None else self._complete(done)
+
+    def _launch(self) -> _Launched:
+        """Steps 1-3 of the module docstring and the count half of step 4: every sequence that
+        samples gets a placeholder token (filled in by :meth:`_complete`), and the sequences
+        this step finishes leave the running set."""
         preempted = []
         plan = self._schedule()
         plan = self._allocate(plan, preempted)
-        sampled, finished, attention = [], [], ""
+        sampled, finished, attention, handle = [], [], "", None
         if plan:
             # a sequence whose scheduled tokens reach the end of what it has samples its next
             # token from its last row; only those rows go through the LM head
@@ -191,26 +237,44 @@ class Engine:
             due = [seq.computed + n == len(seq.tokens) for seq, n in plan]
             rows = np.cumsum([n for _, n in plan])[np.array(due, dtype=bool)] - 1
             logits, attention = self._run(plan, rows, levels)
-            tokens = iter(self.runner.argmax(logits))
+            handle = self._sample(logits)
             for (seq, n), sample in zip(plan, due, strict=True):
                 seq.computed += n
                 if sample:
-                    token = int(next(tokens))
-                    seq.tokens.append(token)
-                    sampled.append((seq.rid, token))
+                    seq.tokens.append(-1 - len(sampled))  # row j of the sampled tokens: -1 - j
+                    sampled.append((seq, len(seq.tokens) - 1))
                     if seq.done:
-                        finished.append(seq.rid)
-            for seq, _ in plan:
-                self._cache(seq)
-                if seq.done and seq in self.running:
-                    self.running.remove(seq)
-                    self.pool.release(seq.pages)
-                    seq.pages = []
-                    self.finished[seq.rid] = seq.output
+                        finished.append(seq)
+            for seq in finished:  # its pages stay until its tokens are in the prefix cache
+                self.running.remove(seq)
         self.steps += 1
-        return StepReport(self.steps - 1, tuple((s.rid, n) for s, n in plan), tuple(sampled),
-                          tuple(finished), tuple(preempted),
-                          self.pool.num_pages - self.pool.num_free, attention)
+        return _Launched(self.steps - 1, plan, sampled, handle, finished, preempted, attention)
+
+    def _sample(self, logits):
+        sample = getattr(self.runner, "sample", None)
+        return self.runner.argmax(logits) if sample is None else sample(logits)
+
+    def _complete(self, launched: _Launched) -> StepReport:
+        """The rest of step 4: the sampled tokens on the host, in place of the placeholders;
+        full pages to the prefix cache; finished sequences' pages back to the pool."""
+        tokens = []
+        if launched.sampled:
+            fetch = getattr(self.runner, "fetch", None)
+            tokens = launched.handle if fetch is None else fetch(launched.handle)
+        sampled = []
+        for (seq, index), token in zip(launched.sampled, tokens, strict=True):
+            seq.tokens[index] = token = int(token)
+            sampled.append((seq.rid, token))
+        for seq, _ in launched.plan:
+            self._cache(seq)
+        for seq in launched.finished:
+            self.pool.release(seq.pages)
+            seq.pages = []
+            self.finished[seq.rid] = seq.output
+        return StepReport(launched.step, tuple((s.rid, n) for s, n in launched.plan),
+                          tuple(sampled), tuple(s.rid for s in launched.finished),
+                          tuple(launched.preempted), self.pool.num_pages - self.pool.num_free,
+                          launched.attention)
 
     def _schedule(self) -> list:
         """``[(sequence, new tokens)]`` within the step's token and batch budgets."""
@@ -318,7 +382,7 @@ class Engine:
         token rows that sample) and the attention used (``levels``: the cascade's, or None)."""
         ps = self.pool.page_size
         tokens, positions, qo, kv_indptr, indices, last = [], [], [0], [0], [], []
-        for seq, n in plan:
+        for seq, n in plan:  # with overlap, a placeholder may stand for the last token
             tokens += seq.tokens[seq.computed:seq.computed + n]
             positions += range(seq.computed, seq.computed + n)
             qo.append(qo[-1] + n)
@@ -419,6 +483,6 @@ class Engine:
             if self.steps >= max_steps:
                 raise RuntimeError(f"not done after {max_steps} steps")
             report = self.step()
-            if on_step is not None:
+            if on_step is not None and report is not None:
                 on_step(report)
         return [self.finished[rids[i]] for i in range(len(requests))]

@@ -22,10 +22,39 @@ import numpy as np
 
 from .model import NumpyLlama
 
-__all__ = ["ApiRunner", "NumpyRunner", "StepAttention"]
+__all__ = ["ApiRunner", "HostSampling", "NumpyRunner", "StepAttention"]
 
 
-class NumpyRunner:
+class HostSampling:
+    """Greedy sampling for runners whose logits are host arrays, in the two halves the engine's
+    overlap uses (:class:`~nbinfer.engine.Engine`): :meth:`sample` keeps the step's tokens
+    (where a GPU runner would leave them on the device), :meth:`fetch` hands them over, and
+    :meth:`resolve` replaces a batch's placeholders (``-1 - j``: row ``j`` of the last
+    sample) by those tokens."""
+
+    _sampled = np.zeros(0, dtype=np.int64)
+
+    def sample(self, logits) -> np.ndarray:
+        self._sampled = np.argmax(logits, axis=-1)
+        return self._sampled
+
+    @staticmethod
+    def fetch(handle) -> list:
+        return handle.tolist()
+
+    @staticmethod
+    def argmax(logits) -> list:
+        """Greedy token of each row of ``logits``."""
+        return np.argmax(logits, axis=-1).tolist()
+
+    def resolve(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.size and tokens.min() < 0:
+            tokens = np.where(tokens >= 0, tokens, self._sampled[np.maximum(-1 - tokens, 0)])
+        return tokens
+
+
+class NumpyRunner(HostSampling):
     """The NumPy model over a paged cache, attention from :mod:`nbinfer.reference`.
 
     Parameters
@@ -48,7 +77,8 @@ class NumpyRunner:
         """Logits ``[len(rows), vocab]`` of one step (see the module docstring), for the token
         rows ``rows`` (default all); with ``levels``
         (:class:`~nbinfer.formats.radix.CascadeLevels` of a decode step) attention runs as a
-        cascade over them instead of over the page table."""
+        cascade over them instead of over the page table. A negative token is a placeholder
+        for a token of the last :meth:`sample` (:meth:`resolve`)."""
         from .. import reference
 
         kv_lens = reference.kv_lengths(kv_indptr, kv_last_page_len, self.page_size)
@@ -70,12 +100,7 @@ class NumpyRunner:
             self.attention_seconds += time.perf_counter() - t0
             return o
 
-        return self.model.forward(np.asarray(tokens), np.asarray(positions), attend, rows=rows)
-
-    @staticmethod
-    def argmax(logits) -> list:
-        """Greedy token of each row of ``logits``."""
-        return np.argmax(logits, axis=-1).tolist()
+        return self.model.forward(self.resolve(tokens), np.asarray(positions), attend, rows=rows)
 
 
 class StepAttention:
@@ -152,7 +177,7 @@ class StepAttention:
         return attend
 
 
-class ApiRunner:
+class ApiRunner(HostSampling):
     """The NumPy model over paged caches through nbinfer's public wrappers
     (:class:`StepAttention`), on the reference engine or in Numba's simulator (its caches are
     host arrays; on a GPU the torch runner holds them on the device).
@@ -201,6 +226,4 @@ class ApiRunner:
             self.attention_seconds += time.perf_counter() - t0
             return o
 
-        return self.model.forward(np.asarray(tokens), np.asarray(positions), attend, rows=rows)
-
-    argmax = staticmethod(NumpyRunner.argmax)
+        return self.model.forward(self.resolve(tokens), np.asarray(positions), attend, rows=rows)

@@ -75,6 +75,7 @@ class TorchRunner:
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.graph_replays = 0
         self.attention_seconds = 0.0  # with timing=True (see above)
         self._events: list = []
@@ -113,7 +114,7 @@ class TorchRunner:
             return o
 
         dev = self.device
-        logits = self.model.forward(torch.as_tensor(np.asarray(tokens), device=dev),
+        logits = self.model.forward(self.resolve(tokens),
                                     torch.as_tensor(np.asarray(positions), device=dev), attend,
                                     rows=None if rows is None else torch.as_tensor(rows,
                                                                                   device=dev))
@@ -127,6 +128,33 @@ class TorchRunner:
     def argmax(logits: torch.Tensor) -> list:
         """Greedy token of each row of ``logits`` (one device-to-host copy)."""
         return logits.argmax(-1).tolist()
+
+    def sample(self, logits: torch.Tensor):
+        """Greedy tokens of ``logits`` kept on the device (the next step's placeholders read
+        them there) and copied to pinned host memory behind an event, without waiting: the
+        handle for :meth:`fetch`."""
+        self._sampled = logits.argmax(-1)
+        host = torch.empty(self._sampled.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(self._sampled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    @staticmethod
+    def fetch(handle) -> list:
+        """The tokens of a :meth:`sample` handle, once its copy has landed."""
+        host, done = handle
+        done.synchronize()
+        return host.tolist()
+
+    def resolve(self, tokens) -> torch.Tensor:
+        """The step's token ids on the device, placeholders (``-1 - j``) replaced by row ``j``
+        of the last :meth:`sample` there (no host round trip)."""
+        host = np.asarray(tokens, dtype=np.int64)
+        ids = torch.as_tensor(host).to(self.device, non_blocking=False)
+        if host.size and host.min() < 0:
+            ids = torch.where(ids >= 0, ids, self._sampled[(-1 - ids).clamp_(min=0)])
+        return ids
 
 
 class _DecodeGraph:
@@ -182,7 +210,7 @@ class _DecodeGraph:
         self.decode.plan(indptr, indices, last, *runner.heads,
                          q_data_type=runner.attention.dtype)
         self.append.plan(self.rows, pos, indices, indptr, last)
-        self.tokens[:batch].copy_(torch.as_tensor(np.asarray(tokens)))
+        self.tokens[:batch].copy_(runner.resolve(tokens))
         self.tokens[batch:].zero_()
         self.positions[:batch].copy_(torch.as_tensor(np.asarray(positions)))
         self.positions[batch:].zero_()
