@@ -11,12 +11,14 @@ makes that interpreter, ``--versions-from`` checks it against entries the device
 Which kernels: every entry of ``--from`` (a cache folder the device filled before; its entries
 name their spec, built again here against today's sources, with today's defaults for fields
 added since), plus ``--lean-rungs``: each lean warpgroup spec also with ``prefetch``,
-``lazy_rescale`` and both (bench/session_wgmma_lean.sh's forms). A spec whose variant is not
-one of nbinfer's built-ins (composed by ``from_flashinfer_args`` or the factories) is skipped.
+``lazy_rescale`` and both (bench/session_wgmma_lean.sh's forms), and ``--engine``: the decode
+kernels of the engine's model configs (the decode wrapper's own rule picks each spec). A spec
+whose variant is not one of nbinfer's built-ins (composed by ``from_flashinfer_args`` or the
+factories) is skipped.
 
     bash bench/prebuild_env.sh  # once: /tmp/py312 with the device's versions
     PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD /tmp/py312/bin/python \\
-        bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs -j 2
+        bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs --engine
 
 Checked against the H200's entries (2026-12-04): a merge kernel built here has the key of the device's
 entry and the same SASS (only Numba's per-process name suffix differs); the device's cubins
@@ -249,6 +251,24 @@ def jobs_from(folder: Path, lean_rungs: bool) -> tuple[list, collections.Counter
     return out, skipped
 
 
+# The engine's decode steps (nbinfer.engine's named configs: tiny, Llama-3.2-1B, Qwen2.5-0.5B,
+# all head_dim 64) in the dtypes its tests and bench/engine.py run, pages of 16.
+ENGINE_DECODE = [(hq, hkv, 64, 16, dtype) for hq, hkv in ((4, 2), (32, 8), (14, 2))
+                 for dtype in ("float32", "float16", "bfloat16")]
+
+
+def decode_spec(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, layout="NHD"):
+    """The spec a GPU decode wrapper's plan() compiles for these arguments (its own rule,
+    :meth:`BatchDecodeWithPagedKVCacheWrapper._validate_statics`, asked as the GPU backend)."""
+    from types import SimpleNamespace
+
+    from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper as W
+
+    gpu = SimpleNamespace(_backend="cuda", _kv_layout=layout)
+    return W._validate_statics(gpu, num_qo_heads, num_kv_heads, head_dim, page_size, "NONE",
+                               -1, None, None, None, None, dtype, None, None, None).spec
+
+
 # --------------------------------------------------------------------------------------------
 # Building
 # --------------------------------------------------------------------------------------------
@@ -296,6 +316,8 @@ def main(argv=None) -> int:
                     help="a cache folder the device wrote: its versions must be this one's")
     ap.add_argument("--lean-rungs", action="store_true",
                     help="each lean spec also with prefetch / lazy_rescale / both")
+    ap.add_argument("--engine", action="store_true",
+                    help="also the decode kernels of the engine's configs (ENGINE_DECODE)")
     ap.add_argument("--kinds", default=None, help="comma-separated kernel kinds (default all)")
     ap.add_argument("--dry-run", action="store_true", help="list the jobs, build nothing")
     ap.add_argument("-j", type=int, default=2, help="processes")
@@ -307,6 +329,12 @@ def main(argv=None) -> int:
         check_versions(vf / "kernels" if (vf / "kernels").is_dir() else vf)
     _init(args.to)
     jobs, skipped = jobs_from(src, args.lean_rungs)
+    if args.engine:
+        known = {(k, cache.stable(rebuild_spec(t)[0])) for k, t, _ in jobs}
+        for case in ENGINE_DECODE:
+            spec = decode_spec(*case)
+            if ("decode", cache.stable(spec)) not in known:
+                jobs.append(("decode", cache.stable(spec), {}))
     if args.kinds:
         wanted = set(args.kinds.split(","))
         jobs = [j for j in jobs if j[0] in wanted]

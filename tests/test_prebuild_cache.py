@@ -135,3 +135,19 @@ def test_an_offline_build_stores_an_entry_the_gpu_would_look_up(tmp_path):
     assert [p.stem for p in entries] == [res["key"]]
     header = cache.read_header(entries[0].read_bytes())
     assert header["meta"]["cc"] == [9, 0] and header["meta"]["kind"] == "merge_pair"
+
+
+def test_engine_decode_specs_are_the_decode_wrappers_own():
+    # decode_spec() asks the wrapper's rule as the GPU backend; the simulator's wrapper, given
+    # the same arguments, builds the same spec but for sim=True
+    import numpy as np
+
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    for hq, hkv, d, ps, dtype in prebuild.ENGINE_DECODE[:3]:
+        w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), backend="sim")
+        w.plan(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([3], np.int32),
+               hq, hkv, d, ps, q_data_type=dtype)
+        (cfg,) = w._configs.values()
+        assert dataclasses.replace(cfg.spec, sim=False) == prebuild.decode_spec(hq, hkv, d, ps,
+                                                                                dtype)
