@@ -81,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
                    help="decode steps whose requests share pages run as a cascade (auto)")
     p.add_argument("--cuda-graphs", default="off", choices=["on", "off"],
                    help="GPU only: capture decode steps once per batch bucket and replay them")
+    p.add_argument("--overlap", default="off", choices=["on", "off"],
+                   help="launch each step before the previous step's tokens reach the host")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-check", action="store_true",
                    help="skip the comparison with each request run alone")
@@ -162,7 +164,8 @@ def main(argv=None) -> int:
         runner = NumpyRunner(reference_model, a.pool_pages, a.page_size)
         where = f"CPU NumPy {dtype_name}"
     engine = Engine(runner, a.pool_pages, a.page_size, max_step_tokens=a.max_step_tokens,
-                    prefix_cache=a.prefix_cache == "on", cascade=a.cascade)
+                    prefix_cache=a.prefix_cache == "on", cascade=a.cascade,
+                    overlap=a.overlap == "on")
     print(f"engine: {cfg.name} ({cfg.num_parameters() / 1e6:.2f} M weights), {where}, "
           f"{a.pool_pages} pages of {a.page_size} tokens, {a.requests} requests, "
           f"prompt {a.prompt_len} (shared {a.shared_prefix:.0%}), output {a.output_len}")

@@ -357,6 +357,9 @@ def test_generate_command(capsys, tmp_path):
                  "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "check: 3/3 requests give the same greedy tokens" in out and "tokens/s" in out
+    assert main(["--requests", "3", "--prompt-len", "9", "--output-len", "5", "--quiet",
+                 "--device", "cpu", "--overlap", "on"]) == 0
+    assert "check: 3/3 requests give the same greedy tokens" in capsys.readouterr().out
     for bad, name in ((["--requests", "0"], "--requests"), (["--shared-prefix", "1"],
                       "--shared-prefix"), (["--config", "gpt9"], "--config"),
                       (["--device", "cpu", "--cuda-graphs", "on"], "--cuda-graphs"),

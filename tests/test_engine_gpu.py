@@ -130,6 +130,10 @@ def test_generate_command_on_the_gpu(capsys):
     assert main(["--quiet", "--cuda-graphs", "on", "--shared-prefix", "0.5"]) == 0
     out = capsys.readouterr().out
     assert "GPU torch float32" in out and "check: 6/6 requests" in out
+    # the overlap with CUDA graphs and the runner's timing (events read without waiting)
+    assert main(["--quiet", "--cuda-graphs", "on", "--overlap", "on", "--output-len", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "check: 6/6 requests" in out and "attention " in out
     assert main(["--device", "gpu", "--dtype", "float64"]) == 2
 
 

@@ -43,7 +43,8 @@ class TorchRunner:
     timing : bool
         Time each layer's append + attention with CUDA events (``attention_seconds``: the
         GPU clock from before the append to after the attention, summed; two event records
-        per layer and a synchronisation per step).
+        per layer, read once they have completed, so that timing never waits for the GPU
+        and the engine's overlap still overlaps).
     cuda_graphs : bool
         Capture plain decode steps once per batch bucket and replay them (module docstring).
     graph_batch_sizes : sequence of int
@@ -77,8 +78,33 @@ class TorchRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.graph_replays = 0
-        self.attention_seconds = 0.0  # with timing=True (see above)
-        self._events: list = []
+        self._attention_ms = 0.0  # with timing=True (see above)
+        self._events: list = []  # (start, end) pairs not yet read, oldest first
+
+    @property
+    def attention_seconds(self) -> float:
+        """Seconds of GPU time in append + attention so far (``timing=True``; waits for the
+        layers still queued)."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self._read_events()
+        return self._attention_ms / 1e3
+
+    @attention_seconds.setter
+    def attention_seconds(self, value: float) -> None:
+        self._read_events()
+        self._events.clear()
+        self._attention_ms = float(value) * 1e3
+
+    def _read_events(self) -> None:
+        """Add the pairs whose end has completed (in order: the GPU runs them in order)."""
+        done = 0
+        for start, end in self._events:
+            if not end.query():
+                break
+            self._attention_ms += start.elapsed_time(end)
+            done += 1
+        del self._events[:done]
 
     def replays_decode(self, batch: int) -> bool:
         """Whether a plain decode step of ``batch`` sequences replays a CUDA graph."""
@@ -119,9 +145,7 @@ class TorchRunner:
                                     rows=None if rows is None else torch.as_tensor(rows,
                                                                                   device=dev))
         if self._events:
-            torch.cuda.synchronize(dev)
-            self.attention_seconds += sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-            self._events.clear()
+            self._read_events()  # those that have finished; never waits
         return logits
 
     @staticmethod
