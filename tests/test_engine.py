@@ -240,6 +240,18 @@ def test_overlap_through_the_public_api_runner(rng):
     assert engine.cascade_steps > 0
 
 
+def test_max_steps_counts_launched_steps_with_and_without_overlap(model, rng):
+    requests = _requests(rng, 3, arrivals=False)
+    plain = Engine(NumpyRunner(model, 64, 4), 64, 4)
+    want = plain.run(requests)
+    for overlap in (False, True):
+        engine = Engine(NumpyRunner(model, 64, 4), 64, 4, overlap=overlap)
+        assert engine.run(requests, max_steps=plain.steps) == want  # the last one completes
+        with pytest.raises(RuntimeError, match="not done after"):
+            Engine(NumpyRunner(model, 64, 4), 64, 4, overlap=overlap).run(
+                requests, max_steps=plain.steps - 1)
+
+
 def test_overlap_needs_a_runner_that_samples_on_its_side(model):
     class Plain:  # forward and argmax only
         def forward(self, *args, **kw):

@@ -215,7 +215,8 @@ class Engine:
     def step(self) -> StepReport | None:
         """Schedule, allocate, run and sample once (see the module docstring). Returns the
         step's report; with ``overlap``, the report of the step before it (``None`` when this
-        call launched the first step of a run)."""
+        call launched the first step of a run), whose ``pages_in_use`` then counts the pages
+        after this step's allocation."""
         if not self.overlap:
             return self._complete(self._launch())
         launched = self._launch() if self.waiting or self.running else None
@@ -480,7 +481,7 @@ class Engine:
             while pending and requests[pending[0]].arrival <= self.steps:
                 i = pending.pop(0)
                 rids[i] = self.add_request(requests[i])
-            if self.steps >= max_steps:
+            if self.steps >= max_steps and (self.waiting or self.running):
                 raise RuntimeError(f"not done after {max_steps} steps")
             report = self.step()
             if on_step is not None and report is not None:
