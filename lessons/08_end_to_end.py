@@ -18,7 +18,9 @@
 #    starts with it (fewer pages, fewer prefill tokens), and decode reads them once per step as
 #    a cascade;
 # 5. the check that makes all of it trustworthy: every request's tokens equal the request run
-#    alone, without pages.
+#    alone, without pages;
+# 6. how a step can be launched before the previous step's tokens reach the host (placeholders
+#    filled where the tokens are), which keeps a GPU from waiting on the host between steps.
 #
 # It runs on a CPU: the `tiny` model (2 layers, 4 query heads over 2 KV heads, head_dim 64) in
 # float32 NumPy with random weights, attention through nbinfer's public wrappers on the
@@ -291,6 +293,49 @@ for name, got, want in zip(names, outputs, alone, strict=True):
 assert outputs == alone
 
 # %% [markdown]
+# ## 7. Launching a step before the last one's tokens arrive
+#
+# On a GPU a step's sampled tokens reach the host only once the step has finished, and the
+# host then schedules, allocates and plans the next step while the GPU waits. None of that
+# needs the tokens' *values*: only how many tokens each sequence has (a request ends after
+# `max_new_tokens`). With `Engine(overlap=True)` the next step is launched first, each token
+# still "on the device" entering its batch as a placeholder `-1 - j` (row `j` of the last
+# step's sampled tokens), which the runner fills in where the tokens are; the previous step is
+# completed after that (tokens copied back, placeholders replaced, finished requests' pages
+# released, full pages handed to the prefix cache). Below, the token ids one decode step was
+# launched with, and what the runner read for them. (On this CPU nothing runs beside the host,
+# so nothing gets faster here; `bench/engine_overlap_cpu.py` measures the effect against a
+# device that takes time.)
+
+
+# %%
+class Watching(Recording):
+    """Recording runner that also keeps the token ids each step was launched with, and the
+    ids they stand for."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.launched, self.read = [], []
+
+    def forward(self, tokens, *args, **kw):
+        self.launched.append(np.asarray(tokens).copy())
+        self.read.append(self.resolve(tokens))  # what the forward pass below reads
+        return super().forward(tokens, *args, **kw)
+
+
+runner_ov = Watching(model, POOL, PAGE)
+engine_ov = Engine(runner_ov, POOL, PAGE, max_step_tokens=BUDGET, prefix_cache=True,
+                   overlap=True)
+outputs_ov = engine_ov.run(requests)
+with_placeholders = [t for t, ids in enumerate(runner_ov.launched) if (ids < 0).any()]
+t = with_placeholders[len(with_placeholders) // 2]
+print(f"launched with: {runner_ov.launched[t].tolist()}")
+print(f"read as:       {runner_ov.read[t].tolist()}")
+print(f"{len(with_placeholders)} of {len(runner_ov.launched)} forward passes held placeholders")
+assert outputs_ov == outputs == alone  # the same tokens
+assert (runner_ov.read[t] >= 0).all() and (runner_ov.launched[t] < 0).any()
+
+# %% [markdown]
 # ## Exercises
 #
 # 1. Shrink the pool to 20 pages and run again: count `engine.preemptions`, find the steps where
@@ -300,3 +345,6 @@ assert outputs == alone
 #    latency of the others (steps between two of their tokens)?
 # 3. Make every request share the system prompt and give them all the same `max_new_tokens`:
 #    how much of the decode steps' KV traffic does the cascade save?
+# 4. With `overlap=True`, compare `engine_ov.prefix_hit_rate` with `engine.prefix_hit_rate`
+#    and the steps at which each request was admitted: why can the overlap admit a request a
+#    step later, or find fewer of its tokens cached, and why can it never change a token?
