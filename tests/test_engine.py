@@ -212,6 +212,15 @@ def test_overlap_launches_before_the_last_tokens_arrive_and_changes_no_token(mod
     runner = Spy(model, pool, 4)
     engine = Engine(runner, pool, 4, max_step_tokens=20, prefix_cache=prefix_cache,
                     overlap=True)
+    if prefix_cache:  # the prefix cache never sees a placeholder: tokens are filled first
+        def no_placeholders(call):
+            def checked(tokens, *args):
+                assert min(tokens) >= 0, "a placeholder reached the prefix cache"
+                return call(tokens, *args)
+            return checked
+
+        engine.tree.insert = no_placeholders(engine.tree.insert)
+        engine.tree.match = no_placeholders(engine.tree.match)
     reports = []
     assert engine.run(requests, on_step=reports.append) == want
     assert runner.placeholders > 0  # decode tokens did come from the device side
@@ -238,6 +247,22 @@ def test_overlap_through_the_public_api_runner(rng):
                     overlap=True)
     assert engine.run(requests) == _alone(model32, requests)
     assert engine.cascade_steps > 0
+
+
+def test_an_idle_gap_between_arrivals_with_and_without_overlap(model, rng):
+    # nothing runs between the first request's end and the second's arrival: the engine's
+    # clock (its step count) must still advance, or run() would wait forever
+    requests = [Request(list(rng.integers(0, CFG.vocab_size, size=5)), 2, arrival=0),
+                Request(list(rng.integers(0, CFG.vocab_size, size=6)), 3, arrival=12)]
+    for overlap in (False, True):
+        engine = Engine(NumpyRunner(model, 64, 4), 64, 4, overlap=overlap)
+        reports = []
+        assert engine.run(requests, max_steps=40, on_step=reports.append) == \
+            _alone(model, requests)
+        first = min(r.step for r in reports if any(rid == 1 for rid, _ in r.scheduled))
+        assert first == 12, overlap  # admitted at its arrival step
+    with pytest.raises(RuntimeError, match="not done after"):  # arrivals past the limit
+        Engine(NumpyRunner(model, 64, 4), 64, 4, overlap=True).run(requests, max_steps=8)
 
 
 def test_max_steps_counts_launched_steps_with_and_without_overlap(model, rng):

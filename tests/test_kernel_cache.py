@@ -245,3 +245,31 @@ def test_an_unwritable_cache_folder_costs_the_reuse_not_the_kernel(tmp_path):
         header, payload, fresh = store.get_or_build(
             key, meta, lambda: built.append(1) or ("_Z6kernel", b"cubin", {}))
     assert fresh and payload == b"cubin" and header["name"] == "_Z6kernel" and built == [1]
+
+
+def test_only_an_unusable_image_counts_as_a_refused_cubin():
+    from nbinfer.kernels.compiled import refused_image
+
+    class DriverError(Exception):
+        def __init__(self, code, msg=""):
+            super().__init__(msg)
+            self.code = code
+
+    assert refused_image(DriverError(200))  # CUDA_ERROR_INVALID_IMAGE
+    assert refused_image(DriverError(209))  # NO_BINARY_FOR_GPU
+    assert refused_image(RuntimeError("CUDA_ERROR_UNSUPPORTED_PTX_VERSION: ..."))
+    assert not refused_image(DriverError(2, "CUDA_ERROR_OUT_OF_MEMORY"))
+    assert not refused_image(DriverError(700, "CUDA_ERROR_ILLEGAL_ADDRESS"))
+    assert not refused_image(ValueError("something else"))
+
+
+def test_a_refused_image_is_discarded_only_while_the_entry_still_holds_it(tmp_path):
+    from nbinfer.kernels.compiled import KernelImage
+
+    store = _store(tmp_path)
+    key, meta, payload = _entry(store)
+    stale = KernelImage("_Z6kernel", b"another cubin", True, key, {}, store, meta)
+    stale.discard()  # another process replaced the entry meanwhile: kept
+    assert store.load(key, meta)[1] == payload
+    KernelImage("_Z6kernel", payload, True, key, {}, store, meta).discard()
+    assert not store.path(key).exists()

@@ -219,7 +219,10 @@ class Engine:
         after this step's allocation."""
         if not self.overlap:
             return self._complete(self._launch())
-        launched = self._launch() if self.waiting or self.running else None
+        # with nothing in flight a step is launched even when it is empty, as without overlap:
+        # the step count is the clock that requests arrive by (Engine.run)
+        launch = self.waiting or self.running or self._launched is None
+        launched = self._launch() if launch else None
         done, self._launched = self._launched, launched
         return None if done is None else self._complete(done)
 
@@ -481,7 +484,8 @@ class Engine:
             while pending and requests[pending[0]].arrival <= self.steps:
                 i = pending.pop(0)
                 rids[i] = self.add_request(requests[i])
-            if self.steps >= max_steps and (self.waiting or self.running):
+            if self.steps >= max_steps and (pending or self.waiting or self.running):
+                # (with overlap, completing the last launched step is not a step)
                 raise RuntimeError(f"not done after {max_steps} steps")
             report = self.step()
             if on_step is not None and report is not None:

@@ -122,8 +122,9 @@ class TorchRunner:
                 graph = self._graphs[size] = _DecodeGraph(self, size)
             self.graph_replays += 1
             logits = graph.step(tokens, positions, kv_indptr, kv_indices, kv_last_page_len)
-            return logits[:batch] if rows is None else logits[torch.as_tensor(rows,
-                                                                              device=self.device)]
+            if rows is None or np.array_equal(rows, np.arange(batch)):  # every row samples
+                return logits[:batch]
+            return logits[self.to_device(rows)]
         attend_step = self.attention.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                           levels)
         timing = self.timing
@@ -139,11 +140,8 @@ class TorchRunner:
                 self._events.append((start, end))
             return o
 
-        dev = self.device
-        logits = self.model.forward(self.resolve(tokens),
-                                    torch.as_tensor(np.asarray(positions), device=dev), attend,
-                                    rows=None if rows is None else torch.as_tensor(rows,
-                                                                                  device=dev))
+        logits = self.model.forward(self.resolve(tokens), self.to_device(positions), attend,
+                                    rows=None if rows is None else self.to_device(rows))
         if self._events:
             self._read_events()  # those that have finished; never waits
         return logits
@@ -161,7 +159,7 @@ class TorchRunner:
         host = torch.empty(self._sampled.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(self._sampled, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the stream the copy is on
         return host, done
 
     @staticmethod
@@ -175,10 +173,18 @@ class TorchRunner:
         """The step's token ids on the device, placeholders (``-1 - j``) replaced by row ``j``
         of the last :meth:`sample` there (no host round trip)."""
         host = np.asarray(tokens, dtype=np.int64)
-        ids = torch.as_tensor(host).to(self.device, non_blocking=False)
+        ids = self.to_device(host)
         if host.size and host.min() < 0:
             ids = torch.where(ids >= 0, ids, self._sampled[(-1 - ids).clamp_(min=0)])
         return ids
+
+    def to_device(self, array) -> torch.Tensor:
+        """A host int array on the device (int64) without waiting for the stream: staged in
+        pinned memory and copied asynchronously. (A copy from pageable memory, what
+        ``torch.as_tensor(x, device=...)`` makes, synchronises the stream: the host would wait
+        for the step before, and the engine's overlap would not overlap.)"""
+        host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).pin_memory()
+        return host.to(self.device, non_blocking=True)
 
 
 class _DecodeGraph:
@@ -236,7 +242,7 @@ class _DecodeGraph:
         self.append.plan(self.rows, pos, indices, indptr, last)
         self.tokens[:batch].copy_(runner.resolve(tokens))
         self.tokens[batch:].zero_()
-        self.positions[:batch].copy_(torch.as_tensor(np.asarray(positions)))
+        self.positions[:batch].copy_(runner.to_device(positions))
         self.positions[batch:].zero_()
         if self.graph is None:
             # warm up on a side stream (what torch asks before a capture), then capture; the

@@ -144,11 +144,11 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
                          ctx.device.compute_capability)
     try:
         kernel = _load(ctx, image, signature)
-    except Exception:
-        if not image.from_cache:
-            raise
-        # A stored cubin this driver refuses (built elsewhere: bench/prebuild_cache.py) is
-        # dropped and compiled here instead, never retried.
+    except Exception as exc:
+        if not (image.from_cache and refused_image(exc)):
+            raise  # out of memory, a context broken earlier, ...: not the entry's fault
+        # A stored cubin this driver refuses (one built elsewhere: bench/prebuild_cache.py)
+        # is dropped and the kernel compiled here instead; the fresh cubin is not retried.
         image.discard()
         image = kernel_image(kind, spec, signature, build, options, module,
                              ctx.device.compute_capability)
@@ -158,20 +158,44 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
     return kernel
 
 
+# The driver's answers to an image it cannot use (cuda.h): INVALID_IMAGE, INVALID_SOURCE,
+# NO_BINARY_FOR_GPU, INVALID_PTX, JIT_COMPILER_NOT_FOUND, UNSUPPORTED_PTX_VERSION, NOT_FOUND
+# (no such entry point in the module).
+_IMAGE_ERRORS = {200: "INVALID_IMAGE", 300: "INVALID_SOURCE", 209: "NO_BINARY_FOR_GPU",
+                 218: "INVALID_PTX", 221: "JIT_COMPILER_NOT_FOUND",
+                 222: "UNSUPPORTED_PTX_VERSION", 500: "NOT_FOUND"}
+
+
+def refused_image(exc: BaseException) -> bool:
+    """Whether a failed module load says the image itself is unusable (by its CUresult code
+    or name), as opposed to the device or context failing (out of memory, an earlier fault)."""
+    code = getattr(exc, "code", None)
+    code = getattr(code, "value", code)
+    if isinstance(code, int) and code in _IMAGE_ERRORS:
+        return True
+    text = str(exc)
+    return any(name in text for name in _IMAGE_ERRORS.values())
+
+
 class KernelImage:
     """A compiled kernel not yet loaded: its entry name and cubin, where it came from (the
     disk cache or this process's compile), its cache key (None: not cacheable) and the compile
     phases' seconds."""
 
     def __init__(self, name: str, cubin: bytes, from_cache: bool, key, timings: dict,
-                 store=None):
+                 store=None, meta=None):
         self.name, self.cubin, self.from_cache = name, cubin, from_cache
-        self.key, self.timings, self._store = key, timings, store
+        self.key, self.timings, self._store, self._meta = key, timings, store, meta
 
     def discard(self) -> None:
-        """Delete this image's cache entry (the next lookup compiles)."""
-        if self._store is not None and self.key is not None:
-            self._store.path(self.key).unlink(missing_ok=True)
+        """Delete this image's cache entry (the next lookup compiles), under the key's lock
+        and only while it still holds this cubin (another process may have replaced it)."""
+        if self._store is None or self.key is None:
+            return
+        with self._store.lock(self.key):
+            hit = self._store.load(self.key, self._meta)
+            if hit is not None and hit[1] == self.cubin:
+                self._store.path(self.key).unlink(missing_ok=True)
 
 
 def kernel_image(kind: str, spec, signature, build, options: dict, module: str,
@@ -203,7 +227,7 @@ def kernel_image(kind: str, spec, signature, build, options: dict, module: str,
     with _LOCK:  # threads of one process: one compile per key
         header, cubin, built = store.get_or_build(
             key, meta, lambda: _compile(build, signature, options, arch, timings))
-    return KernelImage(header["name"], cubin, not built, key, timings, store)
+    return KernelImage(header["name"], cubin, not built, key, timings, store, meta)
 
 
 def _compile(build, signature, options, cc, timings):
@@ -240,4 +264,5 @@ def _load(ctx, image: KernelImage, signature) -> CompiledKernel:
     return kernel
 
 
-__all__ = ["LOADED", "CompiledKernel", "KernelImage", "gpu_kernel", "kernel_image"]
+__all__ = ["LOADED", "CompiledKernel", "KernelImage", "gpu_kernel", "kernel_image",
+           "refused_image"]

@@ -38,7 +38,8 @@ def assume_device(cc: tuple[int, int] = (9, 0)) -> None:
     codegen.devices = SimpleNamespace(get_context=lambda: SimpleNamespace(device=device))
     # ... and then loads the cubin into that context (_Kernel.bind): here it only links
     dispatcher._Kernel.bind = lambda self: self._codelibrary.get_cubin()
-    nvrtc.get_arch_option = lambda *_: f"compute_{major}{minor}"
+    # the target Numba asks for: compute_90, or compute_90a for the architecture-specific one
+    nvrtc.get_arch_option = lambda mj=major, mn=minor, arch="": f"compute_{mj}{mn}{arch}"
     try:
         cuda_paths._get_nvrtc_path()
     except Exception:  # noqa: BLE001 - any failure to find NVRTC: it is not needed here
@@ -64,7 +65,8 @@ def images_only(cc: tuple[int, int] = (9, 0)):
     for compute capability ``cc`` into the disk cache (:func:`~.compiled.kernel_image`) and
     return :class:`OfflineKernel` stubs instead of loading anything: how
     ``bench/prebuild_cache.py`` fills a GPU machine's cache on a machine without one (after
-    :func:`assume_device`). The builders memoise per spec, so call each spec once per process."""
+    :func:`assume_device`). The builders memoise per spec, so the stubs outlive the block:
+    like :func:`assume_device`, for processes that never launch a kernel."""
     from . import compiled
 
     def offline(kind, spec, signature, build, options, module):
