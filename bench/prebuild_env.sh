@@ -8,7 +8,15 @@
 #   bash bench/prebuild_env.sh [/tmp/py312]
 set -euo pipefail
 venv=${1:-/tmp/py312}
-py=$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)
+# a Python 3.12: $PYTHON312, else pyenv's, else python3.12 on PATH (a pyenv shim may not run)
+py=${PYTHON312:-}
+if [ -z "$py" ]; then
+  for c in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12 "$(command -v python3.12)"; do
+    if [ -x "$c" ] && "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null
+    then py=$c; break; fi
+  done
+fi
+[ -n "$py" ] || { echo "prebuild_env.sh: no Python 3.12 found (set PYTHON312)" >&2; exit 1; }
 [ -x "$venv/bin/python" ] || "$py" -m venv "$venv"
 "$venv/bin/python" -m pip install -q --no-deps numba==0.68.0 llvmlite==0.50.0 numba-cuda==0.30.4 \
   cuda-bindings==13.3.1 cuda-core==1.2.0 cuda-pathfinder numpy==2.4.6 packaging \
