@@ -87,9 +87,6 @@ class StandInDevice:
     def fetch(handle: Future) -> list:
         return handle.result().tolist()
 
-    def argmax(self, logits):  # the engine without sample/fetch; not used here
-        return self.fetch(self.sample(logits))
-
 
 def run(device_ms: float, overlap: bool, requests, pages: int, page: int):
     runner = StandInDevice(device_ms / 1e3)

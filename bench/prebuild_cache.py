@@ -28,9 +28,9 @@ carry ptxas 13.0.88, the version of nvJitLink this environment installs.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import dataclasses
-import json
 import multiprocessing
 import os
 import sys
@@ -64,17 +64,11 @@ def _parse(text: str, i: int = 0):
         return v, i + 5 + (4 if v else 5)
     if text.startswith("NoneType:None", i):
         return None, i + 13
-    if text.startswith("str:", i):
+    if text.startswith("str:", i):  # the string's repr
         quote, j = text[i + 4], i + 5
-        out = []
         while text[j] != quote:
-            if text[j] == "\\":
-                out.append(text[j:j + 2])
-                j += 2
-            else:
-                out.append(text[j])
-                j += 1
-        return json.loads('"' + "".join(out).replace('"', '\\"') + '"'), j + 1
+            j += 2 if text[j] == "\\" else 1
+        return ast.literal_eval(text[i + 4:j + 1]), j + 1
     for opener, kind in (("tuple(", tuple), ("list(", list)):
         if text.startswith(opener, i):
             j, items = i + len(opener), []
@@ -225,11 +219,18 @@ def rebuild_spec(text: str):
         return None, f"{cls.__name__}: {exc}"
 
 
-def jobs_from(folder: Path, lean_rungs: bool) -> tuple[list, collections.Counter]:
-    """``[(kind, spec text, changes)]`` to build from the entries of ``folder`` (specs travel to
-    the worker processes as text: a variant's hooks do not pickle), and why others were
-    skipped."""
+def jobs_from(folder: Path, lean_rungs: bool, extra=()) -> tuple[list, collections.Counter]:
+    """``[(kind, spec text, changes)]`` to build from the entries of ``folder`` and the
+    ``extra`` ``(kind, spec)`` pairs, each kernel once (specs travel to the worker processes as
+    text: a variant's hooks do not pickle), and why entries were skipped."""
     out, skipped, seen = [], collections.Counter(), set()
+
+    def add(kind, spec, text, change):
+        k = (kind, cache.stable(dataclasses.replace(spec, **change)))
+        if k not in seen:
+            seen.add(k)
+            out.append((kind, text, change))
+
     for path in sorted(folder.glob("*.nbk")):
         header = cache.read_header(path.read_bytes())
         if header is None:
@@ -244,10 +245,9 @@ def jobs_from(folder: Path, lean_rungs: bool) -> tuple[list, collections.Counter
             changes += [dict(prefetch=True), dict(lazy_rescale=True),
                         dict(prefetch=True, lazy_rescale=True)]
         for change in changes:
-            k = (meta["kind"], cache.stable(dataclasses.replace(spec, **change)))
-            if k not in seen:
-                seen.add(k)
-                out.append((meta["kind"], meta["spec"], change))
+            add(meta["kind"], spec, meta["spec"], change)
+    for kind, spec in extra:
+        add(kind, spec, cache.stable(spec), {})
     return out, skipped
 
 
@@ -328,13 +328,8 @@ def main(argv=None) -> int:
         vf = Path(args.versions_from)
         check_versions(vf / "kernels" if (vf / "kernels").is_dir() else vf)
     _init(args.to)
-    jobs, skipped = jobs_from(src, args.lean_rungs)
-    if args.engine:
-        known = {(k, cache.stable(rebuild_spec(t)[0])) for k, t, _ in jobs}
-        for case in ENGINE_DECODE:
-            spec = decode_spec(*case)
-            if ("decode", cache.stable(spec)) not in known:
-                jobs.append(("decode", cache.stable(spec), {}))
+    extra = [("decode", decode_spec(*case)) for case in ENGINE_DECODE] if args.engine else []
+    jobs, skipped = jobs_from(src, args.lean_rungs, extra)
     if args.kinds:
         wanted = set(args.kinds.split(","))
         jobs = [j for j in jobs if j[0] in wanted]

@@ -92,8 +92,7 @@ class TorchRunner:
 
     @attention_seconds.setter
     def attention_seconds(self, value: float) -> None:
-        self._read_events()
-        self._events.clear()
+        self._events.clear()  # layers still queued count toward neither total
         self._attention_ms = float(value) * 1e3
 
     def _read_events(self) -> None:

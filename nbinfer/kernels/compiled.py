@@ -140,8 +140,8 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
     from numba import cuda
 
     ctx = cuda.current_context()
-    image = kernel_image(kind, spec, signature, build, options, module,
-                         ctx.device.compute_capability)
+    cc = ctx.device.compute_capability
+    image = kernel_image(kind, spec, signature, build, options, module, cc)
     try:
         kernel = _load(ctx, image, signature)
     except Exception as exc:
@@ -150,8 +150,7 @@ def gpu_kernel(kind: str, spec, signature, build, options: dict, module: str) ->
         # A stored cubin this driver refuses (one built elsewhere: bench/prebuild_cache.py)
         # is dropped and the kernel compiled here instead; the fresh cubin is not retried.
         image.discard()
-        image = kernel_image(kind, spec, signature, build, options, module,
-                             ctx.device.compute_capability)
+        image = kernel_image(kind, spec, signature, build, options, module, cc)
         kernel = _load(ctx, image, signature)
     kernel.max_registers = options.get("max_registers")
     LOADED.append((kind, spec, kernel))
