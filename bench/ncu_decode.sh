@@ -6,14 +6,10 @@
 # $OUT/ncu_decode_<n>.txt per configuration and prints the key lines of each. SOURCE=1 adds the
 # per-instruction stall sampling (SourceCounters, and $OUT/ncu_decode_<n>.ncu-rep to open in
 # Nsight Compute's source view, and its SASS page as $OUT/ncu_decode_<n>_sass.csv).
-set -uo pipefail
-OUT=${OUT:-/tmp/nbinfer-out}
-mkdir -p "$OUT"
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+ncu_start
 [ $# -gt 0 ] || set -- "float16" "float8_e4m3fn"
-command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
-status=0
 n=0
 for cfg in "$@"; do
   n=$((n + 1))
@@ -36,7 +32,6 @@ for cfg in "$@"; do
       >"$OUT/ncu_decode_${n}_sass.csv" 2>&1 || status=1
   fi
   echo "== $cfg"
-  grep -E "profiled:|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|lts__t_sector_hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occ|Eligible Warps|Active Warps Per|issue_stalled_" \
-    "$f" | awk '$NF+0 > 0.1 || !/issue_stalled/' | head -40
+  ncu_summary "$f"
 done
 exit $status

@@ -6,14 +6,10 @@
 # Each argument is a list of profile_prefill.py options. Writes $OUT/ncu_prefill_<n>.txt, the
 # report $OUT/ncu_prefill_<n>.ncu-rep and its SASS page as $OUT/ncu_prefill_<n>_sass.csv
 # (python3 bench/ncu_stalls.py reads it anywhere), and prints the key lines of each.
-set -uo pipefail
-OUT=${OUT:-/tmp/nbinfer-out}
-mkdir -p "$OUT"
-export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+ncu_start
 [ $# -gt 0 ] || set -- "--batch 16 --length 1024" "--batch 4 --length 4096"
-command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
-status=0
 n=0
 for cfg in "$@"; do
   n=$((n + 1))
@@ -31,7 +27,6 @@ for cfg in "$@"; do
     gzip -f "$OUT/ncu_prefill_${n}_sass.csv"
   fi
   echo "== $cfg"
-  grep -E "profiled:|Duration|DRAM Throughput|L2 Hit Rate|lts__t_sector_hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occ|Eligible Warps|Active Warps Per|issue_stalled_" \
-    "$f" | awk '$NF+0 > 0.1 || !/issue_stalled/' | head -40
+  ncu_summary "$f"
 done
 exit $status

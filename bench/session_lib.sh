@@ -29,3 +29,22 @@ session_end() {
   fi
   exit "$status"
 }
+
+# The set-up of the Nsight Compute scripts (bench/ncu_*.sh): OUT (created), the environment,
+# status 0; exits when ncu is not on the PATH.
+ncu_start() {
+  set -uo pipefail
+  OUT=${OUT:-/tmp/nbinfer-out}
+  mkdir -p "$OUT"
+  export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
+  export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+  command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
+  status=0
+}
+
+# The key lines of one ncu report's text ($1): duration, throughputs, L2 hits, issue rate,
+# registers, occupancy, and the stall reasons above 0.1 per issued instruction.
+ncu_summary() {
+  grep -E "profiled:|Duration|DRAM Throughput|Memory Throughput|L2 Hit Rate|lts__t_sector_hit|Issue Slots Busy|Executed Ipc A|Registers Per|Achieved Occ|Eligible Warps|Active Warps Per|issue_stalled_" \
+    "$1" | awk '$NF+0 > 0.1 || !/issue_stalled/' | head -40
+}
