@@ -257,16 +257,174 @@ ENGINE_DECODE = [(hq, hkv, 64, 16, dtype) for hq, hkv in ((4, 2), (32, 8), (14, 
                  for dtype in ("float32", "float16", "bfloat16")]
 
 
-def decode_spec(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, layout="NHD"):
+# plan() keywords that shape the variant (the rest, like sm_scale or fixed_split_size, do not
+# reach a kernel's spec)
+_VARIANT_FLAGS = ("pos_encoding_mode", "window_left", "logits_soft_cap", "rope_scale",
+                  "rope_theta")
+
+
+def _with_knobs(module, knobs: dict, ask):
+    """``ask()`` with the api module's knobs (``DECODE_MMA=True``, ``LEAN_PREFETCH=True``,
+    ...) set for the call."""
+    saved = {k: getattr(module, k) for k in knobs}
+    try:
+        for k, v in knobs.items():
+            setattr(module, k, v)
+        return ask()
+    finally:
+        for k, v in saved.items():
+            setattr(module, k, v)
+
+
+def decode_spec(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, layout="NHD", *,
+                kv_dtype=None, knobs=None, **flags):
     """The spec a GPU decode wrapper's plan() compiles for these arguments (its own rule,
-    :meth:`BatchDecodeWithPagedKVCacheWrapper._validate_statics`, asked as the GPU backend)."""
+    :meth:`BatchDecodeWithPagedKVCacheWrapper._validate_statics`, asked as the GPU backend);
+    ``flags``: plan()'s variant keywords and ``variant``."""
     from types import SimpleNamespace
 
-    from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper as W
+    from nbinfer.api import decode as D
 
     gpu = SimpleNamespace(_backend="cuda", _kv_layout=layout)
-    return W._validate_statics(gpu, num_qo_heads, num_kv_heads, head_dim, page_size, "NONE",
-                               -1, None, None, None, None, dtype, None, None, None).spec
+    f = {k: flags.get(k) for k in _VARIANT_FLAGS}
+    return _with_knobs(D, knobs or {}, lambda: D.BatchDecodeWithPagedKVCacheWrapper
+                       ._validate_statics(gpu, num_qo_heads, num_kv_heads, head_dim, page_size,
+                                          f["pos_encoding_mode"] or "NONE",
+                                          -1 if f["window_left"] is None else f["window_left"],
+                                          f["logits_soft_cap"], None, f["rope_scale"],
+                                          f["rope_theta"], dtype, kv_dtype, None,
+                                          flags.get("variant")).spec)
+
+
+def prefill_spec(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, *, causal,
+                 rows_per_request, layout="NHD", sparse=True, all_split=False, variant=None,
+                 custom_mask=False, block_positions=False, knobs=None, **flags):
+    """The spec a GPU prefill wrapper's plan() compiles (its rule,
+    :meth:`~nbinfer.api.prefill.PrefillWrapperBase._spec`, asked as the GPU backend on an
+    sm_90 device) for requests of ``rows_per_request`` query rows on average; ``sparse``: paged
+    (True) or ragged KV; ``all_split``: the one-launch cascade; ``variant`` a whole variant or
+    ``flags`` plan()'s variant keywords; ``knobs``: the api module's knobs while it decides."""
+    from types import SimpleNamespace
+
+    from nbinfer.api import prefill as P
+    from nbinfer.api.decode import attention_variant
+
+    if variant is None:
+        variant = attention_variant(num_qo_heads, flags.get("variant"), causal=causal,
+                                    **{k: flags[k] for k in _VARIANT_FLAGS if k in flags})
+    step = SimpleNamespace(head_dim=head_dim, page_size=page_size, kv_dtype=dtype,
+                           q_dtype=dtype, variant=variant, custom_mask=custom_mask,
+                           q_pos0=0 if block_positions else None,
+                           num_qo_rows=int(rows_per_request), batch_size=1)
+    gpu = SimpleNamespace(_backend="cuda", _kv_layout=layout, _sparse=sparse,
+                          _all_split=all_split)
+    return _with_knobs(P, knobs or {}, lambda: P.PrefillWrapperBase._spec(
+        gpu, step, num_qo_heads // num_kv_heads)[0])
+
+
+def append_spec(head_dim, page_size, dtype, combined=True):
+    """The append kernel's spec for whole rows of ``head_dim`` elements (rows 8-byte
+    aligned, as torch allocates them: the widest copy unit)."""
+    from nbinfer.kernels.append import AppendSpec, choose_word_bytes
+
+    row = head_dim * {"float32": 4}.get(dtype, 2)
+    word = choose_word_bytes(row, [0])
+    return AppendSpec(word, row // word, page_size, combined)
+
+
+def plan_specs() -> list:
+    """``(kind, spec)`` of the plans the next device session makes that no earlier device
+    call compiled: the engine's prefill, cascade and append steps (its three model configs,
+    head_dim 64, pages of 16, each dtype; a prefill step of whole prompts and one that mixes
+    a chunk with decoding rows), bench/prefill.py's level-by-level cascade (64 x (8192 + 256),
+    Hq 32, Hkv 8, D 128: a prefix level of 64 queries x G 4 rows, with and without the per-item
+    overlap). Prefill specs are built with their companions (``prefill_plan``)."""
+    out = []
+    for hq, hkv in ((4, 2), (32, 8), (14, 2)):
+        for dtype in ("float32", "float16", "bfloat16"):
+            for rows in (1024, 8):  # whole prompts (the lean kernel on sm_90), a mixed step
+                out.append(("prefill_plan", prefill_spec(hq, hkv, 64, 16, dtype, causal=True,
+                                                         rows_per_request=rows)))
+            if dtype != "float32":  # the one-launch cascade (tensor cores only)
+                out.append(("prefill_plan", prefill_spec(hq, hkv, 64, 16, dtype, causal=False,
+                                                         rows_per_request=1, all_split=True)))
+    for dtype in ("float32", "float16", "bfloat16"):
+        out.append(("append", append_spec(64, 16, dtype)))
+    for prefetch in (None, True):
+        out.append(("prefill_plan", prefill_spec(32, 8, 128, 16, "float16", causal=False,
+                                                 rows_per_request=64,
+                                                 knobs=dict(LEAN_PREFETCH=prefetch))))
+    return out
+
+
+def suite_matrices(name: str, *matrices: str) -> dict:
+    """The named module-level case lists of ``tests/<name>.py``, evaluated without importing
+    the test module (it needs torch and a GPU): each assignment's expression, with ``np`` and
+    ``V`` (nbinfer.variants) in scope."""
+    import numpy as np
+
+    from nbinfer import variants
+
+    path = Path(__file__).resolve().parents[1] / "tests" / f"{name}.py"
+    scope = {"np": np, "V": variants}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 \
+                and getattr(node.targets[0], "id", None) in matrices:
+            scope[node.targets[0].id] = eval(compile(ast.Expression(node.value), str(path),
+                                                     "eval"), scope)
+    return {m: scope[m] for m in matrices}
+
+
+def suite_specs() -> list:
+    """``(kind, spec)`` of the gpu tests' case lists under today's rules (decode's matrices
+    with and without ``DECODE_MMA``, the tensor-core decode, FP8 decode, the paged prefill's
+    cases): the tests themselves need a GPU, their specs do not."""
+    out = []
+    m = suite_matrices("test_gpu_decode", "MATRIX", "MMA_MATRIX", "TENSOR_CORE_MATRIX")
+    for _, _, hq, hkv, d, ps, dtype, layout, kw in m["MATRIX"]:
+        out.append(("decode", decode_spec(hq, hkv, d, ps, dtype, layout, **kw)))
+    for _, _, hq, hkv, d, ps, dtype, layout, fmt, kw in m["MMA_MATRIX"]:
+        out.append(("decode", decode_spec(hq, hkv, d, ps, dtype, layout, kv_dtype=fmt,
+                                          knobs=dict(DECODE_MMA=True), **kw)))
+    for _, _, hq, hkv, d, ps, dtype, layout, kw in m["TENSOR_CORE_MATRIX"]:
+        out.append(("prefill_plan", prefill_spec(hq, hkv, d, ps, dtype, causal=False,
+                                                 rows_per_request=1, layout=layout, **kw)))
+    for _, _, hq, hkv, d, ps, dtype, layout, fmt, kw in \
+            suite_matrices("test_gpu_fp8", "MATRIX")["MATRIX"]:
+        out.append(("decode", decode_spec(hq, hkv, d, ps, dtype, layout, kv_dtype=fmt, **kw)))
+    for qo, _, hq, hkv, d, ps, dtype, layout, kw in \
+            suite_matrices("test_gpu_prefill", "PAGED_CASES")["PAGED_CASES"]:
+        kw = dict(kw)
+        out.append(("prefill_plan", prefill_spec(
+            hq, hkv, d, ps, dtype, causal=kw.pop("causal", False),
+            rows_per_request=sum(qo) / len(qo) * (hq // hkv), layout=layout, **kw)))
+    return out
+
+
+def lean_counterparts(folder: Path) -> list:
+    """``(kind, spec)``: for every tensor-core prefill entry of ``folder`` on ``mma.sync``
+    with the default tiles, the spec the rule now gives the same problem on an sm_90 GPU when
+    its requests fill the tile (the lean kernel, where it computes the problem): the gpu
+    tests' 16-bit prefill plans ran before the rule existed."""
+    from nbinfer.kernels.prefill_mma import MmaPrefillSpec
+
+    out = []
+    for path in sorted(folder.glob("*.nbk")):
+        header = cache.read_header(path.read_bytes())
+        if header is None or header["meta"]["kind"] != "prefill_mma":
+            continue
+        spec, _ = rebuild_spec(header["meta"]["spec"])
+        if not isinstance(spec, MmaPrefillSpec) or spec.wgmma or spec.kv_split \
+                or spec.value_guard or spec.sim:
+            continue
+        lean = prefill_spec(spec.group_size, 1, spec.head_dim, spec.page_size, spec.q_dtype,
+                            causal=False, rows_per_request=10**6, layout=spec.kv_layout,
+                            sparse=spec.sparse, variant=spec.variant,
+                            custom_mask=spec.custom_mask,
+                            block_positions=spec.block_positions)
+        if getattr(lean, "lean", False):
+            out.append(("prefill_plan", lean))
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,10 +446,16 @@ def _build(job):
     try:
         spec = dataclasses.replace(rebuild_spec(text)[0], **change)
         with images_only((9, 0)):
-            kernel = _builder(kind)(spec)
+            if kind == "prefill_plan":  # the kernel and its companions, as plan() builds them
+                from nbinfer.api.prefill import _compiled
+
+                kernel, _, (before, after) = _compiled(spec)
+                cached = all(k.from_cache for k in (kernel, *before, *after))
+            else:
+                cached = _builder(kind)(spec).from_cache
     except Exception as exc:  # noqa: BLE001 - reported per spec, the others go on
         return kind, None, f"{type(exc).__name__}: {str(exc)[:200]}", time.perf_counter() - t0
-    return kind, kernel.from_cache, None, time.perf_counter() - t0
+    return kind, cached, None, time.perf_counter() - t0
 
 
 def check_versions(folder: Path) -> None:
@@ -318,6 +482,10 @@ def main(argv=None) -> int:
                     help="each lean spec also with prefetch / lazy_rescale / both")
     ap.add_argument("--engine", action="store_true",
                     help="also the decode kernels of the engine's configs (ENGINE_DECODE)")
+    ap.add_argument("--plans", action="store_true",
+                    help="also the plans no device call compiled yet (plan_specs), the gpu tests' "
+                         "case lists (suite_specs) and the lean counterparts of the folder's "
+                         "mma.sync prefill entries")
     ap.add_argument("--kinds", default=None, help="comma-separated kernel kinds (default all)")
     ap.add_argument("--dry-run", action="store_true", help="list the jobs, build nothing")
     ap.add_argument("-j", type=int, default=2, help="processes")
@@ -329,6 +497,8 @@ def main(argv=None) -> int:
         check_versions(vf / "kernels" if (vf / "kernels").is_dir() else vf)
     _init(args.to)
     extra = [("decode", decode_spec(*case)) for case in ENGINE_DECODE] if args.engine else []
+    if args.plans:
+        extra += plan_specs() + suite_specs() + lean_counterparts(src)
     jobs, skipped = jobs_from(src, args.lean_rungs, extra)
     if args.kinds:
         wanted = set(args.kinds.split(","))

@@ -153,3 +153,69 @@ def test_engine_decode_specs_are_the_decode_wrappers_own():
         (cfg,) = w._configs.values()
         assert dataclasses.replace(cfg.spec, sim=False) == prebuild.decode_spec(hq, hkv, d, ps,
                                                                                 dtype)
+
+
+def test_plan_specs_are_the_prefill_wrappers_own():
+    # prefill_spec() asks the prefill rule as the GPU backend; a simulator plan of the same
+    # problem builds the same spec but for sim=True on two warps (a mixed engine step: too few
+    # rows for the lean kernel, so the device's kind never enters), and likewise the one-launch
+    # cascade and the CUDA-core kernel of a float32 step
+    import numpy as np
+
+    from nbinfer import BatchPrefillWithPagedKVCacheWrapper, MultiLevelCascadeAttentionWrapper
+
+    ws = np.zeros(1 << 22, np.uint8)
+    ptr, idx, last = (np.array([0, 1, 2], np.int32), np.array([0, 1], np.int32),
+                      np.array([5, 9], np.int32))
+    for dtype in ("float16", "bfloat16", "float32"):
+        w = BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="sim")
+        w.plan(np.array([0, 3, 4], np.int32), ptr, idx, last, 4, 2, 64, 16, causal=True,
+               q_data_type=dtype)
+        gpu = prebuild.prefill_spec(4, 2, 64, 16, dtype, causal=True, rows_per_request=8)
+        sim = dict(sim=True) if dtype == "float32" else dict(sim=True, num_warps=2)
+        assert dataclasses.replace(gpu, **sim) == w._slot.get().spec, dtype
+    c = MultiLevelCascadeAttentionWrapper(2, ws, "NHD", backend="sim")
+    c.plan([np.array([0, 2], np.int32), np.array([0, 1, 2], np.int32)],
+           [np.array([0, 1], np.int32), ptr], [np.array([2], np.int32), idx],
+           [np.array([16], np.int32), last], 4, 2, 64, 16, q_data_type="float16")
+    assert c.one_launch
+    gpu = prebuild.prefill_spec(4, 2, 64, 16, "float16", causal=False, rows_per_request=1,
+                                all_split=True)
+    assert dataclasses.replace(gpu, sim=True, num_warps=2) == c.fused_wrapper.step_plan.spec
+
+
+def test_plan_specs_ask_the_engines_shapes_and_the_level_cascades():
+    jobs = prebuild.plan_specs()
+    heads = {(s.head_dim, s.group_size) for k, s in jobs if k == "prefill_plan"}
+    assert {(64, 2), (64, 4), (64, 7), (128, 4)} <= heads
+    assert {s.row_words for k, s in jobs if k == "append"} == {16, 32}
+
+
+def test_the_gpu_tests_case_lists_give_specs_that_come_back():
+    # suite_specs() reads the gpu tests' case lists without importing them (they need torch);
+    # every spec it derives must come back from its stable text (a worker rebuilds it so)
+    jobs = prebuild.suite_specs()
+    m = prebuild.suite_matrices("test_gpu_decode", "MATRIX", "MMA_MATRIX", "TENSOR_CORE_MATRIX")
+    assert len(jobs) >= sum(map(len, m.values()))
+    for kind, spec in jobs:
+        back, why = prebuild.rebuild_spec(stable(spec))
+        assert back is not None and stable(back) == stable(spec), (kind, why)
+    assert any(getattr(s, "mma", False) for _, s in jobs)  # DECODE_MMA's rows
+    assert {s.variant.name for _, s in jobs} >= {"soft_cap_30", "sliding_window_300", "causal"}
+
+
+def test_decode_specs_with_variant_flags_are_the_wrappers_own():
+    import numpy as np
+
+    from nbinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    for layout, ps, kw in (("NHD", 16, dict(logits_soft_cap=30.0)),
+                           ("HND", 5, dict(window_left=300)),
+                           ("NHD", 1, dict(variant=variants.attention_sink([0.5] * 8)))):
+        w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), layout,
+                                               backend="sim")
+        w.plan(np.array([0, 1], np.int32), np.array([0], np.int32), np.array([1], np.int32),
+               8, 2, 64, ps, q_data_type="float16", **kw)
+        (cfg,) = w._configs.values()
+        assert dataclasses.replace(cfg.spec, sim=False) == prebuild.decode_spec(
+            8, 2, 64, ps, "float16", layout, **kw), kw

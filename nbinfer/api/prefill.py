@@ -236,6 +236,16 @@ class PrefillWrapperBase(WrapperBase):
     def _kernel(self, step, group):
         """The kernel for the planned problem: ``(spec, compiled, threads, companions, grid
         CTAs)`` (companions as :func:`_compiled` returns them)."""
+        spec, most = self._spec(step, group)
+        kernel, threads, companions = _compiled(spec)
+        # as many CTAs per SM as are resident at once (the CUDA-core kernel's 168 registers:
+        # three), at most ``most``
+        return spec, kernel, threads, companions, kernel_ctas(self._backend, kernel, threads,
+                                                              most)
+
+    def _spec(self, step, group):
+        """``(spec, most CTAs per SM)`` of the kernel for the planned problem: the rule alone,
+        compiling nothing (``bench/prebuild_cache.py`` asks it as the GPU backend would)."""
         sim = self._backend == "sim"
         args = (step.head_dim, group, step.page_size, step.kv_dtype, step.q_dtype,
                 self._kv_layout, step.variant)
@@ -261,11 +271,7 @@ class PrefillWrapperBase(WrapperBase):
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
         else:
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM
-        kernel, threads, companions = _compiled(spec)
-        # as many CTAs per SM as are resident at once (the CUDA-core kernel's 168 registers:
-        # three), at most ``most``
-        return spec, kernel, threads, companions, kernel_ctas(self._backend, kernel, threads,
-                                                              most)
+        return spec, most
 
     def _upload(self, step, spec, kernels, threads, sched, qo_start, qo_end) -> StepPlan:
         """Lay out the plan memory for ``sched`` and copy plan, page table, query ranges

@@ -24,6 +24,7 @@ def assume_device(cc: tuple[int, int] = (9, 0)) -> None:
     os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
     import numba.cuda.codegen as codegen
     import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
     from numba.cuda import cuda_paths
     from numba.cuda.cudadrv import nvrtc
 
@@ -33,6 +34,8 @@ def assume_device(cc: tuple[int, int] = (9, 0)) -> None:
     major, minor = cc
     device = SimpleNamespace(compute_capability=(major, minor))
     dispatcher.get_current_device = lambda: device
+    # ... and so does the api's choice of a kernel (the warpgroup kernels need sm_90)
+    cuda.get_current_device = lambda: device
     # cuda.jit(signature) lowers at once and asks the current context's device for the
     # architecture of that first PTX (codegen's _ensure_cc)
     codegen.devices = SimpleNamespace(get_context=lambda: SimpleNamespace(device=device))
