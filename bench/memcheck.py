@@ -517,6 +517,32 @@ def merge_stack(ctx, rng):
     return state(out, lse, ref, dt)
 
 
+def layer_ops(ctx, rng):
+    """The layer kernels on views of one fused projection output (rows strided): q and k
+    rotated in place, the gate | up halves activated, the residual add + norm in place."""
+    dt, n, d, hq, hk, hidden = "bfloat16", 37, 64, HQ, HKV, 320
+    rot = 48  # partial rotary: the last 16 dimensions pass through
+    qkv = randn(rng, n, (hq + 2 * hk) * d, dtype=dt)
+    table = reference.layers.cos_sin_cache(1.0 / 1e4 ** (np.arange(0, rot, 2) / rot), 300)
+    pos = rng.integers(0, 300, n)
+    q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
+    ref_q, ref_k = reference.layers.apply_rope_with_cos_sin_cache(pos, q, k, d, table)
+    dev = ctx.dev(qkv, dt)
+    dq, dk = dev[:, :hq * d], dev[:, hq * d:(hq + hk) * d]
+    nbinfer.apply_rope_with_cos_sin_cache_inplace(ctx.idx(pos), dq, dk, d, ctx.f32(table),
+                                                  backend=ctx.backend)
+    gu = randn(rng, n, 2 * hidden + 24, dtype=dt)
+    act = nbinfer.silu_and_mul(ctx.dev(gu, dt)[:, :2 * hidden], backend=ctx.backend)
+    x, r = randn(rng, n, hidden, dtype=dt), randn(rng, n, hidden, dtype=dt)
+    w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    ref_n, ref_t = reference.layers.fused_add_rmsnorm(x, r, w, 1e-5)
+    dx, dr = ctx.dev(x, dt), ctx.dev(r, dt)
+    nbinfer.fused_add_rmsnorm(dx, dr, ctx.f32(w), 1e-5, backend=ctx.backend)
+    return [("q", dq, ref_q, TOL[dt]), ("k", dk, ref_k, TOL[dt]),
+            ("silu_and_mul", act, reference.layers.silu_and_mul(gu[:, :2 * hidden]), TOL[dt]),
+            ("residual", dr, ref_t, TOL[dt]), ("normed", dx, ref_n, TOL[dt])]
+
+
 # (name, kernel spec it compiles, function). Consecutive cases of one spec share its compile.
 TC = "tensor-core prefill fp16 D128 NHD page 16"
 CASES = [
@@ -588,6 +614,8 @@ CASES = [
     ("merge_state", "merge pair fp16 D128 base e", merge_pair),
     ("merge_state_in_place", "merge pair fp16 D128 base e", merge_in_place),
     ("merge_states", "merge stack fp16 D128 base 2", merge_stack),
+    ("layer_ops", "RoPE (partial, in place), SiLU-and-multiply, fused add + RMSNorm, bf16",
+     layer_ops),
 ]
 
 

@@ -173,6 +173,27 @@ class PreparedLaunch:
             raise RuntimeError(f"kernel launch failed with CUresult {err}")
 
 
+    def launch_grid(self, grid, stream: int = 0) -> None:
+        """Launch on a grid given per call (``grid`` a 3-tuple), the argument block as bound:
+        for kernels sized by their input (the layer ops' one CTA per token). The driver's
+        launch configuration is kept per (grid, stream), at most 64 of them."""
+        if self.sim:
+            self.kernel[grid, self.block, 0, self.shared](*self._args)
+            return
+        key = (self._func, grid, stream)  # twins (sharing) copy the dict: keyed by function
+        grids = self.__dict__.setdefault("_grids", {})
+        bound = grids.get(key)
+        if bound is None:
+            if len(grids) >= 64:
+                grids.clear()
+            bound = grids[key] = _driver().bind_launch(self._func, grid, self.block, stream,
+                                                       self._params, self.shared)
+        fn, args, _ = bound
+        err = fn(*args)
+        if err:
+            raise RuntimeError(f"kernel launch failed with CUresult {err}")
+
+
 def dynamic_shared(kernel) -> int:
     """Bytes of dynamic shared memory ``kernel`` is launched with (its ``dynamic_shared``
     attribute; 0 when it declares none)."""

@@ -5,7 +5,7 @@ Names and argument conventions mirror the public API (and FlashInfer's): ``singl
 one request at a time, so the code reads as the definition of each operation.
 """
 
-from . import fp8
+from . import fp8, layers
 from .attention import attention_state, finalize
 from .cascade import multi_level_cascade_attention
 from .decode import batch_decode_with_paged_kv_cache, single_decode_with_kv_cache
@@ -27,6 +27,7 @@ from .sparse import block_sparse_attention, block_sparse_dense_mask
 
 __all__ = [
     "fp8",
+    "layers",
     "append_paged_kv_cache",
     "attention_state",
     "batch_decode_with_paged_kv_cache",

@@ -1,0 +1,269 @@
+"""Kernels for the decoder layer's operations around attention: RMSNorm (alone and fused with
+the residual add), SiLU-and-multiply, and rotary embeddings from a cos/sin table
+(:mod:`nbinfer.reference.layers` defines each).
+
+Why they exist: a decode step of Llama-3.2-1B at batch 64 spent 0.81 of its 2.81 ms of GPU
+time in a few hundred small elementwise kernels (bench/NOTES.md, issue 12): torch runs
+``x + r``, the float32 casts, the norm, the two halves of RoPE and SiLU times up as separate
+kernels of 1-3 us each, every one reading and writing its whole tensor. Each kernel here does
+one of those groups in one pass: a token's row is read once and written once.
+
+All three are pure bandwidth and latency: per token, RMSNorm reads and writes ``hidden`` values
+(``2 x 2 x 2048`` B for the fused add at bf16, 16 KiB), SiLU-and-multiply reads ``2 I`` and
+writes ``I`` values (``3 x 8192 x 2`` B = 48 KiB), RoPE reads and writes ``(Hq + Hk) D``
+values and two ``R / 2`` float32 table entries. At batch 64 that is at most 3 MB a kernel, well
+under a microsecond of HBM time: what they cost is their launch and one round trip of latency,
+which is why fewer of them is the point.
+
+Layout: one CTA per token row (grid ``x``), its threads striding over the row, so every load of
+a warp is consecutive elements. Strides are run-time element counts (a row of a fused QKV
+projection's output is wider than the q or k it holds); the last dimension is contiguous. The
+norm's sum of squares is reduced in shared memory by a tree of barriers (the same code in the
+simulator, which has no shuffles).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from numba import cuda, float32, int32, int64, types
+
+from .common import FLOAT_DTYPES, STORAGE, compile_kernel
+from .primitives import device_jit, primitives
+
+LAYER_THREADS = 256
+SIM_THREADS = 32  # the simulator's CTA (every simulated thread is an OS thread)
+POS_DTYPES = ("int32", "int64")
+
+
+def _check_dtype(name: str, value: str) -> None:
+    if value not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be one of {FLOAT_DTYPES}, got {value!r}")
+
+
+class _Threads:
+    """A layer kernel's CTA size: :data:`LAYER_THREADS`, or :data:`SIM_THREADS` simulated."""
+
+    @property
+    def threads(self) -> int:
+        return SIM_THREADS if self.sim else LAYER_THREADS
+
+
+@dataclass(frozen=True)
+class NormSpec(_Threads):
+    """An RMSNorm kernel: activations' dtype, the weight's dtype (the model's, or float32),
+    and ``fused_add`` (the residual add first, FlashInfer's ``fused_add_rmsnorm``)."""
+
+    dtype: str = "float16"
+    weight_dtype: str = "float16"
+    fused_add: bool = False
+    sim: bool = False
+
+    def __post_init__(self):
+        _check_dtype("dtype", self.dtype)
+        _check_dtype("weight_dtype", self.weight_dtype)
+
+
+@dataclass(frozen=True)
+class SiluMulSpec(_Threads):
+    """A SiLU-and-multiply kernel for one dtype."""
+
+    dtype: str = "float16"
+    sim: bool = False
+
+    def __post_init__(self):
+        _check_dtype("dtype", self.dtype)
+
+
+@dataclass(frozen=True)
+class RopeSpec(_Threads):
+    """A rotary-embedding kernel: dtype, ``head_dim``, ``rotary_dim`` (the table's width, even,
+    at most ``head_dim``), ``is_neox`` (halves; else interleaved pairs), the positions' integer
+    type, and ``copy_rest``: out of place with ``rotary_dim < head_dim``, the unrotated
+    dimensions are copied to the output too."""
+
+    dtype: str = "float16"
+    head_dim: int = 128
+    rotary_dim: int = 128
+    is_neox: bool = True
+    pos_dtype: str = "int64"
+    copy_rest: bool = False
+    sim: bool = False
+
+    def __post_init__(self):
+        _check_dtype("dtype", self.dtype)
+        if self.pos_dtype not in POS_DTYPES:
+            raise ValueError(f"pos_dtype must be one of {POS_DTYPES}, got {self.pos_dtype!r}")
+        if not (self.rotary_dim > 0 and self.rotary_dim % 2 == 0
+                and self.rotary_dim <= self.head_dim):
+            raise ValueError(f"rotary_dim must be even and in 2..head_dim={self.head_dim}, got "
+                             f"{self.rotary_dim}")
+
+
+def layer_signature(spec):
+    """The kernel signature of a :class:`NormSpec`, :class:`SiluMulSpec` or
+    :class:`RopeSpec` (the builders' docstrings name the arguments)."""
+    st = types.Array(STORAGE[spec.dtype], 1, "C")
+    if isinstance(spec, NormSpec):
+        wt = types.Array(STORAGE[spec.weight_dtype], 1, "C")
+        return types.void(st, st, wt, st, int32, int64, int64, int64, float32)
+    if isinstance(spec, SiluMulSpec):
+        return types.void(st, st, int32, int64, int64)
+    pt = types.Array(types.int32 if spec.pos_dtype == "int32" else types.int64, 1, "C")
+    ft = types.Array(float32, 1, "C")
+    return types.void(st, st, st, st, pt, ft, int32, int32, int64, *([int64] * 8))
+
+
+def build_layer_kernel(spec):
+    """The compiled kernel of any of the three specs."""
+    return {NormSpec: build_rmsnorm_kernel, SiluMulSpec: build_silu_and_mul_kernel,
+            RopeSpec: build_rope_kernel}[type(spec)](spec)
+
+
+def _codec(dtype: str, sim: bool):
+    """``(load, store)``: element -> float32 and float32 -> element (bf16 as int16 bits, round
+    to nearest even)."""
+    prims = primitives(sim)
+    load = prims.convert[dtype]
+    to_bf16 = prims.from_f32_bf16
+    BF16 = dtype == "bfloat16"
+
+    def store(arr, i, x):
+        if BF16:
+            arr[i] = to_bf16(x)
+        else:
+            arr[i] = x
+
+    return load, (store if sim else device_jit(False)(store))
+
+
+@functools.cache
+def build_rmsnorm_kernel(spec: NormSpec):
+    """Compile (once per spec) the RMSNorm kernel.
+
+    Arguments: ``x, residual, weight, out`` (flat), ``hidden`` (int32), ``x_stride,
+    residual_stride, out_stride`` (int64 elements between rows), ``eps`` (float32). Grid: one
+    CTA of ``spec.threads`` per row. Plain: ``out = rmsnorm(x) * weight`` (``residual``
+    unused). ``fused_add``: ``residual = round(residual + x)`` first, then ``out =
+    rmsnorm(residual) * weight`` (``out`` may be ``x``: FlashInfer's in-place form). Sums are
+    float32; the second pass re-reads what the first wrote or read (L1 / L2 hits).
+    """
+    load, store = _codec(spec.dtype, spec.sim)
+    load_w = primitives(spec.sim).convert[spec.weight_dtype]
+    T = spec.threads
+    LEVELS = int(math.log2(T))
+    FUSED = spec.fused_add
+    ZERO = float32(0.0)
+
+    def rmsnorm(x, residual, weight, out, hidden, x_stride, residual_stride, out_stride, eps):
+        row = int64(cuda.blockIdx.x)
+        tid = cuda.threadIdx.x
+        part = cuda.shared.array(T, float32)
+        xs, rs, os_ = row * x_stride, row * residual_stride, row * out_stride
+        acc = ZERO
+        for e in range(tid, hidden, T):
+            v = load(x[xs + e])
+            if FUSED:
+                store(residual, rs + e, v + load(residual[rs + e]))
+                v = load(residual[rs + e])  # normalise the sum as stored (rounded)
+            acc += v * v
+        part[tid] = acc
+        cuda.syncthreads()
+        stride = T // 2
+        for _ in range(LEVELS):  # tree sum: log2(T) barriers, every thread takes part
+            if tid < stride:
+                part[tid] += part[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        scale = float32(1.0) / math.sqrt(part[0] / float32(hidden) + eps)
+        for e in range(tid, hidden, T):
+            v = load(residual[rs + e]) if FUSED else load(x[xs + e])
+            store(out, os_ + e, v * scale * load_w(weight[e]))
+
+    return compile_kernel("rmsnorm", spec, layer_signature(spec), lambda: rmsnorm)
+
+
+@functools.cache
+def build_silu_and_mul_kernel(spec: SiluMulSpec):
+    """Compile (once per spec) SiLU-and-multiply.
+
+    Arguments: ``x, out`` (flat), ``d`` (int32: half of x's row), ``x_stride, out_stride``
+    (int64). Grid ``(rows, ceil(d / threads))``: ``out[r, e] = silu(x[r, e]) * x[r, d + e]``,
+    in float32, rounded once.
+    """
+    load, store = _codec(spec.dtype, spec.sim)
+    T = spec.threads
+    ONE = float32(1.0)
+
+    def silu_and_mul(x, out, d, x_stride, out_stride):
+        row = int64(cuda.blockIdx.x)
+        e = cuda.blockIdx.y * T + cuda.threadIdx.x
+        if e >= d:
+            return
+        g = load(x[row * x_stride + e])
+        u = load(x[row * x_stride + d + e])
+        store(out, row * out_stride + e, g / (ONE + math.exp(-g)) * u)
+
+    return compile_kernel("silu_and_mul", spec, layer_signature(spec), lambda: silu_and_mul)
+
+
+@functools.cache
+def build_rope_kernel(spec: RopeSpec):
+    """Compile (once per spec) the rotary embedding of q and k from a cos/sin table.
+
+    Arguments: ``q, q_out, k, k_out`` (flat; ``*_out`` may be the input: in place),
+    ``positions`` (``pos_dtype``), ``table`` (float32 ``[max_position, rotary_dim]``, ``cos |
+    sin``), ``num_q_heads, num_k_heads`` (int32), ``max_position`` (int64), then int64 element
+    strides ``q_sn, q_sh, qo_sn, qo_sh, k_sn, k_sh, ko_sn, ko_sh`` (token, head). Grid: one CTA
+    per token; its threads stride over the ``(Hq + Hk) x rotary_dim / 2`` pairs. A position
+    outside the table writes NaN to the token's rows (never a read outside ``table``).
+    """
+    load, store = _codec(spec.dtype, spec.sim)
+    T = spec.threads
+    D, R = spec.head_dim, spec.rotary_dim
+    HALF = R // 2
+    NEOX = spec.is_neox
+    COPY = spec.copy_rest and R < D
+    NAN = float32(math.nan)
+
+    def rope(q, q_out, k, k_out, positions, table, num_q_heads, num_k_heads, max_position,
+             q_sn, q_sh, qo_sn, qo_sh, k_sn, k_sh, ko_sn, ko_sh):
+        tok = int64(cuda.blockIdx.x)
+        pos = int64(positions[tok])
+        bad = pos < 0 or pos >= max_position
+        row = (pos if not bad else int64(0)) * R
+        for p in range(cuda.threadIdx.x, (num_q_heads + num_k_heads) * HALF, T):
+            h = p // HALF
+            i = p - h * HALF
+            if h < num_q_heads:
+                src, dst = tok * q_sn + h * q_sh, tok * qo_sn + h * qo_sh
+                a_ = q
+                o_ = q_out
+            else:
+                h -= num_q_heads
+                src, dst = tok * k_sn + h * k_sh, tok * ko_sn + h * ko_sh
+                a_ = k
+                o_ = k_out
+            ia, ib = (i, i + HALF) if NEOX else (2 * i, 2 * i + 1)
+            a = load(a_[src + ia])
+            b = load(a_[src + ib])
+            c = table[row + i]
+            s = table[row + HALF + i]
+            if bad:
+                c = s = NAN
+            store(o_, dst + ia, a * c - b * s)
+            store(o_, dst + ib, b * c + a * s)
+        if COPY:  # the unrotated dimensions, out of place
+            REST = D - R
+            for p in range(cuda.threadIdx.x, (num_q_heads + num_k_heads) * REST, T):
+                h = p // REST
+                j = R + p - h * REST
+                if h < num_q_heads:
+                    q_out[tok * qo_sn + h * qo_sh + j] = q[tok * q_sn + h * q_sh + j]
+                else:
+                    h -= num_q_heads
+                    k_out[tok * ko_sn + h * ko_sh + j] = k[tok * k_sn + h * k_sh + j]
+
+    return compile_kernel("rope", spec, layer_signature(spec), lambda: rope)

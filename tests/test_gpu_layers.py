@@ -1,0 +1,87 @@
+"""The layer kernels (RMSNorm, fused add + RMSNorm, SiLU-and-multiply, RoPE from a cos/sin
+table) on the GPU with torch tensors at a Llama-3.2-1B decode step's shapes, against the
+float64 reference: every dtype, rows strided as views of a fused projection, in place, and
+replayed from a CUDA graph with new data (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import assert_close
+
+from nbinfer import reference
+from nbinfer.reference.layers import cos_sin_cache
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+import nbinfer  # noqa: E402
+
+N, HIDDEN, INTER, HQ, HK, D = 64, 2048, 8192, 32, 8, 64
+
+
+def _np(t):
+    return t.float().cpu().numpy().astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_layer_ops_on_torch_tensors(dtype):
+    dt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, device="cuda")).to(dt)
+
+    w32 = torch.rand(HIDDEN, generator=g, device="cuda") + 0.5
+    x, r = rand(N, HIDDEN), rand(N, HIDDEN, scale=3.0)
+    ref_n, ref_t = reference.layers.fused_add_rmsnorm(_np(x), _np(r), _np(w32), 1e-5,
+                                                      dtype=dtype)
+    nbinfer.fused_add_rmsnorm(x, r, w32, 1e-5)
+    assert np.array_equal(_np(r), ref_t)
+    assert_close(_np(x), ref_n, dtype, "fused_add_rmsnorm")
+    wide = rand(N, HIDDEN + 64)
+    out = nbinfer.rmsnorm(wide[:, 32:32 + HIDDEN], w32.to(dt), 1e-5)
+    assert_close(_np(out), reference.layers.rmsnorm(_np(wide[:, 32:32 + HIDDEN]),
+                                                    _np(w32.to(dt)), 1e-5), dtype, "rmsnorm")
+    gu = rand(N, 2 * INTER, scale=2.0)
+    assert_close(_np(nbinfer.silu_and_mul(gu)), reference.layers.silu_and_mul(_np(gu)), dtype,
+                 "silu_and_mul")
+    inv = 1.0 / 500000.0 ** (np.arange(0, D, 2) / D)
+    table = torch.as_tensor(cos_sin_cache(inv, 4096), device="cuda")
+    qkv = rand(N, (HQ + 2 * HK) * D)
+    pos = torch.randint(0, 4096, (N,), generator=g, device="cuda")
+    q, k = qkv[:, :HQ * D], qkv[:, HQ * D:(HQ + HK) * D]
+    ref_q, ref_k = reference.layers.apply_rope_with_cos_sin_cache(_np(pos), _np(q), _np(k), D,
+                                                                  table.cpu().numpy())
+    qr, kr = nbinfer.apply_rope_with_cos_sin_cache(pos, q, k, D, table)
+    assert qr.is_contiguous() and kr.is_contiguous()
+    assert_close(_np(qr), ref_q, dtype, "rope q")
+    v_before = qkv[:, (HQ + HK) * D:].clone()
+    nbinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, D, table)
+    assert torch.equal(q, qr) and torch.equal(k, kr)
+    assert torch.equal(qkv[:, (HQ + HK) * D:], v_before)
+
+
+def test_layer_ops_replay_from_a_cuda_graph():
+    dt = torch.bfloat16
+    x = torch.randn(N, HIDDEN, device="cuda").to(dt)
+    r = torch.randn(N, HIDDEN, device="cuda").to(dt)
+    w = torch.ones(HIDDEN, device="cuda")
+    gu = torch.randn(N, 2 * INTER, device="cuda").to(dt)
+    nbinfer.fused_add_rmsnorm(x.clone(), r.clone(), w, 1e-5)  # compiled before the capture
+    nbinfer.silu_and_mul(gu)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        nbinfer.fused_add_rmsnorm(x, r, w, 1e-5)
+        m = nbinfer.silu_and_mul(gu)
+    for _ in range(2):  # new data in the captured buffers, then replay
+        x.copy_(torch.randn(N, HIDDEN, device="cuda").to(dt))
+        r.copy_(torch.randn(N, HIDDEN, device="cuda").to(dt))
+        gu.copy_(torch.randn(N, 2 * INTER, device="cuda").to(dt))
+        ref_n, _ = reference.layers.fused_add_rmsnorm(_np(x), _np(r), np.ones(HIDDEN), 1e-5,
+                                                      dtype="bfloat16")
+        ref_m = reference.layers.silu_and_mul(_np(gu))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close(_np(x), ref_n, "bfloat16", "replayed norm")
+        assert_close(_np(m), ref_m, "bfloat16", "replayed silu")
