@@ -13,6 +13,8 @@ both), 64 requests of 1024-token prompts and 256 new tokens each, all arriving a
   against the engine with both off (each eager and with graphs);
 - ``overlap``: with graphs, each step launched before the previous step's tokens reach the
   host (``Engine(overlap=True)``), plain and shared;
+- ``torch ops``: the overlap rows again on the same weights with each layer's elementwise work
+  as torch operations (``TorchLlama(fused=False)``) instead of nbinfer's layer kernels;
 - one eager run with CUDA-event timing: the share of GPU time in append + attention.
 
 Every run is timed from the first token in to the last token out (``torch.cuda.synchronize``
@@ -110,7 +112,8 @@ def replay_ms(runner, reps=20):
 
 def gpu_breakdown(model, reqs, step_tokens):
     """GPU kernel time by kind over the decode steps of a short eager run (torch.profiler):
-    GEMMs, nbinfer's attention, nbinfer's append, everything else (norms, RoPE, SiLU, ...)."""
+    GEMMs, nbinfer's attention, nbinfer's append, nbinfer's layer kernels (fused norms, RoPE,
+    SiLU-and-multiply), everything else (torch's elementwise kernels, embedding, argmax)."""
     from torch.profiler import ProfilerActivity, profile
 
     short = [Request(r.prompt, 8) for r in reqs]
@@ -130,11 +133,13 @@ def gpu_breakdown(model, reqs, step_tokens):
             engine.step()
             steps += 1
         torch.cuda.synchronize()
-    kinds = {"gemm": 0.0, "attention": 0.0, "append": 0.0, "other": 0.0}
+    kinds = {"gemm": 0.0, "attention": 0.0, "append": 0.0, "layer kernels": 0.0, "other": 0.0}
     for ev in prof.key_averages():
         name, us = ev.key.lower(), ev.self_device_time_total
         if "append" in name:
             kinds["append"] += us
+        elif any(k in name for k in ("rmsnorm", "silu_and_mul", "rope")):
+            kinds["layer kernels"] += us  # nbinfer.kernels.layers (the fused model's)
         elif any(k in name for k in ("decode", "prefill", "value_scan", "attention")):
             kinds["attention"] += us
         elif any(k in name for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul")):
@@ -183,10 +188,17 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("--small", action="store_true", help="8 x 256 + 32 (a quick check)")
     ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--layer-ops", choices=("nbinfer", "torch"), default="nbinfer",
+                    help="the model's elementwise work in the main rows: nbinfer's layer "
+                         "kernels (TorchLlama's default on a GPU) or torch operations")
     a = ap.parse_args()
     cfg = named_config("llama-3.2-1b")
     n, prompt, new = (8, 256, 32) if a.small else (64, 1024, 256)
-    model = TorchLlama.random(cfg, "cuda", torch.bfloat16, seed=0)
+    model = TorchLlama.random(cfg, "cuda", torch.bfloat16, seed=0,
+                              fused=a.layer_ops == "nbinfer")
+    # the same weights with each layer's elementwise work as torch operations (the model's
+    # form before nbinfer's layer kernels): the A/B rows "..., torch ops"
+    torch_ops = TorchLlama(cfg, model.w, "cuda", torch.bfloat16, fused=False)
     rng = np.random.default_rng(0)
     plain = make_requests(rng, n, prompt, new, 0.0, cfg.vocab_size)
     shared = make_requests(rng, n, prompt, new, 0.9, cfg.vocab_size)
@@ -194,7 +206,7 @@ def main():
     warm = make_requests(rng, n, 16, 4, 0.5, cfg.vocab_size)
     results = dict(device=torch.cuda.get_device_name(), model=cfg.name, dtype="bfloat16",
                    requests=n, prompt=prompt, new_tokens=new, page_size=PAGE,
-                   step_tokens=a.step_tokens)
+                   step_tokens=a.step_tokens, layer_ops=a.layer_ops)
     # cascade=True is the engine's "auto" rule (Engine.CASCADE_RULE), which keeps a decode step
     # that a CUDA graph replays paged: under graphs the prefix+cascade row cascades only the
     # batches larger than the largest bucket (its JSON's cascade_steps says how many)
@@ -216,11 +228,18 @@ def main():
                                                   cascade=False, overlap=True),
         "shared, prefix+cascade, graphs, overlap": dict(reqs=shared, graphs=True, prefix=True,
                                                         cascade=True, overlap=True),
+        "engine graphs, overlap, torch ops": dict(reqs=plain, graphs=True, prefix=False,
+                                                  cascade=False, overlap=True, model=torch_ops),
+        "shared, both off, graphs, overlap, torch ops": dict(
+            reqs=shared, graphs=True, prefix=False, cascade=False, overlap=True,
+            model=torch_ops),
+        "shared, prefix+cascade, graphs, overlap, torch ops": dict(
+            reqs=shared, graphs=True, prefix=True, cascade=True, overlap=True, model=torch_ops),
     }
     outputs = {}
     for name, kw in runs.items():
-        reqs = kw.pop("reqs")
-        results[name], outputs[name] = engine_run(model, reqs, warm, step_tokens=a.step_tokens,
+        reqs, m = kw.pop("reqs"), kw.pop("model", model)
+        results[name], outputs[name] = engine_run(m, reqs, warm, step_tokens=a.step_tokens,
                                                   **kw)
         print(name, json.dumps(results[name]), flush=True)
     results["engine eager, timed"], _ = engine_run(model, plain, warm, graphs=False,
@@ -229,6 +248,10 @@ def main():
     results["decode step GPU ms by kernel kind (eager, profiler)"] = gpu_breakdown(
         model, plain, a.step_tokens)
     print("breakdown", results["decode step GPU ms by kernel kind (eager, profiler)"], flush=True)
+    results["decode step GPU ms by kernel kind, torch ops (eager, profiler)"] = gpu_breakdown(
+        torch_ops, plain, a.step_tokens)
+    print("breakdown, torch ops",
+          results["decode step GPU ms by kernel kind, torch ops (eager, profiler)"], flush=True)
     hf = hf_model(model, cfg)
     for cache in ("dynamic", "static"):
         hf_run(hf, warm, cache)
@@ -248,7 +271,13 @@ def main():
             "tokens_per_s"] / off,
         "prefix+cascade vs both off, graphs, overlap": results[
             "shared, prefix+cascade, graphs, overlap"]["tokens_per_s"] / results[
-            "shared, both off, graphs, overlap"]["tokens_per_s"]}
+            "shared, both off, graphs, overlap"]["tokens_per_s"],
+        "prefix+cascade vs both off, graphs, overlap, torch ops": results[
+            "shared, prefix+cascade, graphs, overlap, torch ops"]["tokens_per_s"] / results[
+            "shared, both off, graphs, overlap, torch ops"]["tokens_per_s"]}
+    results["layer kernels vs torch ops, engine graphs, overlap"] = results[
+        "engine graphs, overlap"]["tokens_per_s"] / results[
+        "engine graphs, overlap, torch ops"]["tokens_per_s"]
     # bf16 greedy decoding of random weights: near-ties part the two ways early (the fp32
     # equality of the two models is tests/test_engine_gpu.py's); informational only
     for k in (1, 16):

@@ -16,11 +16,11 @@ run() { python3 -m pytest -q -m gpu -p no:cacheprovider -s "$@"; }
 pids=()
 run tests/test_engine_gpu.py -k fp32 >"$OUT/engine_a.log" 2>&1 &
 pids+=($!)
-run tests/test_engine_gpu.py -k "bf16 or generate or hugging" >"$OUT/engine_b.log" 2>&1 &
+run tests/test_engine_gpu.py -k "bf16 or generate or hugging or fused" >"$OUT/engine_b.log" 2>&1 &
 pids+=($!)
 run tests/test_engine_gpu.py -k graph >"$OUT/engine_c.log" 2>&1 &
 pids+=($!)
-run tests/test_api_append.py tests/test_gpu_decode.py tests/test_api_state.py >"$OUT/engine_d.log" 2>&1 &
+run tests/test_api_append.py tests/test_gpu_decode.py tests/test_api_state.py tests/test_gpu_layers.py >"$OUT/engine_d.log" 2>&1 &
 pids+=($!)
 python3 bench/engine.py --small --out "$OUT/engine_small.json" >"$OUT/engine_small.log" 2>&1 &
 pids+=($!)

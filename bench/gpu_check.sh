@@ -27,7 +27,7 @@ run tests/test_gpu_prefill.py -k "not paged_prefill" >"$OUT/gpu_b2.log" 2>&1 &
 pids+=($!)
 run tests/test_gpu_scheduler.py tests/test_gpu_fp8.py >"$OUT/gpu_b3.log" 2>&1 &
 pids+=($!)
-run tests/test_gpu_trust.py >"$OUT/gpu_c.log" 2>&1 &
+run tests/test_gpu_trust.py tests/test_gpu_layers.py >"$OUT/gpu_c.log" 2>&1 &
 pids+=($!)
 run tests/test_gpu_cache.py >"$OUT/gpu_d.log" 2>&1 &  # cold by design: fresh cache folders
 pids+=($!)

@@ -161,3 +161,25 @@ def test_torch_model_equals_hugging_face_llama(weights):
     got = ours.forward(tokens, np.arange(tokens.size), sdpa_attend(cfg, ks, vs)).cpu()
     assert float((got - want).abs().max()) <= 1e-4 * float(want.abs().max())
     assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_fused_layer_kernels_equal_the_torch_operations(weights, dtype, tol):
+    # The model's default form on a GPU (nbinfer's layer kernels on one QKV and one gate-up
+    # GEMM) against its torch-operation form on the same weights: logits of a prompt equal
+    # to rounding, and in fp32 the same greedy tokens
+    from nbinfer.engine.torch_model import TorchLlama, generate_alone_sdpa, sdpa_attend
+
+    dt = getattr(torch, dtype)
+    fused = TorchLlama(CFG, weights, device="cuda", dtype=dt)
+    plain = TorchLlama(CFG, weights, device="cuda", dtype=dt, fused=False)
+    assert fused.fused and not plain.fused
+    tokens = np.random.default_rng(8).integers(0, CFG.vocab_size, size=200)
+    pos = np.arange(tokens.size)
+    got, want = (m.forward(tokens, pos, sdpa_attend(CFG, [None] * CFG.num_layers,
+                                                    [None] * CFG.num_layers))
+                 for m in (fused, plain))
+    assert float((got - want).norm() / want.norm()) <= tol
+    if dtype == "float32":
+        assert generate_alone_sdpa(fused, list(tokens[:40]), 24) == \
+            generate_alone_sdpa(plain, list(tokens[:40]), 24)

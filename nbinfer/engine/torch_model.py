@@ -28,10 +28,18 @@ class TorchLlama:
     dtype : torch.float32, torch.float16 or torch.bfloat16
         Storage and compute dtype of the weights and activations; norms, RoPE angles and the
         logits are computed in float32.
+    fused : bool, optional
+        Run each layer's elementwise work as nbinfer's layer kernels (:mod:`nbinfer.api.layers`:
+        the residual add fused into RMSNorm, RoPE from a cos/sin table, SiLU-and-multiply) on
+        one GEMM for q/k/v and one for gate/up; default on a CUDA device. Otherwise torch
+        operations, one per step of the formula (the form a CPU runs).
+    max_positions : int
+        Rows of the RoPE table the fused form reads (positions past it give NaN rows; a
+        forward whose positions come from the host grows the table instead).
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu",
-                 dtype=torch.float32):
+                 dtype=torch.float32, *, fused: bool | None = None, max_positions: int = 32768):
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float32, float16 or bfloat16, got {dtype}")
         missing = [k for k in _expected_names(cfg) if k not in weights]
@@ -46,12 +54,50 @@ class TorchLlama:
         self._norm32 = {k: v.to(torch.float32) for k, v in self.w.items()
                         if k.endswith("norm.weight")}
         self._rms_norm = getattr(torch.nn.functional, "rms_norm", None)  # torch >= 2.4
+        self.fused = self.device.type == "cuda" if fused is None else bool(fused)
+        if self.fused:
+            self._fuse_projections()
+            self._cos_sin = self._rope_table(int(max_positions))
+
+    def _fuse_projections(self) -> None:
+        """One weight for q/k/v and one for gate/up per layer (one GEMM each instead of three
+        and two); the named weights become views into them, so no memory is added."""
+        self._qkv, self._gate_up = [], []
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            fused = []
+            for names in (("q", "k", "v"), None):
+                keys = ([p + f"self_attn.{n}_proj.weight" for n in names] if names else
+                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+                bias_keys = [k[:-len("weight")] + "bias" for k in keys]
+                w = torch.cat([self.w[k] for k in keys])
+                b = torch.cat([self.w[k] for k in bias_keys]) if names and \
+                    self.cfg.attention_bias else None
+                start = 0
+                for k, kb in zip(keys, bias_keys, strict=True):
+                    rows = self.w[k].shape[0]
+                    self.w[k] = w[start:start + rows]
+                    if b is not None:
+                        self.w[kb] = b[start:start + rows]
+                    start += rows
+                fused.append((w, b))
+            self._qkv.append(fused[0])
+            self._gate_up.append(fused[1][0])
+
+    def _rope_table(self, rows: int) -> torch.Tensor:
+        """``[rows, head_dim]`` float32 ``cos | sin`` of every position's angles, computed by
+        the same float32 operations as :meth:`_angles` (so the same values)."""
+        ang = torch.arange(rows, dtype=torch.float32, device=self.device)[:, None] * \
+            self.inv_freq[None, :]
+        return torch.cat([ang.cos(), ang.sin()], dim=1).contiguous()
 
     @classmethod
-    def random(cls, cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, *, seed: int = 0):
+    def random(cls, cfg: ModelConfig, device="cuda", dtype=torch.bfloat16, *, seed: int = 0,
+               **options):
         """A model with random weights drawn on ``device`` by torch (the distribution of
         :func:`~nbinfer.engine.init_weights`, not its values): a billion weights in a fraction
-        of a second instead of NumPy's tens of seconds, for benchmarks."""
+        of a second instead of NumPy's tens of seconds, for benchmarks. ``options``: the
+        constructor's (``fused``, ``max_positions``)."""
         gen = torch.Generator(device=device).manual_seed(seed)
         weights = {}
         for name, shape in weight_shapes(cfg).items():
@@ -60,7 +106,7 @@ class TorchLlama:
             else:
                 w = torch.randn(shape, generator=gen, dtype=torch.float32, device=device)
                 weights[name] = (w / shape[-1] ** 0.5).to(dtype)
-        return cls(cfg, weights, device=device, dtype=dtype)
+        return cls(cfg, weights, device=device, dtype=dtype, **options)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [N, H, D]`` by the angles of ``positions [N]`` (two-halves layout)."""
@@ -92,8 +138,14 @@ class TorchLlama:
         ``rows`` only, when given); ``attend`` as in :meth:`NumpyLlama.forward`, with torch
         tensors."""
         cfg, w = self.cfg, self.w
+        if self.fused and not torch.is_tensor(positions):
+            top = int(np.max(positions)) + 1 if np.size(positions) else 0
+            if top > self._cos_sin.shape[0]:
+                self._cos_sin = self._rope_table(max(top, 2 * self._cos_sin.shape[0]))
         tokens = torch.as_tensor(tokens, device=self.device)
         positions = torch.as_tensor(positions, device=self.device)
+        if self.fused:
+            return self._forward_fused(tokens, positions, attend, rows)
         n, d = tokens.numel(), cfg.head_dim
         x = w["model.embed_tokens.weight"][tokens]
         cos, sin = self._angles(positions)
@@ -120,6 +172,41 @@ class TorchLlama:
         x = self._norm(x, "model.norm.weight")
         head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
         return torch.nn.functional.linear(x, head).to(torch.float32)
+
+
+    def _forward_fused(self, tokens, positions, attend, rows):
+        """:meth:`forward` with nbinfer's layer kernels: per layer two GEMMs fewer and one
+        kernel for each of the residual add + norm (twice), RoPE of q and k, and SiLU times up,
+        where the torch form launches a few dozen elementwise kernels."""
+        from ..api import layers
+
+        cfg, w = self.cfg, self.w
+        n, d, hq, hk = tokens.numel(), cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        eps = cfg.rms_norm_eps
+        linear = torch.nn.functional.linear
+        x = w["model.embed_tokens.weight"][tokens]  # a new tensor: the residual stream
+        h = layers.rmsnorm(x, self._norm32["model.layers.0.input_layernorm.weight"], eps)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w, qkv_b = self._qkv[i]
+            qkv = linear(h, qkv_w, qkv_b)  # [n, (hq + 2 hk) d]
+            q, k = layers.apply_rope_with_cos_sin_cache(
+                positions, qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d], d, self._cos_sin)
+            v = qkv[:, (hq + hk) * d:].view(n, hk, d)  # rows strided: a view, no copy
+            o = attend(i, q.view(n, hq, d), k.view(n, hk, d), v)
+            a = linear(o.reshape(n, hq * d).to(self.dtype), w[p + "self_attn.o_proj.weight"])
+            layers.fused_add_rmsnorm(a, x, self._norm32[p + "post_attention_layernorm.weight"],
+                                     eps)
+            down = linear(layers.silu_and_mul(linear(a, self._gate_up[i])),
+                          w[p + "mlp.down_proj.weight"])
+            nxt = (f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_layers
+                   else "model.norm.weight")
+            layers.fused_add_rmsnorm(down, x, self._norm32[nxt], eps)  # x += down; normed
+            h = down
+        if rows is not None:
+            h = h[torch.as_tensor(rows, device=self.device)]
+        head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+        return linear(h, head).to(torch.float32)
 
 
 def sdpa_attend(cfg: ModelConfig, ks: list, vs: list):
