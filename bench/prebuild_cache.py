@@ -177,16 +177,27 @@ def rebuild_variant(raw: str):
 def _classes():
     from nbinfer.kernels.append import AppendSpec
     from nbinfer.kernels.decode import DecodeSpec
+    from nbinfer.kernels.layers import NormSpec, RopeSpec, SiluMulSpec
     from nbinfer.kernels.prefill import PrefillSpec
     from nbinfer.kernels.prefill_mma import MmaPrefillSpec
     from nbinfer.kernels.state import StateSpec
 
     return {f"{c.__module__}.{c.__qualname__}": c
-            for c in (AppendSpec, DecodeSpec, PrefillSpec, MmaPrefillSpec, StateSpec)}
+            for c in (AppendSpec, DecodeSpec, PrefillSpec, MmaPrefillSpec, StateSpec, NormSpec,
+                      RopeSpec, SiluMulSpec)}
 
 
 def _builder(kind: str):
-    from nbinfer.kernels import append, decode, prefill, prefill_mma, split_merge, state, value_scan
+    from nbinfer.kernels import (
+        append,
+        decode,
+        layers,
+        prefill,
+        prefill_mma,
+        split_merge,
+        state,
+        value_scan,
+    )
 
     return {"decode": decode.build_decode_kernel, "prefill": prefill.build_prefill_kernel,
             "prefill_mma": prefill_mma.build_prefill_mma_kernel,
@@ -194,7 +205,8 @@ def _builder(kind: str):
             "split_merge": split_merge.build_split_merge_kernel,
             "value_scan": value_scan.build_value_scan_kernel,
             "append": append.build_append_kernel, "merge_pair": state.build_merge_pair,
-            "merge_stack": state.build_merge_stack}[kind]
+            "merge_stack": state.build_merge_stack, "rmsnorm": layers.build_layer_kernel,
+            "silu_and_mul": layers.build_layer_kernel, "rope": layers.build_layer_kernel}[kind]
 
 
 def rebuild_spec(text: str):
@@ -338,7 +350,8 @@ def plan_specs() -> list:
     head_dim 64, pages of 16, each dtype; a prefill step of whole prompts and one that mixes
     a chunk with decoding rows), bench/prefill.py's level-by-level cascade (64 x (8192 + 256),
     Hq 32, Hkv 8, D 128: a prefix level of 64 queries x G 4 rows, with and without the per-item
-    overlap). Prefill specs are built with their companions (``prefill_plan``)."""
+    overlap), and the torch model's layer kernels (:mod:`nbinfer.kernels.layers`). Prefill specs
+    are built with their companions (``prefill_plan``)."""
     out = []
     for hq, hkv in ((4, 2), (32, 8), (14, 2)):
         for dtype in ("float32", "float16", "bfloat16"):
@@ -354,6 +367,16 @@ def plan_specs() -> list:
         out.append(("prefill_plan", prefill_spec(32, 8, 128, 16, "float16", causal=False,
                                                  rows_per_request=64,
                                                  knobs=dict(LEAN_PREFETCH=prefetch))))
+    from nbinfer.kernels.layers import NormSpec, RopeSpec, SiluMulSpec
+
+    # the torch model's layer kernels (float32 norm weights; tests/test_gpu_layers.py also
+    # normalises with weights of the activations' dtype) and RoPE over head_dim 64
+    for dtype in ("float32", "float16", "bfloat16"):
+        out += [("rmsnorm", NormSpec(dtype, "float32", False)),
+                ("rmsnorm", NormSpec(dtype, "float32", True)),
+                ("rmsnorm", NormSpec(dtype, dtype, False)),
+                ("silu_and_mul", SiluMulSpec(dtype)),
+                ("rope", RopeSpec(dtype, 64, 64, True, "int64", False))]
     return out
 
 

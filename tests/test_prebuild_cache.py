@@ -20,6 +20,7 @@ from nbinfer.kernels import cache
 from nbinfer.kernels.append import AppendSpec
 from nbinfer.kernels.cache import KernelStore, kernel_key, stable
 from nbinfer.kernels.decode import DecodeSpec
+from nbinfer.kernels.layers import NormSpec, RopeSpec, SiluMulSpec
 from nbinfer.kernels.prefill import PrefillSpec
 from nbinfer.kernels.prefill_mma import MmaPrefillSpec
 from nbinfer.kernels.state import StateSpec
@@ -53,7 +54,9 @@ def _specs():
                           kv_tile=64, max_registers=128, defer_merge=True, wgmma=True,
                           lean=True)
     out += [lean, dataclasses.replace(lean, prefetch=True, lazy_rescale=True),
-            lean.on_mma_sync(kv_tile=32, max_registers=None)]
+            lean.on_mma_sync(kv_tile=32, max_registers=None),
+            NormSpec("bfloat16", "float32", True), SiluMulSpec("float16"),
+            RopeSpec("float32", 128, 64, False, "int32", True)]
     return out
 
 
@@ -78,7 +81,7 @@ def test_what_cannot_come_back_is_skipped_with_a_reason():
 
 def test_jobs_from_a_folder_add_the_lean_rungs_and_drop_repeats(tmp_path):
     store = KernelStore(tmp_path)
-    lean = _specs()[-3]
+    lean = next(s for s in _specs() if getattr(s, "lean", False))
     decode = _specs()[2]
     for i, (kind, spec) in enumerate([("prefill_wgmma", lean), ("decode", decode),
                                       ("decode", decode)]):
