@@ -197,8 +197,10 @@ def main():
     model = TorchLlama.random(cfg, "cuda", torch.bfloat16, seed=0,
                               fused=a.layer_ops == "nbinfer")
     # the same weights with each layer's elementwise work as torch operations (the model's
-    # form before nbinfer's layer kernels): the A/B rows "..., torch ops"
-    torch_ops = TorchLlama(cfg, model.w, "cuda", torch.bfloat16, fused=False)
+    # form before nbinfer's layer kernels): the A/B rows "..., torch ops" (none when the main
+    # rows run that form already)
+    torch_ops = (TorchLlama(cfg, model.w, "cuda", torch.bfloat16, fused=False)
+                 if a.layer_ops == "nbinfer" else None)
     rng = np.random.default_rng(0)
     plain = make_requests(rng, n, prompt, new, 0.0, cfg.vocab_size)
     shared = make_requests(rng, n, prompt, new, 0.9, cfg.vocab_size)
@@ -228,14 +230,18 @@ def main():
                                                   cascade=False, overlap=True),
         "shared, prefix+cascade, graphs, overlap": dict(reqs=shared, graphs=True, prefix=True,
                                                         cascade=True, overlap=True),
-        "engine graphs, overlap, torch ops": dict(reqs=plain, graphs=True, prefix=False,
-                                                  cascade=False, overlap=True, model=torch_ops),
-        "shared, both off, graphs, overlap, torch ops": dict(
-            reqs=shared, graphs=True, prefix=False, cascade=False, overlap=True,
-            model=torch_ops),
-        "shared, prefix+cascade, graphs, overlap, torch ops": dict(
-            reqs=shared, graphs=True, prefix=True, cascade=True, overlap=True, model=torch_ops),
     }
+    if torch_ops is not None:
+        runs.update({
+            "engine graphs, overlap, torch ops": dict(reqs=plain, graphs=True, prefix=False,
+                                                      cascade=False, overlap=True,
+                                                      model=torch_ops),
+            "shared, both off, graphs, overlap, torch ops": dict(
+                reqs=shared, graphs=True, prefix=False, cascade=False, overlap=True,
+                model=torch_ops),
+            "shared, prefix+cascade, graphs, overlap, torch ops": dict(
+                reqs=shared, graphs=True, prefix=True, cascade=True, overlap=True,
+                model=torch_ops)})
     outputs = {}
     for name, kw in runs.items():
         reqs, m = kw.pop("reqs"), kw.pop("model", model)
@@ -248,10 +254,10 @@ def main():
     results["decode step GPU ms by kernel kind (eager, profiler)"] = gpu_breakdown(
         model, plain, a.step_tokens)
     print("breakdown", results["decode step GPU ms by kernel kind (eager, profiler)"], flush=True)
-    results["decode step GPU ms by kernel kind, torch ops (eager, profiler)"] = gpu_breakdown(
-        torch_ops, plain, a.step_tokens)
-    print("breakdown, torch ops",
-          results["decode step GPU ms by kernel kind, torch ops (eager, profiler)"], flush=True)
+    if torch_ops is not None:
+        key = "decode step GPU ms by kernel kind, torch ops (eager, profiler)"
+        results[key] = gpu_breakdown(torch_ops, plain, a.step_tokens)
+        print("breakdown, torch ops", results[key], flush=True)
     hf = hf_model(model, cfg)
     for cache in ("dynamic", "static"):
         hf_run(hf, warm, cache)
@@ -271,13 +277,15 @@ def main():
             "tokens_per_s"] / off,
         "prefix+cascade vs both off, graphs, overlap": results[
             "shared, prefix+cascade, graphs, overlap"]["tokens_per_s"] / results[
-            "shared, both off, graphs, overlap"]["tokens_per_s"],
-        "prefix+cascade vs both off, graphs, overlap, torch ops": results[
+            "shared, both off, graphs, overlap"]["tokens_per_s"]}
+    if torch_ops is not None:
+        results["shared-prefix speedup"]["prefix+cascade vs both off, graphs, overlap, "
+                                         "torch ops"] = results[
             "shared, prefix+cascade, graphs, overlap, torch ops"]["tokens_per_s"] / results[
-            "shared, both off, graphs, overlap, torch ops"]["tokens_per_s"]}
-    results["layer kernels vs torch ops, engine graphs, overlap"] = results[
-        "engine graphs, overlap"]["tokens_per_s"] / results[
-        "engine graphs, overlap, torch ops"]["tokens_per_s"]
+            "shared, both off, graphs, overlap, torch ops"]["tokens_per_s"]
+        results["layer kernels vs torch ops, engine graphs, overlap"] = results[
+            "engine graphs, overlap"]["tokens_per_s"] / results[
+            "engine graphs, overlap, torch ops"]["tokens_per_s"]
     # bf16 greedy decoding of random weights: near-ties part the two ways early (the fp32
     # equality of the two models is tests/test_engine_gpu.py's); informational only
     for k in (1, 16):

@@ -16,7 +16,7 @@ run() { python3 -m pytest -q -m gpu -p no:cacheprovider -s "$@"; }
 pids=()
 run tests/test_engine_gpu.py -k fp32 >"$OUT/engine_a.log" 2>&1 &
 pids+=($!)
-run tests/test_engine_gpu.py -k "bf16 or generate or hugging or fused" >"$OUT/engine_b.log" 2>&1 &
+run tests/test_engine_gpu.py -k "bf16 or generate or hugging or fused or rope_table" >"$OUT/engine_b.log" 2>&1 &
 pids+=($!)
 run tests/test_engine_gpu.py -k graph >"$OUT/engine_c.log" 2>&1 &
 pids+=($!)

@@ -163,23 +163,42 @@ def test_torch_model_equals_hugging_face_llama(weights):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 2e-2)])
-def test_fused_layer_kernels_equal_the_torch_operations(weights, dtype, tol):
+@pytest.mark.parametrize("dtype, tol, bias", [("float32", 1e-5, False), ("bfloat16", 2e-2, False),
+                                             ("float32", 1e-5, True)])
+def test_fused_layer_kernels_equal_the_torch_operations(dtype, tol, bias):
     # The model's default form on a GPU (nbinfer's layer kernels on one QKV and one gate-up
     # GEMM) against its torch-operation form on the same weights: logits of a prompt equal
-    # to rounding, and in fp32 the same greedy tokens
+    # to rounding, and in fp32 the same greedy tokens; with q/k/v biases (Qwen2) too
+    from dataclasses import replace
+
     from nbinfer.engine.torch_model import TorchLlama, generate_alone_sdpa, sdpa_attend
 
+    cfg = replace(CFG, attention_bias=bias)
+    weights = init_weights(cfg, seed=9)
     dt = getattr(torch, dtype)
-    fused = TorchLlama(CFG, weights, device="cuda", dtype=dt)
-    plain = TorchLlama(CFG, weights, device="cuda", dtype=dt, fused=False)
+    fused = TorchLlama(cfg, weights, device="cuda", dtype=dt)
+    plain = TorchLlama(cfg, weights, device="cuda", dtype=dt, fused=False)
     assert fused.fused and not plain.fused
-    tokens = np.random.default_rng(8).integers(0, CFG.vocab_size, size=200)
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, size=200)
     pos = np.arange(tokens.size)
-    got, want = (m.forward(tokens, pos, sdpa_attend(CFG, [None] * CFG.num_layers,
-                                                    [None] * CFG.num_layers))
+    got, want = (m.forward(tokens, pos, sdpa_attend(cfg, [None] * cfg.num_layers,
+                                                    [None] * cfg.num_layers))
                  for m in (fused, plain))
     assert float((got - want).norm() / want.norm()) <= tol
     if dtype == "float32":
         assert generate_alone_sdpa(fused, list(tokens[:40]), 24) == \
             generate_alone_sdpa(plain, list(tokens[:40]), 24)
+
+
+def test_rope_table_grows_under_the_engine_and_graphs_are_captured_again(weights):
+    # A fused model whose RoPE table starts at 8 rows: the runner grows it from the step's
+    # host positions before each forward (device positions cannot be read there), and the
+    # decode graphs captured on an older table are captured again; tokens equal a model
+    # whose table held every position from the start
+    from nbinfer.engine.torch_model import TorchLlama
+
+    small = TorchLlama(CFG, weights, device="cuda", dtype=torch.float32, max_positions=8)
+    want = _engine(_model(weights, torch.float32), cuda_graphs=True).run(_requests(4))
+    got = _engine(small, cuda_graphs=True).run(_requests(4))
+    assert got == want
+    assert small.rope_version >= 2 and small._cos_sin.shape[0] >= 64 + 64

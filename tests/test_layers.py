@@ -93,6 +93,27 @@ def test_rmsnorm_and_fused_add(rng, backend, dtype, w_dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_read_only_strided_inputs_and_outputs_in_place(rng, backend):
+    # a read-only strided input is read as it is (the simulator through a contiguous copy,
+    # with that copy's strides); rmsnorm may write over its own input; a read-only out is
+    # refused, never silently left unwritten
+    wide = rng.standard_normal((3, 90)).astype(np.float16)
+    wide.flags.writeable = False
+    x, w = wide[:, 8:72], rng.uniform(0.5, 1.5, 64).astype(np.float16)
+    assert_close(nbinfer.rmsnorm(x, w, backend=backend), reference.layers.rmsnorm(x, w, 1e-6),
+                 "float16", "rmsnorm of a read-only slice")
+    assert_close(nbinfer.silu_and_mul(wide[:, :80], backend=backend),
+                 reference.layers.silu_and_mul(wide[:, :80]), "float16", "silu, read-only")
+    y = x.copy()
+    assert nbinfer.rmsnorm(y, w, out=y, backend=backend) is y
+    assert_close(y, reference.layers.rmsnorm(x, w, 1e-6), "float16", "rmsnorm in place")
+    ro = np.empty((3, 64), np.float16)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="out must be writeable"):
+        nbinfer.rmsnorm(x, w, out=ro, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_silu_and_mul(rng, backend, dtype):
     rows, d = 4, 40
@@ -141,15 +162,20 @@ def test_rope_out_of_place_partial_rotary(rng, backend):
 
 
 def test_rope_position_outside_the_table(rng):
-    q, k = (rng.standard_normal((2, 8)).astype(np.float32) for _ in range(2))
-    table = _table(rng, 8, max_pos=4)
+    q, k = (rng.standard_normal((2, 16)).astype(np.float32) for _ in range(2))
+    table = _table(rng, 8, max_pos=4)  # partial rotary: 8 of 16 dimensions
     with pytest.raises(ValueError, match="positions must be in 0..3"):
-        nbinfer.apply_rope_with_cos_sin_cache(np.array([1, 4]), q, k, 8, table,
+        nbinfer.apply_rope_with_cos_sin_cache(np.array([1, 4]), q, k, 16, table,
                                               backend="reference")
-    if SIMULATOR:  # the kernel cannot raise: that token's rows become NaN, the others rotate
-        qr, _ = nbinfer.apply_rope_with_cos_sin_cache(np.array([1, 4]), q, k, 8, table,
-                                                      backend="sim")
-        assert np.all(np.isnan(qr[1])) and np.all(np.isfinite(qr[0]))
+    with pytest.raises(ValueError, match="at least one row"):
+        nbinfer.apply_rope_with_cos_sin_cache(np.array([0, 0]), q, k, 16, table[:0],
+                                              backend="reference")
+    if SIMULATOR:  # the kernel cannot raise: that token's rows become NaN (the unrotated
+        # dimensions too), the others rotate
+        qr, kr = nbinfer.apply_rope_with_cos_sin_cache(np.array([1, 4]), q, k, 16, table,
+                                                       backend="sim")
+        assert np.all(np.isnan(qr[1])) and np.all(np.isnan(kr[1]))
+        assert np.all(np.isfinite(qr[0])) and np.all(np.isfinite(kr[0]))
 
 
 # --- bf16 through the kernels (NumPy has no bfloat16: int16 bits) -------------------------------

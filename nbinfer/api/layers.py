@@ -11,6 +11,8 @@ a contiguous last dimension; outputs are contiguous. Arrays of any kind nbinfer 
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from .. import reference
@@ -50,34 +52,42 @@ def _rows(name: str, x, width: int | None = None) -> tuple[int, int, int]:
     return int(x.shape[0]), int(x.shape[1]), int(st[0])
 
 
-def _views(be: str, named: dict) -> list:
-    """Each array as its kernel argument: a flat NumPy view (simulator) or ``(pointer,
-    elements)`` of device memory (GPU, which takes device arrays only)."""
-    out = []
+def _views(be: str, named: dict) -> tuple[list, list]:
+    """Each array as its kernel argument and the element strides the kernel must use with
+    it: a flat NumPy view (simulator; a read-only array is read from a contiguous copy, with
+    that copy's strides) or ``(pointer, elements)`` of device memory (GPU, which takes device
+    arrays only)."""
+    views, strides = [], []
     for name, x in named.items():
         if be == "cuda" and not arrays.on_device(x):
             raise TypeError(f"{name}: the GPU backend takes device arrays (torch, cupy or "
                             f"numba CUDA arrays), got host memory")
-        out.append(arrays.kernel_view(x, be, name)[0])
-    return out
+        view, st = arrays.kernel_view(x, be, name)
+        views.append(view)
+        strides.append(st)
+    return views, strides
 
 
 def _launch(spec, be: str, grid, views: list, scalars: tuple, stream: int) -> None:
-    launch = _LAUNCHES.get(spec)
-    if launch is None:
-        launch = _LAUNCHES[spec] = PreparedLaunch(build_layer_kernel(spec),
+    entry = _LAUNCHES.get(spec)
+    if entry is None:
+        entry = _LAUNCHES[spec] = (PreparedLaunch(build_layer_kernel(spec),
                                                   layer_signature(spec), 1, spec.threads,
-                                                  sim=be == "sim")
-    for i, v in enumerate(views):
+                                                  sim=be == "sim"), threading.Lock())
+    launch, lock = entry
+    # One argument block per spec, shared by every caller: patching it and launching must not
+    # interleave with another thread's call (the driver copies the block at launch).
+    with lock:
+        for i, v in enumerate(views):
+            if be == "sim":
+                launch.set_array(i, v)
+            else:
+                launch.set_pointer(i, *v)
+        for j, v in enumerate(scalars, len(views)):
+            launch.set_scalar(j, v)
+        launch.launch_grid(_dim3(grid), stream)
         if be == "sim":
-            launch.set_array(i, v)
-        else:
-            launch.set_pointer(i, *v)
-    for j, v in enumerate(scalars, len(views)):
-        launch.set_scalar(j, v)
-    launch.launch_grid(_dim3(grid), stream)
-    if be == "sim":
-        launch._args = [None] * len(launch._args)  # keep no caller's array alive
+            launch._args = [None] * len(launch._args)  # keep no caller's array alive
 
 
 def _empty_like(kind: str, template, shape, dtype: str, be: str):
@@ -90,6 +100,11 @@ def _empty_like(kind: str, template, shape, dtype: str, be: str):
 def _write(dst, values, dtype: str) -> None:
     """Store float64 ``values`` into the NumPy array ``dst`` (its dtype), in place."""
     dst[...] = round_to(values, dtype).astype(dst.dtype)
+
+
+def _given(**named) -> dict:
+    """The named arrays that are not None (optional outputs join the placement check)."""
+    return {k: v for k, v in named.items() if v is not None}
 
 
 def _output(out, kind: str, template, shape, dtype: str, be: str):
@@ -110,6 +125,8 @@ def _check_out(name: str, out, shape, dtype: str, kind: str) -> None:
         raise TypeError(f"{name} must be a {kind} array like the input")
     if not arrays.is_contiguous(out):
         raise ValueError(f"{name} must be contiguous")
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError(f"{name} must be writeable (the result is written there)")
 
 
 def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"):
@@ -130,17 +147,17 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"
     """
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
-    rows, hidden, x_stride = _rows("input", input)
+    rows, hidden, _ = _rows("input", input)
     w_dtype = _check_weight(weight, hidden, dtype)
-    kind = check_placement(be, input=input, weight=weight)
+    kind = check_placement(be, input=input, weight=weight, **_given(out=out))
     out = _output(out, kind, input, (rows, hidden), dtype, be)
     if be == "reference":
         _write(out, reference.layers.rmsnorm(input, weight, float(eps)), dtype)
         return out
     if rows and hidden:
         spec = NormSpec(dtype, w_dtype, False, be == "sim")
-        views = _views(be, dict(input=input, residual=input, weight=weight, out=out))
-        _launch(spec, be, rows, views, (hidden, x_stride, x_stride, hidden, float(eps)),
+        views, st = _views(be, dict(input=input, residual=input, weight=weight, out=out))
+        _launch(spec, be, rows, views, (hidden, st[0][0], st[1][0], hidden, float(eps)),
                 arrays.current_stream(input))
     return out
 
@@ -182,7 +199,7 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, *,
         return None
     if rows and hidden:
         spec = NormSpec(dtype, w_dtype, True, be == "sim")
-        views = _views(be, dict(input=input, residual=residual, weight=weight, out=input))
+        views, _ = _views(be, dict(input=input, residual=residual, weight=weight, out=input))
         _launch(spec, be, rows, views, (hidden, hidden, hidden, hidden, float(eps)),
                 arrays.current_stream(input))
     return None
@@ -215,19 +232,20 @@ def silu_and_mul(input, *, out=None, backend: str = "auto"):
     """
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
-    rows, width, x_stride = _rows("input", input)
+    rows, width, _ = _rows("input", input)
     if width % 2:
         raise ValueError(f"input's last dimension must be even (gate | up), got {width}")
     d = width // 2
-    kind = check_placement(be, input=input)
+    kind = check_placement(be, input=input, **_given(out=out))
     out = _output(out, kind, input, (rows, d), dtype, be)
     if be == "reference":
         _write(out, reference.layers.silu_and_mul(input), dtype)
         return out
     if rows and d:
         spec = SiluMulSpec(dtype, be == "sim")
-        _launch(spec, be, (rows, -(-d // spec.threads)), _views(be, dict(input=input, out=out)),
-                (d, x_stride, d), arrays.current_stream(input))
+        views, st = _views(be, dict(input=input, out=out))
+        _launch(spec, be, (rows, -(-d // spec.threads)), views, (d, st[0][0], d),
+                arrays.current_stream(input))
     return out
 
 
@@ -265,6 +283,8 @@ def _rope(positions, query, key, head_size, cos_sin_cache, is_neox, be, in_place
     if dtype_name(cos_sin_cache) != "float32":
         raise TypeError(f"cos_sin_cache must be float32, got {dtype_name(cos_sin_cache)}")
     max_pos, rot = (int(n) for n in cos_sin_cache.shape)
+    if max_pos < 1:
+        raise ValueError("cos_sin_cache must have at least one row (position 0)")
     if rot % 2 or not 0 < rot <= head_size:
         raise ValueError(f"cos_sin_cache's width (the rotary dim) must be even and in 2.."
                          f"head_size={head_size}, got {rot}")
@@ -313,8 +333,8 @@ def _rope(positions, query, key, head_size, cos_sin_cache, is_neox, be, in_place
         host(q_out)[...] = qo_c.reshape(q_out.shape)
         host(k_out)[...] = ko_c.reshape(k_out.shape)
         return q_out, k_out
-    views = _views(be, dict(query=query, q_out=q_out, key=key, k_out=k_out,
-                            positions=positions, cos_sin_cache=cos_sin_cache))
+    views, _ = _views(be, dict(query=query, q_out=q_out, key=key, k_out=k_out,
+                               positions=positions, cos_sin_cache=cos_sin_cache))
     _launch(spec, be, nq, views, (hq, hk, max_pos, q_sn, q_sh, qo_sn, qo_sh, k_sn, k_sh,
                                   ko_sn, ko_sh), arrays.current_stream(query))
     return q_out, k_out

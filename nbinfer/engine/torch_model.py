@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._checks import check_positive_int
 from .config import ModelConfig
 from .model import _expected_names, rope_frequencies, weight_shapes
 
@@ -34,8 +35,9 @@ class TorchLlama:
         one GEMM for q/k/v and one for gate/up; default on a CUDA device. Otherwise torch
         operations, one per step of the formula (the form a CPU runs).
     max_positions : int
-        Rows of the RoPE table the fused form reads (positions past it give NaN rows; a
-        forward whose positions come from the host grows the table instead).
+        Rows of the RoPE table the fused form reads at first (positions past it would give
+        NaN rows): :meth:`ensure_positions` grows it, as :meth:`forward` does for positions
+        given on the host and the engine's runner does before each step.
     """
 
     def __init__(self, cfg: ModelConfig, weights: dict, device="cpu",
@@ -55,13 +57,29 @@ class TorchLlama:
                         if k.endswith("norm.weight")}
         self._rms_norm = getattr(torch.nn.functional, "rms_norm", None)  # torch >= 2.4
         self.fused = self.device.type == "cuda" if fused is None else bool(fused)
+        self.rope_version = 0  # counts the RoPE table's reallocations (a graph reads its address)
+        self._retired: list = []  # earlier tables, kept alive: a captured graph may read one
         if self.fused:
             self._fuse_projections()
-            self._cos_sin = self._rope_table(int(max_positions))
+            self._cos_sin = self._rope_table(check_positive_int("max_positions",
+                                                                max_positions))
+
+    def ensure_positions(self, n: int) -> bool:
+        """Make the fused form's RoPE table hold positions ``0 .. n - 1`` (at least doubling
+        it when it grows); returns whether it was reallocated (``rope_version`` counts that:
+        a CUDA graph captured before reads the old table, which stays allocated, and must be
+        captured again)."""
+        if not self.fused or n <= self._cos_sin.shape[0]:
+            return False
+        self._retired.append(self._cos_sin)
+        self._cos_sin = self._rope_table(max(int(n), 2 * self._cos_sin.shape[0]))
+        self.rope_version += 1
+        return True
 
     def _fuse_projections(self) -> None:
         """One weight for q/k/v and one for gate/up per layer (one GEMM each instead of three
-        and two); the named weights become views into them, so no memory is added."""
+        and two); the named weights become views into them (the separate tensors are released
+        unless the caller still holds them)."""
         self._qkv, self._gate_up = [], []
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."
@@ -138,10 +156,11 @@ class TorchLlama:
         ``rows`` only, when given); ``attend`` as in :meth:`NumpyLlama.forward`, with torch
         tensors."""
         cfg, w = self.cfg, self.w
-        if self.fused and not torch.is_tensor(positions):
-            top = int(np.max(positions)) + 1 if np.size(positions) else 0
-            if top > self._cos_sin.shape[0]:
-                self._cos_sin = self._rope_table(max(top, 2 * self._cos_sin.shape[0]))
+        if self.fused and not (torch.is_tensor(positions) and positions.device.type != "cpu"):
+            # positions on the host: the table grows to hold them (device positions cannot be
+            # read without a wait; the engine's runner grows it from its host copy)
+            host = positions.numpy() if torch.is_tensor(positions) else np.asarray(positions)
+            self.ensure_positions(int(host.max()) + 1 if host.size else 0)
         tokens = torch.as_tensor(tokens, device=self.device)
         positions = torch.as_tensor(positions, device=self.device)
         if self.fused:

@@ -76,6 +76,7 @@ class TorchRunner:
         self.cuda_graphs = bool(cuda_graphs)
         self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
         self._graphs: dict[int, _DecodeGraph] = {}
+        self._rope_version = model.rope_version  # the RoPE table the graphs were captured on
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.graph_replays = 0
         self._attention_ms = 0.0  # with timing=True (see above)
@@ -114,6 +115,12 @@ class TorchRunner:
         """float32 logits ``[len(rows), vocab]`` (CUDA) of one step, as
         :meth:`NumpyRunner.forward`; the index arrays are host int32 arrays."""
         n, batch = len(tokens), len(qo_indptr) - 1
+        if n:
+            self.model.ensure_positions(int(np.max(positions)) + 1)
+        if self._rope_version != self.model.rope_version:
+            # the graphs read the RoPE table they were captured with: capture them again
+            self._graphs.clear()
+            self._rope_version = self.model.rope_version
         if levels is None and n == batch and self.replays_decode(batch):
             size = next(b for b in self.graph_batch_sizes if b >= batch)
             graph = self._graphs.get(size)

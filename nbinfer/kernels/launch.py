@@ -180,7 +180,8 @@ class PreparedLaunch:
         if self.sim:
             self.kernel[grid, self.block, 0, self.shared](*self._args)
             return
-        key = (self._func, grid, stream)  # twins (sharing) copy the dict: keyed by function
+        # twins (sharing, with_kernel) share this dict: keyed by function and argument block
+        key = (self._func, self._params, grid, stream)
         grids = self.__dict__.setdefault("_grids", {})
         bound = grids.get(key)
         if bound is None:

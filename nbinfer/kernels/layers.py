@@ -218,7 +218,8 @@ def build_rope_kernel(spec: RopeSpec):
     sin``), ``num_q_heads, num_k_heads`` (int32), ``max_position`` (int64), then int64 element
     strides ``q_sn, q_sh, qo_sn, qo_sh, k_sn, k_sh, ko_sn, ko_sh`` (token, head). Grid: one CTA
     per token; its threads stride over the ``(Hq + Hk) x rotary_dim / 2`` pairs. A position
-    outside the table writes NaN to the token's rows (never a read outside ``table``).
+    outside the table writes NaN to the token's rows, unrotated dimensions copied out of place
+    included (and reads nothing of ``table``).
     """
     load, store = _codec(spec.dtype, spec.sim)
     T = spec.threads
@@ -249,10 +250,10 @@ def build_rope_kernel(spec: RopeSpec):
             ia, ib = (i, i + HALF) if NEOX else (2 * i, 2 * i + 1)
             a = load(a_[src + ia])
             b = load(a_[src + ib])
-            c = table[row + i]
-            s = table[row + HALF + i]
-            if bad:
-                c = s = NAN
+            c = s = NAN  # a position outside the table: NaN, and no read of the table
+            if not bad:
+                c = table[row + i]
+                s = table[row + HALF + i]
             store(o_, dst + ia, a * c - b * s)
             store(o_, dst + ib, b * c + a * s)
         if COPY:  # the unrotated dimensions, out of place
@@ -261,9 +262,15 @@ def build_rope_kernel(spec: RopeSpec):
                 h = p // REST
                 j = R + p - h * REST
                 if h < num_q_heads:
-                    q_out[tok * qo_sn + h * qo_sh + j] = q[tok * q_sn + h * q_sh + j]
+                    if bad:
+                        store(q_out, tok * qo_sn + h * qo_sh + j, NAN)
+                    else:
+                        q_out[tok * qo_sn + h * qo_sh + j] = q[tok * q_sn + h * q_sh + j]
                 else:
                     h -= num_q_heads
-                    k_out[tok * ko_sn + h * ko_sh + j] = k[tok * k_sn + h * k_sh + j]
+                    if bad:
+                        store(k_out, tok * ko_sn + h * ko_sh + j, NAN)
+                    else:
+                        k_out[tok * ko_sn + h * ko_sh + j] = k[tok * k_sn + h * k_sh + j]
 
     return compile_kernel("rope", spec, layer_signature(spec), lambda: rope)
