@@ -18,6 +18,9 @@ What is timed (CPU wall time; nothing here waits for the GPU except where stated
   on) and torch SDPA on the same problem (contiguous KV). The GPU finishes a batch-1 step in a
   few us, faster than the host issues them, so the queue never fills and the host time is what
   is measured.
+- the layer kernels' api calls (``fused_add_rmsnorm``, ``silu_and_mul``,
+  ``apply_rope_with_cos_sin_cache``) at a Llama-3.2-1B decode step of 64 rows in bf16, beside
+  the torch operations they replace in the torch model, interleaved the same way.
 
 ``--profile`` adds cProfile listings of plan() (batch 1, 64 and 256, pinned inputs) to the output.
 The last lines are a table.
@@ -161,6 +164,44 @@ def run_costs(ws):
     return res
 
 
+def layer_costs():
+    """Host time per call of the layer kernels (nbinfer.api.layers) at a Llama-3.2-1B decode
+    step of 64 rows (bf16), beside the torch operations they replace in ``TorchLlama``'s torch
+    form, interleaved: what the fused model costs the host in an eager step."""
+    import nbinfer
+    from nbinfer.engine.torch_model import TorchLlama
+    from nbinfer.reference.layers import cos_sin_cache
+
+    n, hidden, inter, hq, hk, d = 64, 2048, 8192, 32, 8, 64
+    bf = torch.bfloat16
+    x = torch.randn(n, hidden, device="cuda").to(bf)
+    r = torch.randn(n, hidden, device="cuda").to(bf)
+    w = torch.ones(hidden, device="cuda")
+    gu = torch.randn(n, 2 * inter, device="cuda").to(bf)
+    qkv = torch.randn(n, (hq + 2 * hk) * d, device="cuda").to(bf)
+    q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
+    pos = torch.arange(1000, 1000 + n, device="cuda")
+    inv = 1.0 / 500000.0 ** (np.arange(0, d, 2) / d)
+    table = torch.as_tensor(cos_sin_cache(inv, 4096), device="cuda")
+    ang = pos[:, None].float() * torch.as_tensor(inv, dtype=torch.float32, device="cuda")[None]
+    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]
+    rms = torch.nn.functional.rms_norm
+
+    def torch_add_norm():
+        s = r + x
+        return rms(s.float(), (hidden,), w, 1e-5).to(bf)
+
+    return interleaved_us({
+        "fused_add_rmsnorm_us": lambda: nbinfer.fused_add_rmsnorm(x, r, w, 1e-5),
+        "torch_add_rmsnorm_us": torch_add_norm,
+        "silu_and_mul_us": lambda: nbinfer.silu_and_mul(gu),
+        "torch_silu_mul_us": lambda: torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:],
+        "rope_us": lambda: nbinfer.apply_rope_with_cos_sin_cache(pos, q, k, d, table),
+        "torch_rope_us": lambda: (TorchLlama._rotate(q.view(n, hq, d), cos, sin),
+                                  TorchLlama._rotate(k.view(n, hk, d), cos, sin))},
+        rounds=10, calls=100)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None)
@@ -170,9 +211,11 @@ def main():
     ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     rows, listings = plan_costs(ws, args.calls, args.profile)
     run = run_costs(ws)
+    layers = layer_costs()
     result = {"device": torch.cuda.get_device_name(), "problem": {"Hq": HQ, "Hkv": HKV, "D": D,
               "page_size": PS, "dtype": "float16", "kv_lens": "uniform in [512, 4096], seed 0"},
-              "plan": rows, "run_batch1": run, "profiles": listings}
+              "plan": rows, "run_batch1": run, "layer_ops_batch64_bf16": layers,
+              "profiles": listings}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
@@ -183,6 +226,7 @@ def main():
         print(f"{r['batch']:5d} {r['pages']:6d} {r['plan_pinned_us']:15.1f} "
               f"{r['plan_device_us']:15.1f} {r['plan_first_us']:14.1f}")
     print("run() batch 1: " + ", ".join(f"{k} {v:.1f}" for k, v in run.items()))
+    print("layer ops, batch 64: " + ", ".join(f"{k} {v:.1f}" for k, v in layers.items()))
 
 
 if __name__ == "__main__":
