@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ._progress import ProgressBar
 
-KINDS = ("decode", "prefill", "ragged", "single_decode", "append", "merge", "cascade")
+KINDS = ("decode", "prefill", "ragged", "single_decode", "append", "merge", "cascade", "layers")
 NUM_KV_HEADS = 8  # of the tiny warm-up problems; kernels depend on the group size, not on it
 
 
@@ -57,7 +57,9 @@ def tasks(head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("float16
           kv_layouts=("NHD",), options=({},), kinds=KINDS) -> list[Task]:
     """The warm-up calls of a configuration: every combination, each kind once per distinct
     kernel (decode ignores ``causal``; append and merge take no attention options; the
-    one-launch cascade, its own kernel and merge launch, takes only ``logits_soft_cap``)."""
+    one-launch cascade, its own kernel and merge launch, takes only ``logits_soft_cap``;
+    ``layers``, the torch model's layer kernels around attention, depends on the head dim and
+    dtype only)."""
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"kinds: unknown kind {kind!r}; accepted: {', '.join(KINDS)}")
@@ -76,13 +78,13 @@ def tasks(head_dims=(128,), group_sizes=(4,), page_sizes=(16,), dtypes=("float16
         opt = dict(opt)
         if kind in ("decode", "single_decode"):
             opt.pop("causal", None)
-        if kind in ("append", "merge"):
+        if kind in ("append", "merge", "layers"):
             opt, g = {}, 1
         if kind == "cascade":  # position-dependent flags are not the cascade's
             opt = {k: v for k, v in opt.items() if k == "logits_soft_cap"}
-        if kind in ("ragged", "single_decode", "merge"):
+        if kind in ("ragged", "single_decode", "merge", "layers"):
             ps = 1
-        if kind == "merge":
+        if kind in ("merge", "layers"):
             lay = "NHD"
         task = Task(kind, int(d), int(g), int(ps), str(dt), str(lay), tuple(sorted(opt.items())))
         if task not in seen:
@@ -169,6 +171,34 @@ def run_task(task: Task) -> list[dict]:
         nbinfer.merge_states(v, s)
         nbinfer.merge_state(v[:, 0].contiguous(), s[:, 0].contiguous(),
                             v[:, 1].contiguous(), s[:, 1].contiguous())
+    elif task.kind == "layers":
+        # what TorchLlama's fused form runs per layer: the residual add + RMSNorm (float32
+        # weights), RMSNorm alone, SiLU-and-multiply, RoPE of q and k from a cos/sin table
+        from nbinfer.api.arrays import resolve_backend
+        from nbinfer.reference.layers import cos_sin_cache
+
+        sim = resolve_backend("auto") == "sim"
+
+        def dev(x):  # the layer kernels take device arrays on the GPU (host ones: simulator)
+            x = np.ascontiguousarray(x)
+            if sim:
+                return x
+            if torch is not None:
+                return torch.from_numpy(x).cuda()
+            from numba import cuda
+
+            return cuda.to_device(x)
+
+        def act(*shape):
+            return arr(*shape) if torch is not None and not sim else dev(arr(*shape))
+
+        w = dev(np.ones(2 * d, np.float32))
+        nbinfer.fused_add_rmsnorm(act(3, 2 * d), act(3, 2 * d), w)
+        nbinfer.rmsnorm(act(3, 2 * d), w)
+        nbinfer.silu_and_mul(act(3, 4 * d))
+        table = dev(cos_sin_cache(1.0 / 1e4 ** (np.arange(0, d, 2) / d), 8))
+        nbinfer.apply_rope_with_cos_sin_cache(dev(np.arange(3, dtype=np.int64)), act(3, 2 * d),
+                                              act(3, d), d, table)
     else:  # pragma: no cover - tasks() validates kinds
         raise ValueError(task.kind)
     if torch is not None:

@@ -5,6 +5,7 @@ Compiling through ``nbinfer.warmup`` needs a GPU (tests/test_gpu_cache.py)."""
 from __future__ import annotations
 
 import importlib
+import os
 import subprocess
 import sys
 import textwrap
@@ -25,9 +26,10 @@ def test_tasks_cover_each_distinct_kernel_once():
     assert len(labels) == len(set(labels))
     per_kind = {k: sum(t.kind == k for t in got) for k in KINDS}
     # decode ignores causal: 2 D x 2 G; prefill and ragged take it: x 2; single decode as
-    # decode; append and merge depend on the head dim only; the cascade ignores causal.
+    # decode; append, merge and the layer kernels depend on the head dim only; the cascade
+    # ignores causal.
     assert per_kind == {"decode": 4, "prefill": 8, "ragged": 8, "single_decode": 4,
-                        "append": 2, "merge": 2, "cascade": 4}
+                        "append": 2, "merge": 2, "cascade": 4, "layers": 2}
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -100,3 +102,15 @@ def test_import_is_fast_and_loads_no_numba():
         assert out.returncode == 0, out.stderr[-1500:]
         times.append(float(out.stdout.strip().splitlines()[-1]))
     assert min(times) <= 0.3, times
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                    reason="runs the layer kernels in the simulator")
+def test_the_layers_task_runs_each_layer_kernel():
+    # the warm-up call of the torch model's layer kernels goes through the public api (in the
+    # simulator: host arrays), one row for the task
+    from nbinfer.warmup import run_task
+
+    (task,) = [t for t in tasks(head_dims=[16]) if t.kind == "layers"]
+    rows = run_task(task)
+    assert rows and rows[0]["task"] == task.label
