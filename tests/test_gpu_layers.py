@@ -85,3 +85,33 @@ def test_layer_ops_replay_from_a_cuda_graph():
         torch.cuda.synchronize()
         assert_close(_np(x), ref_n, "bfloat16", "replayed norm")
         assert_close(_np(m), ref_m, "bfloat16", "replayed silu")
+
+
+def test_fast_and_careful_paths_agree_bitwise(monkeypatch):
+    # torch CUDA tensors take api/layers_fast.py; the careful path must give the same bits
+    import nbinfer.api.layers as layers
+
+    dt = torch.bfloat16
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda").to(dt)
+
+    w = torch.rand(HIDDEN, generator=g, device="cuda") + 0.5
+    wide, gu, qkv = rand(N, HIDDEN + 64), rand(N, 2 * INTER + 8), rand(N, (HQ + 2 * HK) * D)
+    x, r = rand(N, HIDDEN), rand(N, HIDDEN)
+    inv = 1.0 / 500000.0 ** (np.arange(0, D, 2) / D)
+    table = torch.as_tensor(cos_sin_cache(inv, 4096), device="cuda")
+    pos = torch.randint(0, 4096, (N,), generator=g, device="cuda", dtype=torch.int32)
+    results = []
+    for fast in (True, False):
+        monkeypatch.setattr(layers, "FAST_PATH", fast)
+        xs, rs, qkvs = x.clone(), r.clone(), qkv.clone()
+        nbinfer.fused_add_rmsnorm(xs, rs, w, 1e-5)
+        q, k = qkvs[:, :HQ * D], qkvs[:, HQ * D:(HQ + HK) * D]
+        rot = nbinfer.apply_rope_with_cos_sin_cache(pos, q, k.view(N, HK, D), D, table)
+        nbinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, D, table)
+        results.append((xs, rs, nbinfer.rmsnorm(wide[:, 64:], w, 1e-5),
+                        nbinfer.silu_and_mul(gu[:, 8:]), *rot, qkvs))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

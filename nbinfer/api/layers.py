@@ -27,13 +27,17 @@ from ..kernels.layers import (
 )
 from ..reference.layers import round_to
 from . import arrays
+from .layers_fast import fast_fused_add_rmsnorm, fast_rmsnorm, fast_rope, fast_silu_and_mul
 from .state import check_placement
 
 __all__ = ["apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
            "fused_add_rmsnorm", "rmsnorm", "silu_and_mul"]
 
 _FLOATS = ("float16", "bfloat16", "float32")
-_LAUNCHES: dict = {}  # spec -> PreparedLaunch (its argument block patched per call)
+_LAUNCHES: dict = {}  # spec -> (PreparedLaunch, lock): its argument block patched per call
+# torch CUDA tensors take the fast path (:mod:`.layers_fast`: the same launch after a few
+# comparisons instead of the checks below); False: always the careful path
+FAST_PATH = True
 
 
 def _float_dtype(name: str, x) -> str:
@@ -145,6 +149,10 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"
     -------
     array [tokens, hidden] of the input's dtype and kind (``out`` when given)
     """
+    if FAST_PATH:
+        res = fast_rmsnorm(_launch, input, weight, eps, out, backend)
+        if res is not None:
+            return res
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
     rows, hidden, _ = _rows("input", input)
@@ -177,6 +185,8 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, *,
     eps : float
     backend : {"auto", "cuda", "sim", "reference"}, keyword-only
     """
+    if FAST_PATH and fast_fused_add_rmsnorm(_launch, input, residual, weight, eps, backend):
+        return None
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
     rows, hidden, _ = _rows("input", input)
@@ -230,6 +240,10 @@ def silu_and_mul(input, *, out=None, backend: str = "auto"):
     -------
     array [tokens, d] of the input's dtype and kind (``out`` when given)
     """
+    if FAST_PATH:
+        res = fast_silu_and_mul(_launch, input, out, backend)
+        if res is not None:
+            return res
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
     rows, width, _ = _rows("input", input)
@@ -363,6 +377,9 @@ def apply_rope_with_cos_sin_cache_inplace(positions, query, key, head_size: int,
     A position outside the table is an error in the reference; the kernels cannot raise, so
     they write NaN into that token's rows (never a read outside the table).
     """
+    if FAST_PATH and fast_rope(_launch, positions, query, key, head_size, cos_sin_cache,
+                               is_neox, True, backend) is not None:
+        return None
     _rope(positions, query, key, head_size, cos_sin_cache, is_neox,
           arrays.resolve_backend(backend), True)
 
@@ -371,5 +388,10 @@ def apply_rope_with_cos_sin_cache(positions, query, key, head_size: int, cos_sin
                                   is_neox: bool = True, *, backend: str = "auto"):
     """As :func:`apply_rope_with_cos_sin_cache_inplace`, into new contiguous arrays of the
     inputs' shapes; returns ``(query_rotated, key_rotated)``."""
+    if FAST_PATH:
+        res = fast_rope(_launch, positions, query, key, head_size, cos_sin_cache, is_neox,
+                        False, backend)
+        if res is not None:
+            return res
     return _rope(positions, query, key, head_size, cos_sin_cache, is_neox,
                  arrays.resolve_backend(backend), False)
