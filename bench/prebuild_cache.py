@@ -377,6 +377,9 @@ def plan_specs() -> list:
                 ("rmsnorm", NormSpec(dtype, dtype, False)),
                 ("silu_and_mul", SiluMulSpec(dtype)),
                 ("rope", RopeSpec(dtype, 64, 64, True, "int64", False))]
+    # the fast / careful comparison's int32 positions, memcheck's partial rotary
+    out += [("rope", RopeSpec("bfloat16", 64, 64, True, "int32", False)),
+            ("rope", RopeSpec("bfloat16", 64, 48, True, "int32", False))]
     return out
 
 

@@ -89,7 +89,24 @@ def test_layer_ops_replay_from_a_cuda_graph():
 
 def test_fast_and_careful_paths_agree_bitwise(monkeypatch):
     # torch CUDA tensors take api/layers_fast.py; the careful path must give the same bits
+    # (out=, partial rotary with its copied dimensions, int32 and int64 positions, 2-D and 3-D
+    # operands included), and the fast path must be the one that ran when it is on
     import nbinfer.api.layers as layers
+
+    taken = []
+
+    def spy(name):
+        fn = getattr(layers, name)
+
+        def call(*args):
+            res = fn(*args)
+            if res is not None and res is not False:
+                taken.append(name)
+            return res
+        return call
+
+    for name in ("fast_rmsnorm", "fast_fused_add_rmsnorm", "fast_silu_and_mul", "fast_rope"):
+        monkeypatch.setattr(layers, name, spy(name))
 
     dt = torch.bfloat16
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -103,6 +120,8 @@ def test_fast_and_careful_paths_agree_bitwise(monkeypatch):
     inv = 1.0 / 500000.0 ** (np.arange(0, D, 2) / D)
     table = torch.as_tensor(cos_sin_cache(inv, 4096), device="cuda")
     pos = torch.randint(0, 4096, (N,), generator=g, device="cuda", dtype=torch.int32)
+    # cos | sin of a rotary part of D / 2 dimensions (the first D / 4 frequencies)
+    half = torch.cat([table[:, :D // 4], table[:, D // 2:D // 2 + D // 4]], 1).contiguous()
     results = []
     for fast in (True, False):
         monkeypatch.setattr(layers, "FAST_PATH", fast)
@@ -110,8 +129,14 @@ def test_fast_and_careful_paths_agree_bitwise(monkeypatch):
         nbinfer.fused_add_rmsnorm(xs, rs, w, 1e-5)
         q, k = qkvs[:, :HQ * D], qkvs[:, HQ * D:(HQ + HK) * D]
         rot = nbinfer.apply_rope_with_cos_sin_cache(pos, q, k.view(N, HK, D), D, table)
+        part = nbinfer.apply_rope_with_cos_sin_cache(pos.long(), q.view(N, HQ, D), k, D, half,
+                                                     False)
         nbinfer.apply_rope_with_cos_sin_cache_inplace(pos, q, k, D, table)
-        results.append((xs, rs, nbinfer.rmsnorm(wide[:, 64:], w, 1e-5),
-                        nbinfer.silu_and_mul(gu[:, 8:]), *rot, qkvs))
+        normed = torch.empty(N, HIDDEN, device="cuda", dtype=dt)
+        nbinfer.rmsnorm(wide[:, 64:], w, 1e-5, out=normed)
+        results.append((xs, rs, normed, nbinfer.silu_and_mul(gu[:, 8:]), *rot, *part, qkvs))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a, b)
+    # each call once on the fast path (the first pass), none on the careful one
+    assert sorted(taken) == sorted(["fast_fused_add_rmsnorm", "fast_rope", "fast_rope",
+                                    "fast_rope", "fast_rmsnorm", "fast_silu_and_mul"])

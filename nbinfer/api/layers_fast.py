@@ -11,6 +11,8 @@ path would not; ``tests/test_gpu_layers.py`` compares the two bitwise.
 
 from __future__ import annotations
 
+import sys
+
 from ..kernels.layers import NormSpec, RopeSpec, SiluMulSpec
 from . import arrays
 
@@ -23,7 +25,10 @@ class _Torch:
     def __init__(self):
         import torch
 
-        self.torch, self.Tensor = torch, torch.Tensor
+        self.torch = torch
+        # plain tensors and parameters (weights usually are); other subclasses may override
+        # what a data pointer means: the careful path
+        self.types = (torch.Tensor, torch.nn.Parameter)
         self.floats = {torch.float16: "float16", torch.bfloat16: "bfloat16",
                        torch.float32: "float32"}
         self.ints = {torch.int32: "int32", torch.int64: "int64"}
@@ -40,30 +45,29 @@ def _torch():
     if not _TORCH:
         try:
             _TORCH.append(_Torch())
-        except ImportError:
+        except Exception:  # noqa: BLE001 - a torch that cannot load: the careful path
             _TORCH.append(None)
     return _TORCH[0]
 
 
 def _device(backend: str, *xs):
     """``(torch handles, device index)`` when every array is a plain torch CUDA tensor on one
-    device and the GPU backend would run (not the simulator); else None."""
-    if backend not in ("auto", "cuda"):
+    device and the GPU backend would run (not the simulator); else None. A torch tensor
+    cannot exist unless torch was imported, so this never imports it for other arrays."""
+    if backend not in ("auto", "cuda") or "torch" not in sys.modules or arrays._sim():
         return None
     t = _torch()
     if t is None:
         return None
     index = None
     for x in xs:
-        if type(x) is not t.Tensor or not x.is_cuda:
+        if type(x) not in t.types or not x.is_cuda:
             return None
         d = x.get_device()
         if index is None:
             index = d
         elif d != index:
             return None
-    if arrays._sim():
-        return None
     return t, index
 
 
@@ -101,8 +105,10 @@ def fast_rmsnorm(launch, input, weight, eps, out, backend):
     if dtype is None or (hidden > 1 and input.stride(1) != 1):
         return None
     w_dtype = _weight(t, weight, hidden, dtype)
+    if w_dtype is None:
+        return None
     out = _out(t, out, input, (rows, hidden))
-    if w_dtype is None or out is None:
+    if out is None:
         return None
     if rows and hidden:
         span, stride = _row_span(input), input.stride(0)
