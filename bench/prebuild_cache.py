@@ -11,14 +11,17 @@ makes that interpreter, ``--versions-from`` checks it against entries the device
 Which kernels: every entry of ``--from`` (a cache folder the device filled before; its entries
 name their spec, built again here against today's sources, with today's defaults for fields
 added since), plus ``--lean-rungs``: each lean warpgroup spec also with ``prefetch``,
-``lazy_rescale`` and both (bench/session_wgmma_lean.sh's forms), and ``--engine``: the decode
-kernels of the engine's model configs (the decode wrapper's own rule picks each spec). A spec
+``lazy_rescale`` and both (bench/session_wgmma_lean.sh's forms), ``--engine``: the decode
+kernels of the engine's model configs (the decode wrapper's own rule picks each spec), and
+``--plans``: what no device call has compiled yet (:func:`plan_specs`, :func:`suite_specs`,
+:func:`lean_counterparts`: each spec from the api's own rule asked as the GPU backend). A spec
 whose variant is not one of nbinfer's built-ins (composed by ``from_flashinfer_args`` or the
 factories) is skipped.
 
     bash bench/prebuild_env.sh  # once: /tmp/py312 with the device's versions
     PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD /tmp/py312/bin/python \\
-        bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs --engine
+        bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs --engine \\
+        --plans
 
 Checked against the H200's entries (2026-12-04): a merge kernel built here has the key of the device's
 entry and the same SASS (only Numba's per-process name suffix differs); the device's cubins
