@@ -20,7 +20,8 @@
 # 5. the check that makes all of it trustworthy: every request's tokens equal the request run
 #    alone, without pages;
 # 6. how a step can be launched before the previous step's tokens reach the host (placeholders
-#    filled where the tokens are), which keeps a GPU from waiting on the host between steps.
+#    filled where the tokens are), which keeps a GPU from waiting on the host between steps;
+# 7. what a layer does around attention, and why a GPU runs it as a few fused kernels.
 #
 # It runs on a CPU: the `tiny` model (2 layers, 4 query heads over 2 KV heads, head_dim 64) in
 # float32 NumPy with random weights, attention through nbinfer's public wrappers on the
@@ -31,6 +32,8 @@
 from nbinfer.lessons_tool import start_lesson
 
 ROOT = start_lesson()  # Numba's CUDA simulator, chosen before Numba loads; the repository root
+
+import json
 
 import numpy as np
 from matplotlib.colors import ListedColormap
@@ -334,6 +337,151 @@ print(f"read as:       {runner_ov.read[t].tolist()}")
 print(f"{len(with_placeholders)} of {len(runner_ov.launched)} forward passes held placeholders")
 assert outputs_ov == outputs == alone  # the same tokens
 assert (runner_ov.read[t] >= 0).all() and (runner_ov.launched[t] < 0).any()
+
+# %% [markdown]
+# ## 8. The layer around attention, as a GPU runs it
+#
+# Attention is one part of a layer. Around it the model adds the residual and normalises
+# (twice), rotates q and k, and multiplies SiLU of the gate by up. Written as above, one
+# operation per step of the formula, each of those steps is a separate elementwise kernel on a
+# GPU: it reads its whole tensor, writes it back, and costs a launch (1-3 us). At a decode
+# step's few rows the bytes are tiny and the count is what costs: on the H200 (the engine's
+# benchmark, Llama-3.2-1B shapes, 64 requests, `bench/results/issue12/engine_h200.json`) these
+# kernels took a large share of a decode step's GPU time (below). nbinfer's layer kernels, with
+# FlashInfer's names (`fused_add_rmsnorm`, `apply_rope_with_cos_sin_cache`, `silu_and_mul`,
+# `rmsnorm`), do each group in one pass over a token's row; with q/k/v and gate/up as one GEMM
+# each, a layer is four GEMMs and four such kernels (the torch model's form on a GPU).
+#
+# Below, the same forward pass written that way, its layer kernels run by the simulator here,
+# gives the model's logits; and the elementwise steps of the formula-per-step form are counted,
+# not listed: every NumPy ufunc call on the activations is one such kernel.
+
+
+# %%
+from nbinfer import (
+    apply_rope_with_cos_sin_cache,
+    fused_add_rmsnorm,
+    reference,
+    rmsnorm,
+    silu_and_mul,
+)
+from nbinfer.engine.model import rope_frequencies
+
+launches = []
+
+
+def counted(fn):
+    def call(*args, **kw):
+        launches.append(fn.__name__)
+        return fn(*args, **kw)
+    return call
+
+
+def mm(a, b):
+    launches.append("matmul")
+    return a @ b
+
+
+def fused_forward(m, tokens, positions, attend):
+    """``m.forward`` with nbinfer's layer kernels and one GEMM for q/k/v and one for gate/up."""
+    cfg, w, eps = m.cfg, m.w, m.cfg.rms_norm_eps
+    n, d, hq, hk = len(tokens), cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    table = reference.layers.cos_sin_cache(rope_frequencies(cfg), int(max(positions)) + 1)
+    x = w["model.embed_tokens.weight"][tokens].copy()  # the residual stream
+    h = counted(rmsnorm)(x, w["model.layers.0.input_layernorm.weight"], eps)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        qkv = mm(h, np.concatenate([w[p + f"self_attn.{k}_proj.weight"] for k in "qkv"]).T)
+        q, k = counted(apply_rope_with_cos_sin_cache)(
+            positions, qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d], d, table)
+        v = qkv[:, (hq + hk) * d:].reshape(n, hk, d)
+        o = attend(i, q.reshape(n, hq, d), k.reshape(n, hk, d), v)
+        a = np.ascontiguousarray(mm(o.reshape(n, hq * d).astype(m.dtype),
+                                    w[p + "self_attn.o_proj.weight"].T))
+        counted(fused_add_rmsnorm)(a, x, w[p + "post_attention_layernorm.weight"], eps)
+        gate_up = np.concatenate([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])
+        down = mm(counted(silu_and_mul)(mm(a, gate_up.T)), w[p + "mlp.down_proj.weight"].T)
+        nxt = (f"model.layers.{i + 1}.input_layernorm.weight" if i + 1 < cfg.num_layers
+               else "model.norm.weight")
+        counted(fused_add_rmsnorm)(down, x, w[nxt], eps)  # x += down, then down = norm(x)
+        h = down
+    head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
+    return mm(h, head.T)
+
+
+class Counting(np.ndarray):
+    """Activations that count the elementwise operations (ufuncs) and the matrix products
+    applied to them."""
+
+    ops: list = []
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kw):
+        Counting.ops.append(ufunc.__name__)  # a reduction (the norm's mean) counts as one too
+
+        def plain(x):
+            return x.view(np.ndarray) if isinstance(x, Counting) else x
+
+        if out is not None:
+            kw["out"] = tuple(plain(x) for x in out)
+        res = getattr(ufunc, method)(*(plain(x) for x in inputs), **kw)
+        return res.view(Counting) if isinstance(res, np.ndarray) else res
+
+
+def sdpa_like(layer, q, k, v):  # attention over the step's own rows (a prompt, causal)
+    return reference.single_prefill_with_kv_cache(np.asarray(q), np.asarray(k), np.asarray(v),
+                                                  causal=True)
+
+
+step_tokens = np.array(requests[0].prompt[:6])
+positions = np.arange(step_tokens.size)
+want = model.forward(step_tokens, positions, sdpa_like)
+got = fused_forward(model, step_tokens, positions, sdpa_like)
+err = float(np.abs(got - want).max() / np.abs(want).max())
+print(f"fused form against the model's logits: max error {err:.1e} of the largest logit, "
+      f"same greedy tokens: {bool((got.argmax(-1) == want.argmax(-1)).all())}")
+assert err < 1e-4 and (got.argmax(-1) == want.argmax(-1)).all()
+
+# the formula-per-step form, counted: the embedding rows as Counting, so every later
+# activation is one too (the weights stay plain arrays)
+embed = model.w["model.embed_tokens.weight"]
+model.w["model.embed_tokens.weight"] = embed.view(Counting)
+Counting.ops.clear()
+model.forward(step_tokens, positions, sdpa_like)
+model.w["model.embed_tokens.weight"] = embed
+# kernels of one forward pass (both layers and the LM head), each form counted as it ran
+per_step = {"matrix products": sum(op == "matmul" for op in Counting.ops),
+            "elementwise": sum(op != "matmul" for op in Counting.ops)}
+fused_step = {"matrix products": launches.count("matmul"),
+              "elementwise": sum(op != "matmul" for op in launches)}
+print(f"kernels per forward pass, one operation per step: {per_step}; fused: {fused_step}")
+assert per_step["elementwise"] >= 4 * fused_step["elementwise"]
+assert fused_step["matrix products"] < per_step["matrix products"]
+
+measured = json.loads((ROOT / "bench/results/issue12/engine_h200.json").read_text())[
+    "decode step GPU ms by kernel kind (eager, profiler)"]
+kinds = {"GEMMs": measured["gemm"], "attention": measured["attention"],
+         "append": measured["append"], "elementwise (torch)": measured["other"]}
+share = kinds["elementwise (torch)"] / sum(kinds.values())
+print(f"H200 decode step, GPU ms by kernel kind: "
+      f"{ {k: round(v, 2) for k, v in kinds.items()} } ({share:.0%} elementwise)")
+assert share > 0.25  # what the layer kernels are for
+
+fig2, ax2 = subplots(1, 2, figsize=(11, 3.2))
+labels = list(per_step)
+xs = np.arange(len(labels))
+ax2[0].bar(xs - 0.2, [per_step[k] for k in labels], 0.4, color="0.6",
+           label="one operation per step of the formula")
+ax2[0].bar(xs + 0.2, [fused_step[k] for k in labels], 0.4, color="C0",
+           label="fused GEMMs and layer kernels")
+ax2[0].set_xticks(xs, labels)
+ax2[0].set_ylabel(f"kernels per forward pass ({cfg.num_layers} layers)")
+ax2[0].set_title("the tiny model's forward pass, counted (attention aside)")
+ax2[0].legend(fontsize=8, loc="upper left")
+ax2[1].barh(list(kinds), list(kinds.values()), color=["C1", "C2", "C3", "0.6"])
+ax2[1].set_xlabel("GPU ms per decode step")
+ax2[1].set_title("H200, Llama-3.2-1B shapes, 64 requests, torch form (measured)")
+save_figure(fig2, "08_layer_kernels.png")
+show(fig2)
 
 # %% [markdown]
 # ## Exercises
