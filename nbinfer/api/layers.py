@@ -47,13 +47,14 @@ def _float_dtype(name: str, x) -> str:
     return got
 
 
-def _rows(name: str, x, width: int | None = None) -> tuple[int, int, int]:
-    """``(rows, width, row stride)`` of a 2-D activation whose last dimension is contiguous."""
+def _rows(name: str, x, width: int | None = None) -> tuple[int, int]:
+    """``(rows, width)`` of a 2-D activation whose last dimension is contiguous (its row
+    stride is the kernel view's: :func:`_views`)."""
     check_ndim(name, x, 2)
     if width is not None:
         check_dim(name, x, 1, width, "the expected width")
-    st = arrays.check_strided(name, x)
-    return int(x.shape[0]), int(x.shape[1]), int(st[0])
+    arrays.check_strided(name, x)
+    return int(x.shape[0]), int(x.shape[1])
 
 
 def _views(be: str, named: dict) -> tuple[list, list]:
@@ -155,7 +156,7 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"
             return res
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
-    rows, hidden, _ = _rows("input", input)
+    rows, hidden = _rows("input", input)
     w_dtype = _check_weight(weight, hidden, dtype)
     kind = check_placement(be, input=input, weight=weight, **_given(out=out))
     out = _output(out, kind, input, (rows, hidden), dtype, be)
@@ -189,7 +190,7 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, *,
         return None
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
-    rows, hidden, _ = _rows("input", input)
+    rows, hidden = _rows("input", input)
     _rows("residual", residual, hidden)
     check_dim("residual", residual, 0, rows, "tokens of input")
     if _float_dtype("residual", residual) != dtype:
@@ -246,7 +247,7 @@ def silu_and_mul(input, *, out=None, backend: str = "auto"):
             return res
     be = arrays.resolve_backend(backend)
     dtype = _float_dtype("input", input)
-    rows, width, _ = _rows("input", input)
+    rows, width = _rows("input", input)
     if width % 2:
         raise ValueError(f"input's last dimension must be even (gate | up), got {width}")
     d = width // 2
