@@ -437,7 +437,7 @@ def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):
     npdt = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
     if backend == "sim" or kind == "numpy":
         host = np.empty(shape, dtype=npdt)
-        if backend == "sim":
+        if backend in ("sim", "reference"):  # host memory is what runs there
             return host, host.reshape(-1)
         dev = cuda.device_array(int(np.prod(shape)), dtype=npdt)
         return host, dev

@@ -28,7 +28,7 @@ from ..kernels.layers import (
 from ..reference.layers import round_to
 from . import arrays
 from .layers_fast import fast_fused_add_rmsnorm, fast_rmsnorm, fast_rope, fast_silu_and_mul
-from .state import check_placement
+from .state import check_placement, check_writable
 
 __all__ = ["apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inplace",
            "fused_add_rmsnorm", "rmsnorm", "silu_and_mul"]
@@ -95,13 +95,6 @@ def _launch(spec, be: str, grid, views: list, scalars: tuple, stream: int) -> No
             launch._args = [None] * len(launch._args)  # keep no caller's array alive
 
 
-def _empty_like(kind: str, template, shape, dtype: str, be: str):
-    if be == "reference":  # NumPy in, NumPy out (no device array behind it)
-        return np.empty(shape, dtype=dtype)
-    user, _ = arrays.empty_like_kind(kind, template, shape, dtype, be)
-    return user
-
-
 def _write(dst, values, dtype: str) -> None:
     """Store float64 ``values`` into the NumPy array ``dst`` (its dtype), in place."""
     dst[...] = round_to(values, dtype).astype(dst.dtype)
@@ -115,7 +108,7 @@ def _given(**named) -> dict:
 def _output(out, kind: str, template, shape, dtype: str, be: str):
     """``out`` checked against the result's shape, dtype and kind, or a new array."""
     if out is None:
-        return _empty_like(kind, template, shape, dtype, be)
+        return arrays.empty_like_kind(kind, template, shape, dtype, be)[0]
     _check_out("out", out, shape, dtype, kind)
     return out
 
@@ -128,10 +121,7 @@ def _check_out(name: str, out, shape, dtype: str, kind: str) -> None:
         raise TypeError(f"{name} must have dtype {dtype}, got {dtype_name(out)}")
     if arrays.array_kind(out) != kind:
         raise TypeError(f"{name} must be a {kind} array like the input")
-    if not arrays.is_contiguous(out):
-        raise ValueError(f"{name} must be contiguous")
-    if isinstance(out, np.ndarray) and not out.flags.writeable:
-        raise ValueError(f"{name} must be writeable (the result is written there)")
+    check_writable(name, out)
 
 
 def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"):
@@ -197,11 +187,8 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, *,
         raise TypeError(f"residual must have input's dtype {dtype}, got {dtype_name(residual)}")
     w_dtype = _check_weight(weight, hidden, dtype)
     check_placement(be, input=input, residual=residual, weight=weight)
-    for name, x in (("input", input), ("residual", residual)):
-        if not arrays.is_contiguous(x):
-            raise ValueError(f"{name} must be contiguous (it is updated in place)")
-        if isinstance(x, np.ndarray) and not x.flags.writeable:
-            raise ValueError(f"{name} must be writeable (it is updated in place)")
+    check_writable("input", input)
+    check_writable("residual", residual)
     if be == "reference":
         normed, total = reference.layers.fused_add_rmsnorm(input, residual, weight, float(eps),
                                                            dtype=dtype)
@@ -313,8 +300,8 @@ def _rope(positions, query, key, head_size, cos_sin_cache, is_neox, be, in_place
             if isinstance(x, np.ndarray) and not x.flags.writeable:
                 raise ValueError(f"{name} must be writeable (it is rotated in place)")
     else:
-        q_out = _empty_like(kind, query, tuple(query.shape), dtype, be)
-        k_out = _empty_like(kind, key, tuple(key.shape), dtype, be)
+        q_out = arrays.empty_like_kind(kind, query, tuple(query.shape), dtype, be)[0]
+        k_out = arrays.empty_like_kind(kind, key, tuple(key.shape), dtype, be)[0]
     if be == "reference":
         pos = np.asarray(positions)
         if pos.size and (pos.min() < 0 or pos.max() >= max_pos):
