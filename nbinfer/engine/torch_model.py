@@ -83,24 +83,22 @@ class TorchLlama:
         self._qkv, self._gate_up = [], []
         for i in range(self.cfg.num_layers):
             p = f"model.layers.{i}."
-            fused = []
-            for names in (("q", "k", "v"), None):
-                keys = ([p + f"self_attn.{n}_proj.weight" for n in names] if names else
-                        [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
-                bias_keys = [k[:-len("weight")] + "bias" for k in keys]
-                w = torch.cat([self.w[k] for k in keys])
-                b = torch.cat([self.w[k] for k in bias_keys]) if names and \
-                    self.cfg.attention_bias else None
-                start = 0
-                for k, kb in zip(keys, bias_keys, strict=True):
-                    rows = self.w[k].shape[0]
-                    self.w[k] = w[start:start + rows]
-                    if b is not None:
-                        self.w[kb] = b[start:start + rows]
-                    start += rows
-                fused.append((w, b))
-            self._qkv.append(fused[0])
-            self._gate_up.append(fused[1][0])
+            qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+            bias = [k[:-len("weight")] + "bias" for k in qkv] if self.cfg.attention_bias else None
+            self._qkv.append((self._concat(qkv), self._concat(bias) if bias else None))
+            self._gate_up.append(self._concat([p + "mlp.gate_proj.weight",
+                                               p + "mlp.up_proj.weight"]))
+
+    def _concat(self, keys: list) -> torch.Tensor:
+        """The tensors named ``keys`` stacked along their first axis, each name rebound to its
+        rows of the result."""
+        whole = torch.cat([self.w[k] for k in keys])
+        start = 0
+        for k in keys:
+            rows = self.w[k].shape[0]
+            self.w[k] = whole[start:start + rows]
+            start += rows
+        return whole
 
     def _rope_table(self, rows: int) -> torch.Tensor:
         """``[rows, head_dim]`` float32 ``cos | sin`` of every position's angles, computed by
@@ -191,7 +189,6 @@ class TorchLlama:
         x = self._norm(x, "model.norm.weight")
         head = w["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]
         return torch.nn.functional.linear(x, head).to(torch.float32)
-
 
     def _forward_fused(self, tokens, positions, attend, rows):
         """:meth:`forward` with nbinfer's layer kernels: per layer two GEMMs fewer and one

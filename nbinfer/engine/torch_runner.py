@@ -115,7 +115,7 @@ class TorchRunner:
         """float32 logits ``[len(rows), vocab]`` (CUDA) of one step, as
         :meth:`NumpyRunner.forward`; the index arrays are host int32 arrays."""
         n, batch = len(tokens), len(qo_indptr) - 1
-        if n:
+        if n and self.model.fused:  # (only the fused form reads a RoPE table)
             self.model.ensure_positions(int(np.max(positions)) + 1)
         if self._rope_version != self.model.rope_version:
             # the graphs read the RoPE table they were captured with: capture them again

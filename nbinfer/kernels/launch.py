@@ -172,7 +172,6 @@ class PreparedLaunch:
         if err:
             raise RuntimeError(f"kernel launch failed with CUresult {err}")
 
-
     def launch_grid(self, grid, stream: int = 0) -> None:
         """Launch on a grid given per call (``grid`` a 3-tuple), the argument block as bound:
         for kernels sized by their input (the layer ops' one CTA per token). The driver's
