@@ -2,16 +2,22 @@
 # and the packing every call ends with. Not run on its own.
 #   source "$(dirname "$0")/session_lib.sh"; session_start; ...; session_end   (exits $status)
 
-# OUT (the folder whose files come back; /tmp/nbinfer-out off the device), $OUT/r for logs and
-# JSON, the kernel cache in the checkout, t0 for elapsed times, status 0 until something fails.
-session_start() {
+# What every device script sets first: OUT (the folder whose files come back;
+# /tmp/nbinfer-out off the device), the environment, the kernel cache in the checkout, status 0
+# until something fails.
+session_env() {
   set -uo pipefail
   OUT=${OUT:-/tmp/nbinfer-out}
-  mkdir -p "$OUT/r"
   export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
   export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
-  t0=$SECONDS
   status=0
+}
+
+# session_env, $OUT/r for logs and JSON, t0 for elapsed times.
+session_start() {
+  session_env
+  mkdir -p "$OUT/r"
+  t0=$SECONDS
 }
 
 # Packs $OUT/r into $OUT/results.tgz (KEEP_R=1 also leaves the files themselves), the kernel
@@ -30,16 +36,12 @@ session_end() {
   exit "$status"
 }
 
-# The set-up of the Nsight Compute scripts (bench/ncu_*.sh): OUT (created), the environment,
-# status 0; exits when ncu is not on the PATH.
+# The set-up of the Nsight Compute scripts (bench/ncu_*.sh): session_env, OUT created; exits
+# when ncu is not on the PATH.
 ncu_start() {
-  set -uo pipefail
-  OUT=${OUT:-/tmp/nbinfer-out}
+  session_env
   mkdir -p "$OUT"
-  export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
-  export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
   command -v ncu >/dev/null || { echo "ncu not found"; exit 1; }
-  status=0
 }
 
 # The key lines of one ncu report's text ($1): duration, throughputs, L2 hits, issue rate,
