@@ -132,3 +132,10 @@ def test_the_simulator_takes_the_lean_kernel_only_when_asked(rng, monkeypatch):
     monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", False)  # the warpgroup form: GPU only
     w.plan(ptr, ptr, 2, 2, 64, causal=True, **kw)
     assert not w.step_plan.spec.wgmma
+    # A forced warp count other than the lean kernel's 8 asks for the warpgroup form too (the
+    # rule once built a lean spec with 4 warps, which the spec refused)
+    monkeypatch.setattr(prefill_api, "MMA_WGMMA_LEAN", None)
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", 4)
+    assert prefill_api.wgmma_choice(True, False, True, 128.0) == (False, False)
+    monkeypatch.setattr(prefill_api, "MMA_WARPS", 8)
+    assert prefill_api.wgmma_choice(True, False, True, 128.0) == (True, True)

@@ -153,7 +153,9 @@ def wgmma_choice(sim: bool, split: bool, lean_ok: bool, rows: float) -> tuple[bo
     plans on two-warp ``mma.sync``: a lean CTA is 256 simulated threads)."""
     if split or MMA_WGMMA is False:
         return False, False
-    lean = lean_ok and MMA_WGMMA_LEAN is not False
+    # The lean kernel's shape is 8 warps: a forced warp count other than that (MMA_WARPS)
+    # asks for the tensor-core kernel's warpgroup form.
+    lean = lean_ok and MMA_WGMMA_LEAN is not False and MMA_WARPS in (None, 8)
     if sim:
         return (True, True) if MMA_WGMMA and lean else (False, False)
     if MMA_WGMMA is None:
