@@ -134,6 +134,24 @@ def test_bf16_kernels(rng, lse_base):
            "bfloat16")
 
 
+def test_blocks_hold_whole_heads_and_in_place_merges_odd_head_dims(rng):
+    # The in-place kernel's barrier orders a head's LSE reads before its write only when the
+    # head's threads share a block: 10 threads per head (fp32, D 40) must not straddle blocks.
+    for dtype, dim, heads in (("float32", 40, 16), ("float16", 80, 3), ("float16", 128, 32)):
+        spec = StateSpec(dtype, dim, math.e, sim=SIMULATOR, in_place=True)
+        per_head = dim // spec.vec
+        (_, chunks), (block,) = state_launch_config(spec, 5, heads)
+        assert block % per_head == 0 and block <= 128 and chunks * block >= heads * per_head
+    v, s = _state(rng, (3, 5, 40), np.float32, empty_rows=(1,))
+    v_o, s_o = _state(rng, (3, 5, 40), np.float32)
+    want_v, want_s = v.astype(np.float64), s.astype(np.float64)
+    reference.merge_state_in_place(want_v, want_s, v_o, s_o)
+    merge_state_in_place(v, s, v_o, s_o)
+    _check(v, s, want_v, want_s, "float32")
+    with pytest.raises(ValueError, match="head_dim must be at most 4096"):
+        StateSpec("float32", 4100, 2.0, in_place=True)
+
+
 # --- errors ---------------------------------------------------------------------------------
 def test_errors(rng):
     v, s = _state(rng, (3, 2, 4), np.float16)
@@ -217,3 +235,50 @@ def test_gpu_numpy_round_trip(rng):
     want = reference.merge_state(v_a, s_a, v_b, s_b)
     merge_state_in_place(v_a, s_a, v_b, s_b, backend="cuda")
     _check(v_a, s_a, *want, "float16")
+
+
+@pytest.mark.gpu
+def test_gpu_merges_on_a_side_stream_replay_in_a_cuda_graph(rng):
+    # Each merge launches on the caller's current stream and allocates nothing of its own, so
+    # all three can be captured (they once allocated with Numba and launched on its default
+    # stream: capture failed with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED). Real aliasing in place
+    # (the GPU does not copy arguments as the simulator does), at an odd head_dim too.
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator(device="cuda").manual_seed(int(rng.integers(1 << 31)))
+    for dtype, (seq, heads, dim) in ((torch.float16, (96, 32, 128)), (torch.bfloat16, (40, 3, 80))):
+        v, s = _torch_state(torch, (seq, heads, dim), dtype, gen)
+        v_o, s_o = _torch_state(torch, (seq, heads, dim), dtype, gen)
+        vs, ss = _torch_state(torch, (seq, 3, heads, dim), dtype, gen)
+        mask = torch.rand(seq, generator=gen, device="cuda") < 0.5
+        start = (v.clone(), s.clone())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: compile and bind before capture
+            merge_state_in_place(v, s, v_o, s_o, mask)
+            merge_state(v_o, s_o, v_o, s_o)
+            merge_states(vs, ss)
+        torch.cuda.current_stream().wait_stream(stream)
+        v.copy_(start[0])
+        s.copy_(start[1])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            merge_state_in_place(v, s, v_o, s_o, mask)
+            pair = merge_state(v_o, s_o, vs[:, 0].contiguous(), ss[:, 0].contiguous())
+            stack = merge_states(vs, ss)
+        for _ in range(2):  # fresh inputs in the captured buffers, then replay
+            v_o.copy_(torch.randn(v_o.shape, generator=gen, device="cuda").to(dtype))
+            vs.copy_(torch.randn(vs.shape, generator=gen, device="cuda").to(dtype))
+            v.copy_(start[0])
+            s.copy_(start[1])
+            graph.replay()
+            torch.cuda.synchronize()
+            want_v, want_s = _host(start[0]).astype(np.float64), _host(start[1]).astype(np.float64)
+            reference.merge_state_in_place(want_v, want_s, _host(v_o), _host(s_o),
+                                           mask.cpu().numpy())
+            name = str(dtype).removeprefix("torch.")
+            _check(_host(v), _host(s), want_v, want_s, name)
+            _check(_host(pair[0]), _host(pair[1]),
+                   *reference.merge_state(_host(v_o), _host(s_o), _host(vs[:, 0]),
+                                          _host(ss[:, 0])), name)
+            _check(_host(stack[0]), _host(stack[1]), *reference.merge_states(_host(vs), _host(ss)),
+                   name)

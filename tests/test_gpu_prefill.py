@@ -338,3 +338,18 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
     out = w.run(tq, tc)
     ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+    if levels:  # level by level, merges included, replays in a CUDA graph (it once failed to
+        # capture: merge_state_in_place allocated and launched on Numba's default stream)
+        import torch
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            w.run(tq, tc)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = w.run(tq, tc)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)

@@ -421,28 +421,34 @@ def host_int32(x, name: str) -> np.ndarray:
     return as_index_array(name, arr, arr.ndim)  # a fresh array: host_index copied
 
 
-def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):
-    """Allocate an output of the caller's kind: returns ``(user_array, kernel_view)``."""
+def empty_kind(kind: str, template, shape, dtype: str, backend: str):
+    """An uninitialised output of the caller's kind: a torch tensor on ``template``'s device, a
+    cupy array, a Numba device array, or host NumPy memory (for NumPy callers, the simulator and
+    the reference engine; bfloat16 as its int16 bits)."""
     if kind == "torch":
         import torch
 
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-        t = torch.empty(shape, dtype=tdt, device=template.device)
-        return t, to_kernel(t, backend)
+        return torch.empty(shape, dtype=tdt, device=template.device)
     if kind == "cupy":
         import cupy
 
-        a = cupy.empty(shape, dtype=dtype)
-        return a, to_kernel(a, backend)
+        return cupy.empty(shape, dtype=dtype)
     npdt = np.int16 if dtype == "bfloat16" else np.dtype(dtype)
-    if backend == "sim" or kind == "numpy":
-        host = np.empty(shape, dtype=npdt)
-        if backend in ("sim", "reference"):  # host memory is what runs there
-            return host, host.reshape(-1)
-        dev = cuda.device_array(int(np.prod(shape)), dtype=npdt)
-        return host, dev
-    dev = cuda.device_array(shape, dtype=npdt)
-    return dev, dev.reshape(-1)
+    if backend in ("sim", "reference") or kind == "numpy":
+        return np.empty(shape, dtype=npdt)
+    return cuda.device_array(shape, dtype=npdt)
+
+
+def empty_like_kind(kind: str, template, shape, dtype: str, backend: str):
+    """Allocate an output of the caller's kind: returns ``(user_array, kernel_view)`` (for a
+    NumPy caller on the GPU, the view is device memory that :func:`finish` copies back)."""
+    user = empty_kind(kind, template, shape, dtype, backend)
+    if kind == "numpy" and backend == "cuda":
+        return user, cuda.device_array(user.size, dtype=user.dtype)
+    if isinstance(user, np.ndarray):
+        return user, user.reshape(-1)
+    return user, to_kernel(user, backend)
 
 
 def finish(kind: str, user, kernel_view, backend: str):

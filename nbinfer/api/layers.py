@@ -11,13 +11,11 @@ a contiguous last dimension; outputs are contiguous. Arrays of any kind nbinfer 
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 
 from .. import reference
 from .._checks import check_dim, check_ndim, check_positive_int, dtype_name
-from ..kernels.launch import PreparedLaunch, _dim3
+from ..kernels.launch import launch_shared
 from ..kernels.layers import (
     NormSpec,
     RopeSpec,
@@ -34,7 +32,6 @@ __all__ = ["apply_rope_with_cos_sin_cache", "apply_rope_with_cos_sin_cache_inpla
            "fused_add_rmsnorm", "rmsnorm", "silu_and_mul"]
 
 _FLOATS = ("float16", "bfloat16", "float32")
-_LAUNCHES: dict = {}  # spec -> (PreparedLaunch, lock): its argument block patched per call
 # torch CUDA tensors take the fast path (:mod:`.layers_fast`: the same launch after a few
 # comparisons instead of the checks below); False: always the careful path
 FAST_PATH = True
@@ -74,25 +71,8 @@ def _views(be: str, named: dict) -> tuple[list, list]:
 
 
 def _launch(spec, be: str, grid, views: list, scalars: tuple, stream: int) -> None:
-    entry = _LAUNCHES.get(spec)
-    if entry is None:
-        entry = _LAUNCHES[spec] = (PreparedLaunch(build_layer_kernel(spec),
-                                                  layer_signature(spec), 1, spec.threads,
-                                                  sim=be == "sim"), threading.Lock())
-    launch, lock = entry
-    # One argument block per spec, shared by every caller: patching it and launching must not
-    # interleave with another thread's call (the driver copies the block at launch).
-    with lock:
-        for i, v in enumerate(views):
-            if be == "sim":
-                launch.set_array(i, v)
-            else:
-                launch.set_pointer(i, *v)
-        for j, v in enumerate(scalars, len(views)):
-            launch.set_scalar(j, v)
-        launch.launch_grid(_dim3(grid), stream)
-        if be == "sim":
-            launch._args = [None] * len(launch._args)  # keep no caller's array alive
+    launch_shared(spec, lambda: (build_layer_kernel(spec), layer_signature(spec), spec.threads),
+                  grid, (*views, *scalars), stream, sim=be == "sim")
 
 
 def _write(dst, values, dtype: str) -> None:

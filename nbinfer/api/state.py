@@ -17,11 +17,13 @@ import numpy as np
 
 from .. import reference
 from .._checks import check_dim, check_ndim, dtype_name
+from ..kernels.launch import launch_shared
 from ..kernels.state import (
     LSE_BASES,
     StateSpec,
     build_merge_pair,
     build_merge_stack,
+    merge_signature,
     state_launch_config,
 )
 from . import arrays
@@ -82,13 +84,36 @@ def named_dtype(name: str, x) -> str:
     return arrays.storage_dtype(x, name)
 
 
-def scratch(n: int, dtype, backend: str):
-    """A flat kernel-side scratch array of ``n`` elements (host in the simulator)."""
-    if backend == "sim":
-        return np.empty(n, dtype=dtype)
-    from numba import cuda
+def _on_kernel(x, backend: str):
+    """``(copy, argument)``: ``x`` as a merge kernel takes it. Arrays on the GPU go by address,
+    with no view built (Numba's would wait on the array's stream, which a CUDA-graph capture
+    forbids): ``(None, (address, elements))``. Host arrays: the simulator's flat array, or on
+    the GPU a device copy, which the caller keeps until the results are back (the argument is
+    only its address)."""
+    if backend == "cuda" and arrays.on_device(x):
+        return None, arrays.device_pointer(x)[:2]
+    k = arrays.to_kernel(x, backend)
+    return k, (k if backend == "sim" else arrays.device_pointer(k)[:2])
 
-    return cuda.device_array(n, dtype=dtype)
+
+def _inputs(backend: str, *xs) -> tuple[list, list]:
+    """``(copies, arguments)`` of read-only inputs (:func:`_on_kernel`)."""
+    pairs = [_on_kernel(x, backend) for x in xs]
+    return [c for c, _ in pairs], [a for _, a in pairs]
+
+
+def _no_mask(backend: str):
+    """merge_pair's mask argument for "merge every row": an empty array."""
+    return np.zeros(0, np.uint8) if backend == "sim" else (0, 0)
+
+
+def _run(kind: str, spec: StateSpec, rows: int, heads: int, args: tuple, stream: int) -> None:
+    """Launch the ``kind`` merge kernel of ``spec`` over ``rows`` rows of ``heads`` heads on
+    ``stream`` (``args``: the kernel's arguments as :func:`_on_kernel` gives them)."""
+    grid, block = state_launch_config(spec, rows, heads)
+    build = build_merge_pair if kind == "merge_pair" else build_merge_stack
+    launch_shared((kind, spec, block), lambda: (build(spec), merge_signature(kind, spec), block),
+                  grid, args, stream, sim=spec.sim)
 
 
 def _check_base(lse_base) -> float:
@@ -150,14 +175,14 @@ def merge_state(v_a, s_a, v_b, s_b, *, lse_base: float = math.e, backend: str = 
     if be == "reference":
         return reference.merge_state(v_a, s_a, v_b, s_b, lse_base=base)
     rows, heads, dim = (int(n) for n in v_a.shape)
-    vo, vo_k = arrays.empty_like_kind(kind, v_a, (rows, heads, dim), v_dtype, be)
-    so, so_k = arrays.empty_like_kind(kind, v_a, (rows, heads), "float32", be)
+    vo = arrays.empty_kind(kind, v_a, (rows, heads, dim), v_dtype, be)
+    so = arrays.empty_kind(kind, v_a, (rows, heads), "float32", be)
+    (vo_k, vo_arg), (so_k, so_arg) = _on_kernel(vo, be), _on_kernel(so, be)
     if rows * heads * dim:
-        spec = StateSpec(v_dtype, dim, base, be == "sim")
-        grid, block = state_launch_config(spec, rows, heads)
-        build_merge_pair(spec)[grid, block](arrays.to_kernel(v_a, be), arrays.to_kernel(s_a, be),
-                                            arrays.to_kernel(v_b, be), arrays.to_kernel(s_b, be),
-                                            vo_k, so_k, scratch(0, np.uint8, be), np.int32(heads))
+        keep, ins = _inputs(be, v_a, s_a, v_b, s_b)
+        args = (*ins, vo_arg, so_arg, _no_mask(be), heads)
+        _run("merge_pair", StateSpec(v_dtype, dim, base, be == "sim"), rows, heads, args,
+             arrays.current_stream(v_a))
     return arrays.finish(kind, vo, vo_k, be), arrays.finish(kind, so, so_k, be)
 
 
@@ -205,25 +230,16 @@ def merge_state_in_place(v, s, v_other, s_other, mask=None, *, lse_base: float =
     heads, dim = int(v.shape[1]), int(v.shape[2])
     if not rows * heads * dim:
         return None
-    if mask is None:
-        mask_k = scratch(0, np.uint8, be)
-    else:
-        mask_k = arrays.to_kernel(_bool_as_uint8(mask, kind), be)
-    v_k, s_k = arrays.to_kernel(v, be), arrays.to_kernel(s, be)
-    # The new LSEs go to scratch first: the kernel's d == 0 thread of a row would otherwise
-    # overwrite s while the row's other threads still read it (4 B per (row, head) extra).
-    s_new = scratch(rows * heads, np.float32, be)
-    spec = StateSpec(v_dtype, dim, base, be == "sim")
-    kernel = build_merge_pair(spec)
-    grid, block = state_launch_config(spec, rows, heads)
-    # v_k is both va and vo (each thread reads its element, then writes it). The simulator
-    # copies every argument in and back out in argument order, so vo's copy lands last.
-    kernel[grid, block](v_k, s_k, arrays.to_kernel(v_other, be), arrays.to_kernel(s_other, be),
-                        v_k, s_new, mask_k, np.int32(heads))
-    if be == "sim":
-        s_k[:] = s_new
-    else:
-        s_k.copy_to_device(s_new)
+    (v_k, v_arg), (s_k, s_arg) = _on_kernel(v, be), _on_kernel(s, be)
+    keep, (vb_arg, sb_arg, *mask_arg) = _inputs(
+        be, v_other, s_other, *(() if mask is None else (_bool_as_uint8(mask, kind),)))
+    # v is both va and vo (each thread reads its elements, then writes them), s both sa and so
+    # (the in-place kernel's barrier orders a head's reads of its LSE before the write). No
+    # scratch, no copy: nothing is allocated, so the call can be captured in a CUDA graph.
+    args = (v_arg, s_arg, vb_arg, sb_arg, v_arg, s_arg,
+            mask_arg[0] if mask_arg else _no_mask(be), heads)
+    _run("merge_pair", StateSpec(v_dtype, dim, base, be == "sim", in_place=True), rows, heads,
+         args, arrays.current_stream(v))
     arrays.finish(kind, v, v_k, be)
     arrays.finish(kind, s, s_k, be)
     return None
@@ -252,13 +268,14 @@ def merge_states(v, s, *, lse_base: float = math.e, backend: str = "auto"):
     if be == "reference":
         return reference.merge_states(v, s, lse_base=base)
     rows, states, heads, dim = (int(n) for n in v.shape)
-    vo, vo_k = arrays.empty_like_kind(kind, v, (rows, heads, dim), v_dtype, be)
-    so, so_k = arrays.empty_like_kind(kind, v, (rows, heads), "float32", be)
+    vo = arrays.empty_kind(kind, v, (rows, heads, dim), v_dtype, be)
+    so = arrays.empty_kind(kind, v, (rows, heads), "float32", be)
+    (vo_k, vo_arg), (so_k, so_arg) = _on_kernel(vo, be), _on_kernel(so, be)
     if rows * heads * dim:
-        spec = StateSpec(v_dtype, dim, base, be == "sim")
-        grid, block = state_launch_config(spec, rows, heads)
-        build_merge_stack(spec)[grid, block](arrays.to_kernel(v, be), arrays.to_kernel(s, be),
-                                             vo_k, so_k, np.int32(states), np.int32(heads))
+        keep, ins = _inputs(be, v, s)
+        args = (*ins, vo_arg, so_arg, states, heads)
+        _run("merge_stack", StateSpec(v_dtype, dim, base, be == "sim"), rows, heads, args,
+             arrays.current_stream(v))
     return arrays.finish(kind, vo, vo_k, be), arrays.finish(kind, so, so_k, be)
 
 

@@ -219,6 +219,41 @@ def use_dynamic_shared(kernel, nbytes: int, sim: bool):
     return kernel
 
 
+_SHARED: dict = {}  # key -> (PreparedLaunch, lock): one argument block per small kernel
+
+
+def launch_shared(key, make, grid, args, stream: int = 0, *, sim: bool) -> None:
+    """Launch a small kernel (the layer ops, the state merges) through one prepared argument
+    block per ``key``, shared by every caller, on ``stream``.
+
+    ``make()`` returns ``(compiled kernel, signature, block)`` the first time ``key`` is seen;
+    ``args`` follow the signature: for an array, the flat NumPy array (simulator) or
+    ``(device address, elements)``; for a scalar, its value. Patching the block and launching
+    hold a lock, so two threads' calls do not interleave (the driver copies the block at launch).
+    Unlike Numba's dispatcher this neither converts arrays nor synchronises on their streams, so
+    the launch can be captured in a CUDA graph.
+    """
+    entry = _SHARED.get(key)
+    if entry is None:
+        import threading
+
+        kernel, signature, block = make()
+        entry = _SHARED.setdefault(key, (PreparedLaunch(kernel, signature, 1, block, sim=sim),
+                                         threading.Lock()))
+    launch, lock = entry
+    with lock:
+        for i, (ty, value) in enumerate(zip(launch._types, args, strict=True)):
+            if not isinstance(ty, types.Array):
+                launch.set_scalar(i, value)
+            elif sim:
+                launch.set_array(i, value)
+            else:
+                launch.set_pointer(i, *value)
+        launch.launch_grid(_dim3(grid), stream)
+        if sim:
+            launch._args = [None] * len(launch._args)  # keep no caller's array alive
+
+
 def _dim3(dims) -> tuple[int, int, int]:
     """A grid or block size as three ints (missing dimensions are 1)."""
     dims = tuple(int(x) for x in (dims if isinstance(dims, (tuple, list)) else (dims,)))

@@ -33,6 +33,7 @@ from .common import FLOAT_DTYPES, ITEMSIZE, STORAGE, compile_kernel, state_final
 from .primitives import LN2, LOG2E, device_jit, primitives
 
 STATE_THREADS = 128
+MAX_BLOCK = 1024
 LSE_BASES = (2.0, math.e)
 
 
@@ -44,6 +45,9 @@ class StateSpec:
     head_dim: int = 128
     lse_base: float = 2.0
     sim: bool = False
+    # merge_pair writes its LSEs over ``sa`` (merge_state_in_place): a barrier between every
+    # thread's read of its head's LSE and the write of the merged one
+    in_place: bool = False
 
     def __post_init__(self):
         if self.v_dtype not in FLOAT_DTYPES:
@@ -52,6 +56,10 @@ class StateSpec:
             raise ValueError(f"lse_base must be 2 or math.e, got {self.lse_base!r}")
         if self.head_dim < 1:
             raise ValueError(f"head_dim must be >= 1, got {self.head_dim}")
+        if self.in_place and self.head_dim // self.vec > MAX_BLOCK:
+            raise ValueError(f"an in-place merge keeps a head's {self.head_dim // self.vec} "
+                             f"threads in one block: head_dim must be at most "
+                             f"{MAX_BLOCK * self.vec} for {self.v_dtype}")
 
     @property
     def vec(self) -> int:
@@ -100,8 +108,9 @@ def build_merge_pair(spec: StateSpec):
     Arguments: ``va, sa, vb, sb, vo, so, mask (uint8 [rows], or size 0 to merge every row),
     num_heads`` with ``v* [rows * H * D]`` in ``v_dtype`` and ``s* [rows * H]`` float32 in
     ``lse_base``; launch with :func:`state_launch_config`. ``vo`` may alias ``va`` (each thread
-    reads its elements before writing them) but ``so`` must not alias ``sa``: the first thread
-    of a (row, head) writes its LSE while the head's other threads may still be reading ``sa``.
+    reads its elements before writing them); ``so`` may alias ``sa`` only with
+    ``spec.in_place``, whose barrier holds the write of a head's LSE until every thread of the
+    block (a block holds whole heads) has read it.
     """
     load, store, to_log2, from_log2 = _codecs(spec)
     exp2, finalize = primitives(spec.sim).exp2, state_finalize(spec.sim)
@@ -110,53 +119,58 @@ def build_merge_pair(spec: StateSpec):
     ZERO = float32(0.0)
     ONE = float32(1.0)
 
+    IN_PLACE = spec.in_place
+
     def merge_pair(va, sa, vb, sb, vo, so, mask, num_heads):
         row = cuda.blockIdx.x
         e = (cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x) * VEC  # element of the row
-        if e >= num_heads * D:
-            return
+        # No early return: in place, every thread of the block must reach the barrier.
+        active = e < num_heads * D
         row_head = row * num_heads + e // D
-        t = row * num_heads * D + e
-        keep = mask.size > 0 and mask[row] == 0
-        a = cuda.local.array(VEC, float32)
-        b = cuda.local.array(VEC, float32)
-        # Every load before any store: vo may alias va, so the compiler could not move a later
-        # load above an earlier store, and VEC loads in flight per thread is the whole point.
-        for k in range(VEC):
-            a[k] = load(va[t + k])
+        lse = ZERO
+        if active:
+            t = row * num_heads * D + e
+            keep = mask.size > 0 and mask[row] == 0
+            a = cuda.local.array(VEC, float32)
+            b = cuda.local.array(VEC, float32)
+            # Every load before any store: vo may alias va, so the compiler could not move a
+            # later load above an earlier store, and VEC loads in flight per thread is the
+            # whole point.
+            for k in range(VEC):
+                a[k] = load(va[t + k])
+                if not keep:
+                    b[k] = load(vb[t + k])
+            la = sa[row_head]
+            lb = NEG_INF if keep else sb[row_head]
+            wa, wb, lse = ONE, ZERO, la
             if not keep:
-                b[k] = load(vb[t + k])
-        la = sa[row_head]
-        wa, wb, lse = ONE, ZERO, la
-        if not keep:
-            ma = to_log2(la)
-            mb = to_log2(sb[row_head])
-            mmax = max(ma, mb)
-            # Two empty states (both -inf): shift by 0 so the weights are 0, not NaN.
-            mref = mmax if mmax > NEG_INF else ZERO
-            wa = exp2(ma - mref)
-            wb = exp2(mb - mref)
-            # A NaN or +inf LSE makes den NaN (inf - inf): the merged row is NaN (the rule).
-            inv, lse2 = finalize(mmax, wa + wb)
-            wa, wb = wa * inv, wb * inv
-            lse = from_log2(lse2)
-        # An empty state (LSE -inf) is the identity: its values are never read (0 x NaN).
-        use_a = keep or la != NEG_INF
-        use_b = not keep and sb[row_head] != NEG_INF
-        for k in range(VEC):
-            x = ZERO
-            if use_a:
-                x = a[k] if keep else wa * a[k]
-            if use_b:
-                x += wb * b[k]
-            store(vo, t + k, x)
-        if e % D == 0:
+                ma = to_log2(la)
+                mb = to_log2(lb)
+                mmax = max(ma, mb)
+                # Two empty states (both -inf): shift by 0 so the weights are 0, not NaN.
+                mref = mmax if mmax > NEG_INF else ZERO
+                wa = exp2(ma - mref)
+                wb = exp2(mb - mref)
+                # A NaN or +inf LSE makes den NaN (inf - inf): the merged row is NaN (the rule).
+                inv, lse2 = finalize(mmax, wa + wb)
+                wa, wb = wa * inv, wb * inv
+                lse = from_log2(lse2)
+            # An empty state (LSE -inf) is the identity: its values are never read (0 x NaN).
+            use_a = keep or la != NEG_INF
+            use_b = not keep and lb != NEG_INF
+            for k in range(VEC):
+                x = ZERO
+                if use_a:
+                    x = a[k] if keep else wa * a[k]
+                if use_b:
+                    x += wb * b[k]
+                store(vo, t + k, x)
+        if IN_PLACE:
+            cuda.syncthreads()  # every thread of the block has read its head's sa (= so)
+        if active and e % D == 0:
             so[row_head] = lse
 
-    vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
-    f32 = types.Array(float32, 1, "C")
-    u8 = types.Array(types.uint8, 1, "C")
-    return _compile("merge_pair", spec, merge_pair, types.void(vt, f32, vt, f32, vt, f32, u8, int32))
+    return _compile("merge_pair", spec, merge_pair, merge_signature("merge_pair", spec))
 
 
 @functools.cache
@@ -203,18 +217,30 @@ def build_merge_stack(spec: StateSpec):
         if d == 0:
             so[row * num_heads + h] = from_log2(lse2)
 
+    return _compile("merge_stack", spec, merge_stack, merge_signature("merge_stack", spec))
+
+
+def merge_signature(kind: str, spec: StateSpec):
+    """The Numba signature of the ``"merge_pair"`` or ``"merge_stack"`` kernel of ``spec``
+    (flat arrays and int32 scalars, as :func:`~.launch.launch_shared` binds them)."""
     vt = types.Array(STORAGE[spec.v_dtype], 1, "C")
     f32 = types.Array(float32, 1, "C")
-    return _compile("merge_stack", spec, merge_stack, types.void(vt, f32, vt, f32, int32, int32))
+    if kind == "merge_pair":
+        return types.void(vt, f32, vt, f32, vt, f32, types.Array(types.uint8, 1, "C"), int32)
+    if kind == "merge_stack":
+        return types.void(vt, f32, vt, f32, int32, int32)
+    raise ValueError(f"kind must be 'merge_pair' or 'merge_stack', got {kind!r}")
 
 
 def state_launch_config(spec: StateSpec, rows: int, num_heads: int):
     """(grid, block) for ``rows`` rows of ``H * D`` outputs: grid ``(rows, chunks)``.
 
     Rows go on grid x (up to 2^31 - 1 blocks; y stops at 65535). A thread covers ``spec.vec``
-    elements; a block covers up to 128 threads of one row, fewer (a multiple of 32) when the
-    row is shorter.
+    elements; a block holds whole heads, as many as fit in 128 threads (at least one, at most
+    the row's), so that an in-place merge's barrier spans every thread of each of its heads.
+    Only a head wider than :data:`MAX_BLOCK` threads spans blocks (never in place: StateSpec).
     """
-    threads = int(num_heads) * spec.head_dim // spec.vec
-    block = min(STATE_THREADS, -(-threads // 32) * 32)
+    per_head = spec.head_dim // spec.vec
+    block = min(max(1, min(int(num_heads), STATE_THREADS // per_head)) * per_head, MAX_BLOCK)
+    threads = int(num_heads) * per_head
     return (max(int(rows), 1), max(-(-threads // block), 1)), (block,)
