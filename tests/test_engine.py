@@ -97,6 +97,38 @@ def test_prefix_cache_reuses_pages_and_changes_no_token(model, rng):
     assert runs[True][2] < runs[False][2]  # the cached prefix is not computed again
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_requests_arriving_together_wait_for_a_shared_prefix_in_flight(model, rng, overlap):
+    # All at step 0 with a 40-token common prefix (10 pages of 4): the first request computes
+    # it; the others wait until its pages are in the cache (one step later with overlap) and
+    # then reuse all of them. Without the wait the first step computed the prefix once per
+    # request it admitted. Decode steps hand no pages to the cache (only prompt chunks and
+    # finished sequences do), and the tokens are those of each request alone.
+    requests = _shared_prefix_requests(rng, 6, prefix_len=40)
+    for r in requests:
+        r.arrival = 0
+    engine = Engine(NumpyRunner(model, 128, 4), 128, 4, max_step_tokens=256,
+                    prefix_cache=True, overlap=overlap)
+    held, reports = [], []
+
+    def watch(report):
+        reports.append(report)
+        held.append((report, engine.tree.num_pages))
+
+    assert engine.run(requests, on_step=watch) == _alone(model, requests)
+    prompt = sum(len(r.prompt) for r in requests)
+    assert engine.prefix_hit_rate == 5 * 40 / prompt  # the 5 others reuse all 10 pages
+    first = reports[0].scheduled if reports[0].scheduled else reports[1].scheduled
+    assert len(first) == 1  # the first prefill step computes one request's prompt
+    for report, pages in held if not overlap else ():  # (with overlap a step completes after
+        # the next one launched: a sequence that ends there is cached a step early)
+        if report.scheduled and all(n == 1 for _, n in report.scheduled) and \
+                not report.finished:
+            assert pages == held[held.index((report, pages)) - 1][1]  # decode caches nothing
+    engine_off = Engine(NumpyRunner(model, 128, 4), 128, 4, max_step_tokens=256)
+    assert engine_off.run(requests) == _alone(model, requests)
+
+
 def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
     requests = _shared_prefix_requests(rng, 5, prefix_len=32)
     for r in requests:

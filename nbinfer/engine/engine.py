@@ -83,10 +83,11 @@ class _Sequence:
     tokens: list = field(default_factory=list)  # the prompt, then each generated token
     pages: list = field(default_factory=list)
     computed: int = 0  # tokens whose K and V are in the pool
-    cached: int = 0  # full pages handed to the prefix cache so far
+    cached: int = 0  # full pages handed to the prefix cache so far (Engine._complete says when)
 
     def __post_init__(self):
         self.tokens = list(self.request.prompt)
+        self.prompt_ids = np.asarray(self.request.prompt)  # for the admission's prefix check
 
     @property
     def output(self) -> list:
@@ -141,8 +142,9 @@ class Engine:
     max_batch : int
         Sequences per step.
     prefix_cache : bool
-        Keep the full pages of every sequence in a :class:`~nbinfer.formats.RadixTree`; a new
-        request starts from the pages of its longest cached prefix (``prefix_hit_rate``), and
+        Keep full pages in a :class:`~nbinfer.formats.RadixTree` (a prompt's after each of its
+        chunks; all a sequence computed when it ends or is preempted); a new request starts
+        from the pages of its longest cached prefix (``prefix_hit_rate``), and
         cached pages nobody runs on are evicted, least recently used first, when the pool runs
         dry.
     cascade : {"auto", "off"}
@@ -269,8 +271,13 @@ class Engine:
         for (seq, index), token in zip(launched.sampled, tokens, strict=True):
             seq.tokens[index] = token = int(token)
             sampled.append((seq.rid, token))
-        for seq, _ in launched.plan:
-            self._cache(seq)
+        for seq, n in launched.plan:
+            # Full pages go to the prefix cache after a chunk of prompt (or recompute) and when
+            # a sequence ends or is preempted, not as each decode step fills one: that walked
+            # the tree for every running sequence every page_size steps (64 sequences of 1100
+            # tokens: ~12 ms on a 2-core CPU, one step in 16; bench/NOTES.md, session 21).
+            if n > 1 or seq.done:
+                self._cache(seq)
         for seq in launched.finished:
             self.pool.release(seq.pages)
             seq.pages = []
@@ -294,9 +301,14 @@ class Engine:
         ps = self.pool.page_size
         # pages the running sequences' new tokens take: admissions must leave them free
         reserved = sum(max(0, -(-(s.computed + n) // ps) - len(s.pages)) for s, n in plan)
-        while self.waiting and budget and len(plan) < self.max_batch:
-            seq = self.waiting[0]
+        computing = self._prompts_in_flight()
+        i = 0
+        while i < len(self.waiting) and budget and len(plan) < self.max_batch:
+            seq = self.waiting[i]
             cached = self._cached_prefix(seq)
+            if self._wait_for_prefix(seq, cached, computing):
+                i += 1  # its prefix is being computed: admitted once the cache holds it
+                continue
             n = min(len(seq.tokens) - cached, budget)
             need = -(-(cached + n) // ps) - cached // ps
             short = need - (self.pool.num_free - reserved)
@@ -304,12 +316,42 @@ class Engine:
                 short -= self._evict(short)
             if short > 0:  # admitting it now would only preempt it again: wait for pages
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             self._admit(seq)
+            if computing is not None and len(seq.tokens) > cached + ps:
+                computing.setdefault(tuple(seq.tokens[:ps]), seq)
             plan.append((seq, n))
             budget -= n
             reserved += need
         return plan
+
+    # A waiting request that shares at least this many tokens beyond what the cache holds with a
+    # prompt being computed waits for that prompt's pages to reach the cache (SGLang's in-batch
+    # prefix check uses 32 tokens too): 64 requests with a 90 % common prefix arriving at once
+    # would otherwise compute the prefix once per request of the first prefill step.
+    PREFIX_WAIT_TOKENS = 32
+
+    def _prompts_in_flight(self) -> dict | None:
+        """Running sequences whose prompt is not all in the prefix cache yet, by first page
+        (None without a prefix cache)."""
+        if self.tree is None:
+            return None
+        ps = self.pool.page_size
+        return {tuple(s.tokens[:ps]): s for s in self.running
+                if s.cached < len(s.request.prompt) // ps}
+
+    def _wait_for_prefix(self, seq: _Sequence, cached: int, computing: dict | None) -> bool:
+        """Whether ``seq`` should wait for a prompt in flight that shares its first pages."""
+        if not computing:
+            return False
+        ps = self.pool.page_size
+        other = computing.get(tuple(seq.tokens[:ps]))
+        if other is None or other is seq:
+            return False
+        n = min(seq.prompt_ids.size, other.prompt_ids.size) - 1  # (a last token is computed)
+        differ = seq.prompt_ids[:n] != other.prompt_ids[:n]
+        common = int(np.argmax(differ)) if differ.any() else n
+        return (common // ps) * ps - cached >= self.PREFIX_WAIT_TOKENS
 
     def _cached_prefix(self, seq: _Sequence) -> int:
         """Tokens of ``seq`` the prefix cache holds (what :meth:`_admit` will reuse)."""
@@ -375,6 +417,7 @@ class Engine:
         return len(freed)
 
     def _preempt(self, seq: _Sequence) -> None:
+        self._cache(seq)  # what it computed stays matchable for its recompute
         self.running.remove(seq)
         self.pool.release(seq.pages)
         seq.pages, seq.computed, seq.cached = [], 0, 0

@@ -136,18 +136,24 @@ class RadixTree:
             child = node.children.get(tuple(toks[pos:pos + ps]))
             if child is None:
                 break
-            j = 0
-            while j < len(child.pages) and toks[pos + j * ps:pos + (j + 1) * ps] == \
-                    child.tokens[j * ps:(j + 1) * ps]:
-                j += 1
+            n = len(child.pages)
+            if toks[pos:pos + n * ps] == child.tokens:  # the whole edge: one list comparison
+                j = n
+            else:  # the first page that differs (or runs past the tokens)
+                j = 1  # (the key matched page 0)
+                while j < n and toks[pos + j * ps:pos + (j + 1) * ps] == \
+                        child.tokens[j * ps:(j + 1) * ps]:
+                    j += 1
             pages += child.pages[:j]
             if j < len(child.pages):
                 return node, child, j, pos + j * ps, pages
             node, pos = child, pos + j * ps
         return node, None, 0, pos, pages
 
-    def _find(self, toks):
-        node, child, _, pos, pages = self._descend(toks)
+    def _find(self, toks, descent=None):
+        """The pages of the stored sequence ``toks`` (None if it is not stored); ``descent``:
+        :meth:`_descend`'s result for ``toks`` when the caller has it."""
+        node, child, _, pos, pages = descent or self._descend(toks)
         rest = tuple(toks[pos:])
         if child is None and not rest and node.terminal:
             return pages
@@ -251,7 +257,7 @@ class RadixTree:
             raise KeyError("tokens is not a sequence stored in the tree (insert it first)")
         return np.asarray(pages, dtype=np.int32)
 
-    def _check_pages(self, toks, pages, name):
+    def _check_pages(self, toks, pages, name, descent):
         pg = as_index_array(name, pages).tolist()
         want = -(-len(toks) // self.page_size)
         if len(pg) != want:
@@ -260,7 +266,7 @@ class RadixTree:
         if (pg and min(pg) < 0) or len(set(pg)) != len(pg):
             raise ValueError(f"{name} must hold distinct page ids >= 0, got {pg}")
         # A page the tree holds may only stand where the tree keeps it for these tokens.
-        known = self._find(toks) or self._descend(toks)[4]
+        known = self._find(toks, descent) or descent[4]
         for i, p in enumerate(pg):
             if p in self._held and (i >= len(known) or known[i] != p):
                 raise ValueError(f"{name}[{i}]={p} is a page the tree holds for other tokens")
@@ -283,10 +289,11 @@ class RadixTree:
             caller's pages for them are not stored and may be freed.
         """
         toks = self._tokens(tokens)
-        pg = self._check_pages(toks, pages, "pages")
+        descent = self._descend(toks)  # one walk serves the check and the insert
+        pg = self._check_pages(toks, pages, "pages", descent)
         ps = self.page_size
         self._clock += 1
-        node, child, j, pos, _ = self._descend(toks)
+        node, child, j, pos, _ = descent
         if child is not None:  # diverge (or end) inside child's edge: split at page j
             upper = _Node(child.tokens[:j * ps], child.pages[:j])
             child.tokens, child.pages = child.tokens[j * ps:], child.pages[j:]
@@ -337,7 +344,8 @@ class RadixTree:
         for b, item in enumerate(batch):
             if isinstance(item, tuple) and len(item) == 2 and np.ndim(item[0]) == 1:
                 toks = self._tokens(item[0], f"batch[{b}][0] (tokens)")
-                pg = self._check_pages(toks, item[1], f"batch[{b}][1] (pages)")
+                pg = self._check_pages(toks, item[1], f"batch[{b}][1] (pages)",
+                                       self._descend(toks))
             else:
                 toks = self._tokens(item, f"batch[{b}]")
                 pg = self._find(toks)
