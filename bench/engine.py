@@ -188,6 +188,8 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("--small", action="store_true", help="8 x 256 + 32 (a quick check)")
     ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--shared-only", action="store_true",
+                    help="only the 90 %%-shared-prefix rows (no HF, no breakdown): a quick A/B")
     ap.add_argument("--layer-ops", choices=("nbinfer", "torch"), default="nbinfer",
                     help="the model's elementwise work in the main rows: nbinfer's layer "
                          "kernels (TorchLlama's default on a GPU) or torch operations")
@@ -242,12 +244,26 @@ def main():
             "shared, prefix+cascade, graphs, overlap, torch ops": dict(
                 reqs=shared, graphs=True, prefix=True, cascade=True, overlap=True,
                 model=torch_ops)})
+    if a.shared_only:
+        runs = {k: v for k, v in runs.items() if k.startswith("shared")}
     outputs = {}
     for name, kw in runs.items():
         reqs, m = kw.pop("reqs"), kw.pop("model", model)
         results[name], outputs[name] = engine_run(m, reqs, warm, step_tokens=a.step_tokens,
                                                   **kw)
         print(name, json.dumps(results[name]), flush=True)
+    if a.shared_only:
+        results["shared-prefix speedup"] = shared_speedups(results)
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+        for k, v in results.items():
+            if isinstance(v, dict) and "tokens_per_s" in v:
+                print(f"{k:50s} {v['tokens_per_s']:9.0f} {v['wall_s']:7.2f} "
+                      f"{v['decode_step_ms_p50']:7.2f} prefill {v['prefill_s']:.3f} s, hit "
+                      f"{v['prefix_hit_rate']:.3f}")
+        print("shared-prefix speedup", {n: round(x, 2) for n, x in
+                                        results["shared-prefix speedup"].items()})
+        return
     results["engine eager, timed"], _ = engine_run(model, plain, warm, graphs=False,
                                                    prefix=False, cascade=False,
                                                    step_tokens=a.step_tokens, timing=True)
@@ -267,22 +283,8 @@ def main():
     results["speedup vs hf"] = {k: results[k]["tokens_per_s"] / best_hf
                                 for k in ("engine eager", "engine graphs",
                                           "engine graphs, overlap")}
-    off = results["shared, both off, graphs"]["tokens_per_s"]
-    results["shared-prefix speedup"] = {
-        "prefix+cascade vs both off, eager": results["shared, prefix+cascade, eager"][
-            "tokens_per_s"] / results["shared, both off, eager"]["tokens_per_s"],
-        "prefix+cascade vs both off, graphs": results["shared, prefix+cascade, graphs"][
-            "tokens_per_s"] / off,
-        "prefix only vs both off, graphs": results["shared, prefix only, graphs"][
-            "tokens_per_s"] / off,
-        "prefix+cascade vs both off, graphs, overlap": results[
-            "shared, prefix+cascade, graphs, overlap"]["tokens_per_s"] / results[
-            "shared, both off, graphs, overlap"]["tokens_per_s"]}
+    results["shared-prefix speedup"] = shared_speedups(results)
     if torch_ops is not None:
-        results["shared-prefix speedup"]["prefix+cascade vs both off, graphs, overlap, "
-                                         "torch ops"] = results[
-            "shared, prefix+cascade, graphs, overlap, torch ops"]["tokens_per_s"] / results[
-            "shared, both off, graphs, overlap, torch ops"]["tokens_per_s"]
         results["layer kernels vs torch ops, engine graphs, overlap"] = results[
             "engine graphs, overlap"]["tokens_per_s"] / results[
             "engine graphs, overlap, torch ops"]["tokens_per_s"]
@@ -308,6 +310,19 @@ def main():
                   f"{'' if d is None else f'{d:13.2f}'} {'' if g is None else f'{g:13.2f}'}")
     for k in ("speedup vs hf", "shared-prefix speedup"):
         print(k, {n: round(x, 2) for n, x in results[k].items()})
+
+
+def shared_speedups(results) -> dict:
+    """Tokens/s of each shared-prefix row with the prefix cache against the same row with both
+    off (the rows the run has)."""
+    out = {}
+    for mode in ("eager", "graphs", "graphs, overlap", "graphs, overlap, torch ops"):
+        off = results.get(f"shared, both off, {mode}")
+        for on in ("prefix+cascade", "prefix only"):
+            row = results.get(f"shared, {on}, {mode}")
+            if off is not None and row is not None:
+                out[f"{on} vs both off, {mode}"] = row["tokens_per_s"] / off["tokens_per_s"]
+    return out
 
 
 def plot(results, path):

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call for session 21's changes: the state merges on the caller's stream (captured in
+# CUDA graphs), the layer ops on the shared prepared launch, the lean rule's forced warp count;
+# then the shared-prefix cascade (bench/prefill.py: the level-by-level form under graph replay
+# now that its merge can be captured) and the engine's shared-prefix rows (bench/engine.py
+# --shared-only: the prefix cache's in-flight wait and decode steps that no longer walk the
+# radix tree). Logs and JSON in $OUT/results.tgz (KEEP_R=1 leaves the files too).
+#   CACHE_BACK=1 KEEP_R=1 bash bench/session_state_engine.sh
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+session_start
+t() { timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
+t tests/test_api_state.py tests/test_gpu_layers.py >"$OUT/r/gpu_s1.log" 2>&1 &
+a=$!
+t tests/test_gpu_prefill.py -k "cascade_gpu or one_warpgroup" >"$OUT/r/gpu_s2.log" 2>&1 &
+b=$!
+t tests/test_engine_gpu.py >"$OUT/r/gpu_s3.log" 2>&1 &
+c=$!
+for p in $a $b $c; do wait "$p" || status=1; done
+for f in gpu_s1 gpu_s2 gpu_s3; do echo "$f: $(tail -1 "$OUT/r/$f.log")"; done
+echo "tests: $((SECONDS - t0)) s"
+python3 bench/prefill.py --out "$OUT/r/prefill_h200.json" >"$OUT/r/prefill.log" 2>&1 || status=1
+grep -E "shared prefix|levels|graph" "$OUT/r/prefill.log" | cut -c1-400
+python3 bench/engine.py --shared-only --out "$OUT/r/engine_shared_h200.json" \
+  >"$OUT/r/engine.log" 2>&1 || status=1
+tail -6 "$OUT/r/engine.log"
+session_end
