@@ -12,7 +12,7 @@ session_start
 t() { timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 t tests/test_api_state.py tests/test_gpu_layers.py >"$OUT/r/gpu_s1.log" 2>&1 &
 a=$!
-t tests/test_gpu_prefill.py -k "cascade_gpu or one_warpgroup" >"$OUT/r/gpu_s2.log" 2>&1 &
+t tests/test_gpu_prefill.py -k "cascade_gpu or one_warpgroup or cuda_graph_cascade" >"$OUT/r/gpu_s2.log" 2>&1 &
 b=$!
 t tests/test_engine_gpu.py >"$OUT/r/gpu_s3.log" 2>&1 &
 c=$!

@@ -353,3 +353,53 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, out)
+
+
+def test_cuda_graph_cascade_replays_later_plans(rng):
+    # MultiLevelCascadeAttentionWrapper(use_cuda_graph=True): run() captured once after the
+    # first plan; each later plan (other groups, other pages, fewer segments) is replayed by the
+    # same graph and equals the reference and an eager run of a fresh wrapper, bit for bit.
+    import torch
+
+    batch, ps, hq, hkv, d, num_pages = 24, 16, 32, 8, 128, 400
+    bufs = dict(qo_indptr_buf_arr=[torch.zeros(batch + 1, dtype=torch.int32, device="cuda")] * 2,
+                paged_kv_indptr_buf_arr=[torch.zeros(batch + 1, dtype=torch.int32,
+                                                     device="cuda")] * 2,
+                paged_kv_indices_buf_arr=[torch.zeros(num_pages, dtype=torch.int32,
+                                                      device="cuda")] * 2,
+                paged_kv_last_page_len_buf_arr=[torch.zeros(batch, dtype=torch.int32,
+                                                            device="cuda")] * 2)
+    w = MultiLevelCascadeAttentionWrapper(2, _ws(), "NHD", True, **bufs)
+    cache = _t(rng.standard_normal((num_pages, 2, ps, hkv, d)).astype(np.float32), "float16")
+    q = _t(rng.standard_normal((batch, hq, d)).astype(np.float32), "float16")
+
+    def levels(groups, prefix_pages, own_pages):
+        pool = iter(rng.permutation(num_pages).tolist())
+        sizes = np.diff(np.linspace(0, batch, groups + 1).astype(int))
+        pre = [[next(pool) for _ in range(prefix_pages)] for _ in sizes]
+        own = [[next(pool) for _ in range(own_pages)] for _ in range(batch)]
+        return ([np.concatenate([[0], np.cumsum(sizes)]), np.arange(batch + 1)],
+                [np.arange(groups + 1) * prefix_pages, np.arange(batch + 1) * own_pages],
+                [np.array(sum(pre, [])), np.array(sum(own, []))],
+                [np.full(groups, ps), rng.integers(1, ps + 1, size=batch)])
+
+    graph = None
+    for groups, prefix_pages, own_pages in ((1, 12, 4), (3, 8, 2), (6, 4, 5), (2, 10, 1)):
+        lv = levels(groups, prefix_pages, own_pages)
+        w.plan(*lv, hq, hkv, d, ps, q_data_type="float16")
+        if graph is None:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                w.run(q, cache)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = w.run(q, cache)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference.multi_level_cascade_attention(_np(q), lv[0], _np(cache), *lv[1:])
+        assert rel_err(_np(out), ref) <= TOLERANCE["float16"], (groups, prefix_pages)
+        eager = MultiLevelCascadeAttentionWrapper(2, _ws())
+        eager.plan(*lv, hq, hkv, d, ps, q_data_type="float16")
+        assert torch.equal(out, eager.run(q, cache)), (groups, prefix_pages)

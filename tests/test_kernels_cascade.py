@@ -8,6 +8,10 @@ from conftest import TOLERANCE, rel_err
 
 from nbinfer import reference
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper
+from nbinfer.kernels.common import ARG
+
+PLAN_SIDE = ("kv_indptr", "kv_indices", "kv_last_page_len", "plan", "tmp_o", "tmp_lse",
+             "counters", "num_kv_heads", "sm_scale", "v_scale")
 
 
 def _two_levels(rng, ps):
@@ -236,3 +240,67 @@ def test_cascade_with_the_merge_as_its_own_launch(rng, monkeypatch, causal):
     np.testing.assert_array_equal(np.isnan(lse), bad)
     assert rel_err(out[~bad], ref[~bad]) <= TOLERANCE["float16"]
     np.testing.assert_allclose(lse[~bad], ref_lse[~bad], atol=2e-3)
+
+
+def _random_levels(rng, batch, ps, num_pages):
+    """A decode step of ``batch`` requests in groups sharing a prefix: level 0 one segment per
+    group (1-3 prefix pages), level 1 each request's own 1-3 pages (the last one partial)."""
+    sizes = []
+    while sum(sizes) < batch:
+        sizes.append(int(min(rng.integers(1, 4), batch - sum(sizes))))
+    pool = iter(rng.permutation(num_pages).tolist())
+    pre = [[next(pool) for _ in range(int(rng.integers(1, 4)))] for _ in sizes]
+    own = [[next(pool) for _ in range(int(rng.integers(1, 4)))] for _ in range(batch)]
+    return dict(
+        qo=[np.concatenate([[0], np.cumsum(sizes)]), np.arange(batch + 1)],
+        indptr=[np.concatenate([[0], np.cumsum([len(p) for p in pre])]),
+                np.concatenate([[0], np.cumsum([len(p) for p in own])])],
+        indices=[np.array(sum(pre, [])), np.array(sum(own, []))],
+        last=[np.full(len(sizes), ps), rng.integers(1, ps + 1, size=batch)])
+
+
+def test_cuda_graph_cascade_keeps_its_kernel_arguments_across_plans(rng):
+    # What a CUDA graph replays is the kernel arguments of its capture: a graph-mode cascade
+    # binds every plan to the same plan memory, offsets and scratch (one launch object for its
+    # lifetime), so the argument block after any later plan equals the captured one, and a
+    # launch of it computes the new plan. (tests/test_gpu_prefill.py captures and replays.)
+    ps, hq, hkv, d, batch, num_pages = 4, 4, 2, 64, 6, 64
+    bufs = dict(qo_indptr_buf_arr=[np.zeros(batch + 1, np.int32)] * 2,
+                paged_kv_indptr_buf_arr=[np.zeros(batch + 1, np.int32)] * 2,
+                paged_kv_indices_buf_arr=[np.zeros(3 * batch, np.int32)] * 2,
+                paged_kv_last_page_len_buf_arr=[np.zeros(batch, np.int32)] * 2)
+    w = MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 22, np.uint8), "NHD", True, **bufs)
+    assert w.is_cuda_graph_enabled
+    cache = rng.standard_normal((num_pages, 2, ps, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((batch, hq, d)).astype(np.float32)
+    captured = None
+    for step in range(3):
+        lv = _random_levels(rng, batch, ps, num_pages)
+        w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+               q_data_type="float32")
+        launch = w.fused_wrapper.step_plan.launch.launch
+        # the plan side of the block: plan memory, tables, partial states, scalars, offsets
+        args = [launch._args[ARG[n]] for n in PLAN_SIDE] + launch._args[len(ARG):]
+        if captured is None:
+            captured = (launch, args)
+        assert launch is captured[0]
+        for x, y in zip(args, captured[1], strict=True):
+            assert x is y if isinstance(x, np.ndarray) else x == y
+        out = w.run(q, cache)
+        ref = reference.multi_level_cascade_attention(q, lv["qo"], cache, lv["indptr"],
+                                                      lv["indices"], lv["last"])
+        assert rel_err(out, ref) <= TOLERANCE["float32"], step
+    lv = _random_levels(rng, batch + 1, ps, num_pages)
+    with pytest.raises(ValueError, match="level 1 has 7 segments"):
+        w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+               q_data_type="float32")
+    lv = _random_levels(rng, batch, ps, num_pages)
+    # one prefix segment; the last request's segment holds two query rows: 7 rows
+    lv["qo"] = [np.array([0, batch + 1]), np.append(np.arange(batch), batch + 1)]
+    lv["indptr"][0] = np.array([0, lv["indices"][0].size])
+    lv["last"][0] = np.array([ps])
+    with pytest.raises(ValueError, match="at most the first plan's 6 query rows, got 7"):
+        w.plan(lv["qo"], lv["indptr"], lv["indices"], lv["last"], hq, hkv, d, ps,
+               q_data_type="float32")
+    with pytest.raises(ValueError, match="use_cuda_graph=True needs qo_indptr_buf_arr"):
+        MultiLevelCascadeAttentionWrapper(2, np.zeros(1 << 20, np.uint8), "NHD", True)

@@ -30,6 +30,7 @@ import numpy as np
 from .. import reference
 from .._checks import check_heads, check_positive_int, check_sm_scale
 from ..reference.cascade import _check_levels
+from ..scheduler import PlanLayout
 from ..scheduler.cascade import cascade_plan
 from ..scheduler.planner import check_weights
 from ..variants import from_flashinfer_args
@@ -40,6 +41,7 @@ from .dtypes import normalize_dtype
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, mma_item_overhead
 from .state import merge_state_in_place
 from .step import StepPlan
+from .workspace import WorkspaceLayout
 
 __all__ = ["MultiLevelCascadeAttentionWrapper"]
 
@@ -62,18 +64,64 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
     float_workspace_buffer : array on the device that runs the kernels (partial states;
         shareable with other wrappers)
     kv_layout : {"NHD", "HND"}
+    use_cuda_graph : bool
+        Every plan() lays the one-launch cascade out in the same plan memory with the same
+        kernel arguments, so a ``run()`` captured in a CUDA graph replays any later plan, as in
+        FlashInfer. The four ``*_buf_arr`` lists (``num_levels`` int32 arrays each) are then
+        required and fix the capacities: level ``l`` may have up to
+        ``len(paged_kv_indptr_buf_arr[l]) - 1`` segments and ``len(paged_kv_indices_buf_arr[l])``
+        pages; the first plan fixes the query rows (later plans may have fewer, as in
+        FlashInfer). nbinfer reads each step's tables from its own plan memory, not from these
+        buffers (it does not write them). Position-independent flags only, as always, and not
+        ``causal`` with several query rows in a last-level segment (the level-by-level form).
     backend : {"auto", "cuda", "sim", "reference"}
     """
 
-    def __init__(self, num_levels: int, float_workspace_buffer, kv_layout: str = "NHD", *,
-                 backend: str = "auto"):
+    def __init__(self, num_levels: int, float_workspace_buffer, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, qo_indptr_buf_arr=None,
+                 paged_kv_indptr_buf_arr=None, paged_kv_indices_buf_arr=None,
+                 paged_kv_last_page_len_buf_arr=None, *, backend: str = "auto"):
         self._levels = check_positive_int("num_levels", num_levels)
         super().__init__(float_workspace_buffer, kv_layout, backend=backend)
+        self._graph_caps = None
+        if use_cuda_graph:
+            self._graph_caps = self._check_graph_buffers(
+                qo_indptr_buf_arr=qo_indptr_buf_arr,
+                paged_kv_indptr_buf_arr=paged_kv_indptr_buf_arr,
+                paged_kv_indices_buf_arr=paged_kv_indices_buf_arr,
+                paged_kv_last_page_len_buf_arr=paged_kv_last_page_len_buf_arr)
         # The levels run one after another on one stream: they share the float workspace.
         self._wrappers = [_LevelWrapper(self._workspace, kv_layout, backend=self._backend)
                           for _ in range(self._levels)]
         self._fused = _FusedCascade(self._workspace, kv_layout, backend=self._backend)
+        if self._graph_caps is not None:
+            self._fused._graph = dict(caps=tuple(map(sum, self._graph_caps)))
         self._last_decode = None  # the last level's decode wrapper, made when first planned
+
+    def _check_graph_buffers(self, **bufs) -> tuple[list, list]:
+        """Validate use_cuda_graph's buffer lists; returns (segments, pages) per level."""
+        for name, lst in bufs.items():
+            if not isinstance(lst, (list, tuple)) or len(lst) != self._levels:
+                raise ValueError(f"use_cuda_graph=True needs {name}: a list of num_levels="
+                                 f"{self._levels} int32 arrays (fixed capacities)")
+            for i, buf in enumerate(lst):
+                arrays.array_kind(buf, f"{name}[{i}]")
+                if len(getattr(buf, "shape", ())) != 1 or arrays.dtype_name(buf) != "int32":
+                    raise TypeError(f"{name}[{i}] must be a 1-D int32 array")
+        segments = [int(b.shape[0]) - 1 for b in bufs["paged_kv_indptr_buf_arr"]]
+        for i, n in enumerate(segments):
+            for name, want in (("qo_indptr_buf_arr", n + 1),
+                               ("paged_kv_last_page_len_buf_arr", n)):
+                if int(bufs[name][i].shape[0]) < want:
+                    raise ValueError(f"{name}[{i}] holds {int(bufs[name][i].shape[0])} "
+                                     f"entries, paged_kv_indptr_buf_arr[{i}] asks for {want}")
+            if n < 1:
+                raise ValueError(f"paged_kv_indptr_buf_arr[{i}] must hold at least 2 entries")
+        return segments, [int(b.shape[0]) for b in bufs["paged_kv_indices_buf_arr"]]
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._graph_caps is not None
 
     def plan(self, qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
              paged_kv_last_page_len, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -140,9 +188,19 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                                    num_qo_heads=num_qo_heads)
         if CASCADE_LAUNCH not in (None, "levels"):
             raise ValueError(f"CASCADE_LAUNCH must be None or 'levels', got {CASCADE_LAUNCH!r}")
+        if self._graph_caps is not None:
+            for lvl, (segs, pages) in enumerate(zip(*self._graph_caps, strict=True)):
+                if qo[lvl].size - 1 > segs or host[1][lvl].size > pages:
+                    raise ValueError(f"level {lvl} has {qo[lvl].size - 1} segments and "
+                                     f"{host[1][lvl].size} pages; its CUDA-graph buffers hold "
+                                     f"{segs} and {pages}")
         one_row = len(qo[-1]) > 1 and bool(np.all(np.diff(qo[-1]) == 1))  # a decode step
         fused = self._backend != "reference" and CASCADE_LAUNCH is None and (
             not causal or int(np.diff(qo[-1]).max(initial=0)) <= 1)
+        if self._graph_caps is not None and not fused and self._backend != "reference":
+            raise NotImplementedError("use_cuda_graph=True runs the one-launch cascade; this "
+                                      "plan needs the level-by-level form (CASCADE_LAUNCH, or "
+                                      "causal with several rows in a last-level segment)")
         # level by level, a last level of single rows on the decode kernel (a row sees its
         # segment's every key, causal or not)
         decode_last = not fused and self._backend != "reference" and one_row
@@ -266,7 +324,46 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
                                                   tile_q=spec.tile_q,
                                                   item_overhead=mma_item_overhead(spec),
                                                   **schedule)
-        return self._upload(step, spec, (kernel, companions), threads, sched, qo_start, qo_end)
+        layout = None if self._graph is None else self._graph_layout(
+            step, spec, sched, len(qo), schedule["fixed_split_size"])
+        return self._upload(step, spec, (kernel, companions), threads, sched, qo_start, qo_end,
+                            layout=layout, keep=self._graph)
+
+    # CUDA-graph mode (MultiLevelCascadeAttentionWrapper(use_cuda_graph=True)): ``caps`` =
+    # (segments, pages) over all levels; the first plan adds its layout, kernel spec and rows.
+    _graph = None
+
+    def _graph_layout(self, step, spec, sched, levels: int, fixed_split_size):
+        """The one layout every plan of a CUDA-graph cascade uses (fixed by the first plan),
+        after checking that this plan keeps its kernel and fits it."""
+        g = self._graph
+        if "layout" not in g:
+            segments, pages = g["caps"]
+            rows = step.num_qo_rows
+            # cascade_plan schedules the levels' rows as one batch of levels x rows query rows
+            # (PlanLayout.bound's items and partial rows), then gives every chunk that wrote
+            # its rows directly partial rows of its own: at most levels x rows more.
+            b = PlanLayout.bound(sched.num_ctas, levels * rows, step.num_qo_heads,
+                                 step.num_kv_heads, max_tile_q=spec.tile_q,
+                                 fixed_split_size=fixed_split_size,
+                                 max_kv_len=pages * step.page_size if fixed_split_size else None)
+            plan = PlanLayout(b.num_ctas, b.max_work, b.max_merge_rows,
+                              b.max_merge_nnz + levels * rows)
+            g.update(layout=WorkspaceLayout(plan, step.num_kv_heads, step.num_qo_heads,
+                                            step.head_dim, segments, pages),
+                     spec=spec, rows=rows)
+        if spec != g["spec"]:
+            raise ValueError("a CUDA-graph cascade keeps its kernel: plan the same heads, "
+                             "head_dim, page size, dtypes and logits_soft_cap as the first plan")
+        if step.num_qo_rows > g["rows"]:
+            raise ValueError(f"a CUDA-graph cascade plans at most the first plan's "
+                             f"{g['rows']} query rows, got {step.num_qo_rows}")
+        if not g["layout"].fits(sched, step.batch_size, step.kv_indices.size):
+            raise ValueError(f"this cascade's schedule ({sched.num_work} items, "
+                             f"{sched.num_merge_nnz} partial rows) outgrows the layout the "
+                             f"first plan fixed ({g['layout'].plan}); plan the largest step "
+                             f"first")
+        return g["layout"]
 
 
 class _LevelWrapper(BatchPrefillWithPagedKVCacheWrapper):

@@ -275,15 +275,25 @@ class PrefillWrapperBase(WrapperBase):
             spec, most = PrefillSpec(*args, **flags), CTAS_PER_SM
         return spec, most
 
-    def _upload(self, step, spec, kernels, threads, sched, qo_start, qo_end) -> StepPlan:
+    def _upload(self, step, spec, kernels, threads, sched, qo_start, qo_end, *, layout=None,
+                keep=None) -> StepPlan:
         """Lay out the plan memory for ``sched`` and copy plan, page table, query ranges
-        (``qo_start`` [B] or the indptr, ``qo_end`` [B]) and masks there."""
+        (``qo_start`` [B] or the indptr, ``qo_end`` [B]) and masks there. ``layout``: a fixed
+        layout that holds the plan (CUDA-graph mode; default the plan's own); ``keep``: a dict
+        whose ``"launch"`` is made once and reused by every later plan (CUDA-graph mode: a
+        captured graph keeps the kernel arguments, and the scratch its fast path writes)."""
         mask_ptr, words = _packed_mask_words(step.masks, step.batch_size) if step.custom_mask \
             else (None, None)
         table = step.page_table
-        layout = WorkspaceLayout(PlanLayout.for_plan(sched), step.num_kv_heads,
-                                 step.num_qo_heads, step.head_dim, step.batch_size,
-                                 table[1].size, 0 if words is None else words.size)
+        if layout is None:
+            layout = WorkspaceLayout(PlanLayout.for_plan(sched), step.num_kv_heads,
+                                     step.num_qo_heads, step.head_dim, step.batch_size,
+                                     table[1].size, 0 if words is None else words.size)
+        launch = None if keep is None else keep.get("launch")
+        if launch is not None:
+            launch.bind(layout, step.sm_scale)
+            return self._stage_upload(step, spec, launch, layout, sched, table, qo_start,
+                                      qo_end, mask_ptr, words)
         kernel, (before, after) = kernels
         if before:  # the value scan runs on a grid of its own
             scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
@@ -299,12 +309,24 @@ class PrefillWrapperBase(WrapperBase):
                                  kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
                                  num_threads=threads, before=before,
                                  after=tuple(zip(after, grids, strict=True)))
+        if keep is not None:
+            keep["launch"] = launch
+        return self._stage_upload(step, spec, launch, layout, sched, table, qo_start, qo_end,
+                                  mask_ptr, words)
+
+    def _stage_upload(self, step, spec, launch, layout, sched, table, qo_start, qo_end,
+                      mask_ptr, words) -> StepPlan:
+        """Stage ``sched`` and the step's sections at ``layout``, copy them to the plan memory
+        on the current stream, and return the step plan bound to ``launch``."""
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end)
         launch.upload(staged, table, arrays.current_stream(self._workspace))
-        fast = None
-        if (self._torch_fast_path and self._backend == "cuda"
+        fast = launch.fast
+        if fast is not None:  # (a reused launch: its fast path follows the new plan)
+            fast.update(step.num_qo_rows, step.num_qo_heads, step.head_dim,
+                        int(table[1].max()) + 1 if table[1].size else 0)
+        elif (self._torch_fast_path and self._backend == "cuda"
                 and arrays.array_kind(self._workspace) == "torch"):
             # The paged cache's run() for torch tensors that match the plan: a few comparisons
             # and a prepared launch, like decode's.
