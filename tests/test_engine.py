@@ -158,6 +158,21 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
         engine = Engine(Replaying(model, 128, 4), 128, 4, prefix_cache=True)
         assert engine.run(requests) == results["auto"]
         assert engine.cascade_steps == cascades
+
+        # a runner that replays cascade steps too (TorchRunner's cascade_graphs) cascades
+        # them again, unless a step's levels outgrow its graph's tables
+        class ReplayingCascades(Replaying):
+            def replays_cascade(self, batch, levels=None, largest=largest_replayed, cap=None):
+                return batch <= largest and (levels is None or cap is None or all(
+                    int(p[-1]) <= cap for p in levels.paged_kv_indptr_arr))
+
+        engine = Engine(ReplayingCascades(model, 128, 4), 128, 4, prefix_cache=True)
+        assert engine.run(requests) == results["auto"]
+        assert engine.cascade_steps == len(sizes)
+        ReplayingCascades.replays_cascade.__defaults__ = (None, largest_replayed, 0)
+        engine = Engine(ReplayingCascades(model, 128, 4), 128, 4, prefix_cache=True)
+        assert engine.run(requests) == results["auto"]
+        assert engine.cascade_steps == cascades
     with pytest.raises(ValueError, match="cascade"):
         Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
 

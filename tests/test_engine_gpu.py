@@ -116,6 +116,9 @@ def test_cuda_graph_decode_gives_the_eager_tokens(weights):
     engine = _engine(model, prefix_cache=True, cuda_graphs=True)
     assert engine.run(requests) == eager
     assert engine.runner.graph_replays > 0
+    # decode steps over the shared prefix cascade under graphs too (the cascade wrapper's
+    # CUDA-graph mode), replayed from graphs of their own
+    assert engine.cascade_steps > 0 and any(levels for _, levels in engine.runner._graphs)
     # each step launched before the last one's tokens reach the host: the placeholders are
     # filled on the device, in the eager forward and in the graph's token buffer alike
     for graphs, pages in ((False, 256), (True, 256), (True, 14)):

@@ -151,7 +151,8 @@ class Engine:
         ``"auto"``: a decode-only step whose sequences share pages runs as a cascade (each
         shared run of pages read once for all its sequences, then each sequence's own pages,
         the states merged) when that saves at least :data:`CASCADE_MIN_SAVING` of the step's KV
-        reads and no CUDA graph replays the plain step (:attr:`CASCADE_RULE`); else paged.
+        reads and, when a CUDA graph would replay the plain step, the runner replays the
+        cascade step too (:attr:`CASCADE_RULE`); else paged.
     overlap : bool
         Launch each step before the previous one's tokens reach the host (module docstring);
         the runner must have ``sample`` and ``fetch``.
@@ -159,8 +160,9 @@ class Engine:
 
     CASCADE_MIN_SAVING = 0.25
     CASCADE_RULE = ("cascade when every sequence decodes one token, sharing pages saves >= 25 % "
-                    "of the step's KV reads and no CUDA graph replays the plain step (H200: an "
-                    "eager cascade step 15.7 ms, a replayed paged one 4.0); else paged attention")
+                    "of the step's KV reads and, when a CUDA graph replays the plain step, one "
+                    "replays the cascade step too (H200: an eager cascade step 15.7 ms, a "
+                    "replayed paged one 4.0); else paged attention")
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
                  max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto",
@@ -454,8 +456,12 @@ class Engine:
         The grouping depends only on the sequences and their page counts: it is reused until
         one of them gets a page (every ``page_size`` steps per sequence).
         """
+        # a replayed paged step beats an eager cascade (CASCADE_RULE): under graphs the cascade
+        # needs a runner that replays it too
+        replays = getattr(self.runner, "replays_decode", lambda batch: False)(len(plan))
+        cascade_replays = getattr(self.runner, "replays_cascade", lambda batch, levels=None: False)
         if self.cascade == "off" or len(plan) < 2 or any(n != 1 for _, n in plan) or \
-                getattr(self.runner, "replays_decode", lambda batch: False)(len(plan)):
+                (replays and not cascade_replays(len(plan))):
             return None
         ps = self.pool.page_size
         used = [-(-(seq.computed + 1) // ps) for seq, _ in plan]
@@ -468,7 +474,6 @@ class Engine:
         saved = ps * sum((len(members) - 1) * shared for members, shared in groups)
         if saved < self.CASCADE_MIN_SAVING * total:
             return None
-        self.cascade_steps += 1
         order = [i for members, _ in groups for i in members]
         plan[:] = [plan[i] for i in order]
         used = [used[i] for i in order]
@@ -487,10 +492,14 @@ class Engine:
                 last1.append(seq.computed + 1 - (used[b] - 1) * ps)
                 b += 1
         batch = len(plan)
-        return CascadeLevels([_int32(qo0), np.arange(batch + 1, dtype=np.int32)],
-                             [_int32(ptr0), _int32(ptr1)], [_int32(idx0), _int32(idx1)],
-                             [_int32(last0), _int32(last1)], np.arange(batch),
-                             np.arange(batch + 1, dtype=np.int32), np.arange(batch))
+        levels = CascadeLevels([_int32(qo0), np.arange(batch + 1, dtype=np.int32)],
+                               [_int32(ptr0), _int32(ptr1)], [_int32(idx0), _int32(idx1)],
+                               [_int32(last0), _int32(last1)], np.arange(batch),
+                               np.arange(batch + 1, dtype=np.int32), np.arange(batch))
+        if replays and not cascade_replays(batch, levels):  # (its tables outgrow the graph's)
+            return None
+        self.cascade_steps += 1
+        return levels
 
     @staticmethod
     def _share_groups(plan: list, used: list) -> list:

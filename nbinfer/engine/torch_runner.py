@@ -11,7 +11,10 @@ the largest bucket's batch is captured once per bucket size (1, 2, 4, ... rows) 
 each step plans the bucket's decode and append wrappers (their CUDA-graph mode: fixed buffers
 at fixed addresses), copies the tokens in and replays the whole forward pass, every layer's
 GEMMs, append and attention in one graph launch. A batch smaller than its bucket is padded
-with one-token sequences on a scratch page nobody else uses.
+with one-token sequences on a scratch page nobody else uses. A cascade decode step (the engine's
+levels) replays a graph of its own per bucket and level count, over
+:class:`~nbinfer.MultiLevelCascadeAttentionWrapper`'s CUDA-graph mode; its padding rows form one
+more level-0 segment and one segment each below, on the scratch page.
 
 torch is an optional dependency: importing this module needs it, the rest of nbinfer does not.
 """
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from ..api.append import PagedKVAppendWrapper
+from ..api.cascade import MultiLevelCascadeAttentionWrapper
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
 from ..api.dtypes import normalize_dtype
 from .runners import StepAttention
@@ -47,6 +51,9 @@ class TorchRunner:
         and the engine's overlap still overlaps).
     cuda_graphs : bool
         Capture plain decode steps once per batch bucket and replay them (module docstring).
+    cascade_graphs : bool
+        With ``cuda_graphs``, capture and replay cascade decode steps too (else they run
+        eagerly, and :class:`~nbinfer.engine.Engine`'s rule keeps replayed steps paged).
     graph_batch_sizes : sequence of int
         The buckets: a decode step of ``B`` sequences replays the smallest bucket ``>= B``;
         larger batches run eagerly.
@@ -56,7 +63,8 @@ class TorchRunner:
 
     def __init__(self, model: TorchLlama, num_pages: int, page_size: int, *,
                  workspace_bytes: int = 128 << 20, timing: bool = False,
-                 cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64)):
+                 cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                 cascade_graphs: bool = True):
         if not isinstance(model, TorchLlama):
             raise TypeError(f"model must be a TorchLlama, got {type(model).__name__}")
         if model.device.type != "cuda":
@@ -74,8 +82,10 @@ class TorchRunner:
         self.attention = StepAttention(self.workspace, self.caches[0], self.heads,
                                        normalize_dtype("model.dtype", model.dtype))
         self.cuda_graphs = bool(cuda_graphs)
+        self.cascade_graphs = self.cuda_graphs and bool(cascade_graphs)
         self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
-        self._graphs: dict[int, _DecodeGraph] = {}
+        # (bucket, 0) a decode step's graph; (bucket, levels) a cascade step's
+        self._graphs: dict[tuple, _DecodeGraph | _CascadeGraph] = {}
         self._rope_version = model.rope_version  # the RoPE table the graphs were captured on
         self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.graph_replays = 0
@@ -110,6 +120,26 @@ class TorchRunner:
         """Whether a plain decode step of ``batch`` sequences replays a CUDA graph."""
         return self.cuda_graphs and batch <= self.graph_batch_sizes[-1]
 
+    def replays_cascade(self, batch: int, levels=None) -> bool:
+        """Whether a cascade decode step of ``batch`` sequences (``levels``, when known) replays
+        a CUDA graph: its level tables must fit the graph's buffers (no level holds more than
+        the pool and the padding's scratch pages: a page repeats within a level only when some
+        but not all of a group share it, which the engine's two levels allow)."""
+        if not (self.cascade_graphs and batch <= self.graph_batch_sizes[-1]):
+            return False
+        cap = self.num_pages + self.graph_batch_sizes[-1] + 1
+        return levels is None or all(int(p[-1]) <= cap for p in levels.paged_kv_indptr_arr)
+
+    def _graph(self, batch: int, levels):
+        """The graph of a decode step of ``batch`` sequences (a cascade's with ``levels``)."""
+        size = next(b for b in self.graph_batch_sizes if b >= batch)
+        key = (size, 0 if levels is None else levels.num_levels)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _DecodeGraph(self, size) if levels is None else \
+                _CascadeGraph(self, size, levels.num_levels)
+        return graph
+
     def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                 levels=None, rows=None) -> torch.Tensor:
         """float32 logits ``[len(rows), vocab]`` (CUDA) of one step, as
@@ -121,13 +151,12 @@ class TorchRunner:
             # the graphs read the RoPE table they were captured with: capture them again
             self._graphs.clear()
             self._rope_version = self.model.rope_version
-        if levels is None and n == batch and self.replays_decode(batch):
-            size = next(b for b in self.graph_batch_sizes if b >= batch)
-            graph = self._graphs.get(size)
-            if graph is None:
-                graph = self._graphs[size] = _DecodeGraph(self, size)
+        if n == batch and (self.replays_decode(batch) if levels is None
+                           else self.replays_cascade(batch, levels)):
+            graph = self._graph(batch, levels)
             self.graph_replays += 1
-            logits = graph.step(tokens, positions, kv_indptr, kv_indices, kv_last_page_len)
+            logits = graph.step(tokens, positions, kv_indptr, kv_indices, kv_last_page_len,
+                                levels)
             if rows is None or np.array_equal(rows, np.arange(batch)):  # every row samples
                 return logits[:batch]
             return logits[self.to_device(rows)]
@@ -211,9 +240,7 @@ class _DecodeGraph:
         self.buffers = (torch.empty(size + 1, dtype=i32, device=dev),
                         torch.empty(self.max_pages, dtype=i32, device=dev),
                         torch.empty(size, dtype=i32, device=dev))
-        self.decode = BatchDecodeWithPagedKVCacheWrapper(
-            runner.workspace, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=self.buffers[0],
-            paged_kv_indices_buffer=self.buffers[1], paged_kv_last_page_len_buffer=self.buffers[2])
+        self.attention = self._wrapper()
         self.append = PagedKVAppendWrapper(runner.caches[0], "NHD")
         self.append.reserve(size, size, self.max_pages)
         self.tokens = torch.zeros(size, dtype=torch.int64, device=dev)
@@ -221,18 +248,30 @@ class _DecodeGraph:
         self.rows = np.arange(size, dtype=np.int32)
         self.graph, self.logits = None, None
 
+    def _wrapper(self):
+        return BatchDecodeWithPagedKVCacheWrapper(
+            self.runner.workspace, "NHD", use_cuda_graph=True,
+            paged_kv_indptr_buffer=self.buffers[0], paged_kv_indices_buffer=self.buffers[1],
+            paged_kv_last_page_len_buffer=self.buffers[2])
+
+    def _plan(self, indptr, indices, last, levels, batch) -> None:
+        """Plan the attention of the padded step (``levels``: the cascade's, unpadded)."""
+        self.attention.plan(indptr, indices, last, *self.runner.heads,
+                            q_data_type=self.runner.attention.dtype)
+
     def _forward(self):
         runner = self.runner
-        append, decode = self.append.run, self.decode.run
+        append, attention = self.append.run, self.attention.run
 
         def attend(layer, q, k, v):
             cache = runner.caches[layer]
             append(k, v, cache)
-            return decode(q, cache)
+            return attention(q, cache)
 
         return runner.model.forward(self.tokens, self.positions, attend)
 
-    def step(self, tokens, positions, kv_indptr, kv_indices, kv_last_page_len) -> torch.Tensor:
+    def step(self, tokens, positions, kv_indptr, kv_indices, kv_last_page_len,
+             levels=None) -> torch.Tensor:
         """float32 logits ``[size, vocab]`` of one decode step (the first ``len(tokens)`` rows
         are the batch's)."""
         runner = self.runner
@@ -243,8 +282,7 @@ class _DecodeGraph:
         last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(np.int32)
         # each row appends at the last slot of its KV (what the eager path derives the same way)
         pos = ((np.diff(indptr) - 1) * runner.page_size + last - 1).astype(np.int32)
-        self.decode.plan(indptr, indices, last, *runner.heads,
-                         q_data_type=runner.attention.dtype)
+        self._plan(indptr, indices, last, levels, batch)
         self.append.plan(self.rows, pos, indices, indptr, last)
         self.tokens[:batch].copy_(runner.resolve(tokens))
         self.tokens[batch:].zero_()
@@ -264,3 +302,44 @@ class _DecodeGraph:
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits
+
+
+class _CascadeGraph(_DecodeGraph):
+    """A cascade decode step of up to ``size`` sequences with ``num_levels`` levels, captured
+    once and replayed: the cascade wrapper's CUDA-graph mode in place of decode's. The padding
+    rows are one more segment of level 0 and one segment each in every level below, each on
+    the scratch page (its values are never read back)."""
+
+    def __init__(self, runner: TorchRunner, size: int, num_levels: int):
+        self.num_levels = num_levels
+        super().__init__(runner, size)
+
+    def _wrapper(self):
+        dev, i32, levels = self.runner.device, torch.int32, range(self.num_levels)
+        n = self.size + 1  # segments of a level: at most one per row, and the padding's
+        # the capacity TorchRunner.replays_cascade checks a step's levels against
+        pages = self.runner.num_pages + 2 * self.runner.graph_batch_sizes[-1] + 1
+        ptrs = [torch.empty(n + 1, dtype=i32, device=dev) for _ in levels]
+        return MultiLevelCascadeAttentionWrapper(
+            self.num_levels, self.runner.workspace, "NHD", True, ptrs, ptrs,
+            [torch.empty(pages, dtype=i32, device=dev) for _ in levels],
+            [torch.empty(n, dtype=i32, device=dev) for _ in levels])
+
+    def _plan(self, indptr, indices, last, levels, batch) -> None:
+        pad, scratch, i32 = self.size - batch, self.runner.num_pages, np.int32
+        qo, kv_ptr, kv_idx, kv_last = [], [], [], []
+        for lvl in range(self.num_levels):
+            segs = 1 if lvl == 0 else pad  # the padding rows: one segment, then one each
+            q = levels.qo_indptr_arr[lvl]
+            p = levels.paged_kv_indptr_arr[lvl]
+            if not pad:
+                segs = 0
+            ends = np.arange(1, segs + 1) if lvl else np.array([pad])[:segs]
+            qo.append(np.concatenate([q, batch + ends]).astype(i32))
+            kv_ptr.append(np.concatenate([p, p[-1] + np.arange(1, segs + 1)]).astype(i32))
+            kv_idx.append(np.concatenate([levels.paged_kv_indices_arr[lvl][:p[-1]],
+                                          np.full(segs, scratch)]).astype(i32))
+            kv_last.append(np.concatenate([levels.paged_kv_last_page_len_arr[lvl],
+                                           np.ones(segs)]).astype(i32))
+        self.attention.plan(qo, kv_ptr, kv_idx, kv_last, *self.runner.heads,
+                            q_data_type=self.runner.attention.dtype)
