@@ -98,7 +98,8 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
 
 def replay_ms(runner, reps=20):
     """GPU time of one replay of the largest captured decode step (its last plan: the final
-    KV lengths), CUDA events around back-to-back replays: the step without the host."""
+    KV lengths; the cascade step's graph when the run cascaded), CUDA events around
+    back-to-back replays: the step without the host."""
     graph = runner._graphs[max(runner._graphs)].graph
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -206,8 +207,9 @@ def main():
     rng = np.random.default_rng(0)
     plain = make_requests(rng, n, prompt, new, 0.0, cfg.vocab_size)
     shared = make_requests(rng, n, prompt, new, 0.9, cfg.vocab_size)
-    # as many requests as the runs (their decode steps fill the same graph bucket), short
-    warm = make_requests(rng, n, 16, 4, 0.5, cfg.vocab_size)
+    # as many requests as the runs (their decode steps fill the same graph bucket), short, two
+    # pages of them shared (a prefix-cache run's warm-up then captures its cascade graph too)
+    warm = make_requests(rng, n, 48, 4, 0.75, cfg.vocab_size)
     results = dict(device=torch.cuda.get_device_name(), model=cfg.name, dtype="bfloat16",
                    requests=n, prompt=prompt, new_tokens=new, page_size=PAGE,
                    step_tokens=a.step_tokens, layer_ops=a.layer_ops)
