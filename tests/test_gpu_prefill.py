@@ -342,17 +342,26 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
         # capture: merge_state_in_place allocated and launched on Numba's default stream)
         import torch
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            w.run(tq, tc)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = w.run(tq, tc)
+        graph, replayed = _capture(lambda: w.run(tq, tc))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, out)
+
+
+def _capture(fn):
+    """``(graph, fn's result in the graph's memory)``: ``fn`` warmed up on a side stream (what
+    torch asks before a capture), then captured."""
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        result = fn()
+    return graph, result
 
 
 def test_cuda_graph_cascade_replays_later_plans(rng):
@@ -388,14 +397,7 @@ def test_cuda_graph_cascade_replays_later_plans(rng):
         lv = levels(groups, prefix_pages, own_pages)
         w.plan(*lv, hq, hkv, d, ps, q_data_type="float16")
         if graph is None:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                w.run(q, cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = w.run(q, cache)
+            graph, out = _capture(lambda: w.run(q, cache))
         graph.replay()
         torch.cuda.synchronize()
         ref = reference.multi_level_cascade_attention(_np(q), lv[0], _np(cache), *lv[1:])
