@@ -56,7 +56,7 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
     need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
     pages = need + 64
     runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs, timing=timing,
-                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64))
+                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64), cascade_graphs=cascade)
 
     def engine():
         return Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),

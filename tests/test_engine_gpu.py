@@ -45,7 +45,8 @@ def _engine(model, num_pages=256, page_size=16, **kw):
     from nbinfer.engine.torch_runner import TorchRunner
 
     graphs = kw.pop("cuda_graphs", False)
-    runner = TorchRunner(model, num_pages, page_size, cuda_graphs=graphs)
+    runner = TorchRunner(model, num_pages, page_size, cuda_graphs=graphs,
+                         cascade_graphs=kw.pop("cascade_graphs", False))
     return Engine(runner, num_pages, page_size, max_step_tokens=kw.pop("max_step_tokens", 96),
                   **kw)
 
@@ -116,8 +117,10 @@ def test_cuda_graph_decode_gives_the_eager_tokens(weights):
     engine = _engine(model, prefix_cache=True, cuda_graphs=True)
     assert engine.run(requests) == eager
     assert engine.runner.graph_replays > 0
-    # decode steps over the shared prefix cascade under graphs too (the cascade wrapper's
-    # CUDA-graph mode), replayed from graphs of their own
+    # with cascade_graphs, decode steps over the shared prefix cascade under graphs too (the
+    # cascade wrapper's CUDA-graph mode), replayed from graphs of their own
+    engine = _engine(model, prefix_cache=True, cuda_graphs=True, cascade_graphs=True)
+    assert engine.run(requests) == eager
     assert engine.cascade_steps > 0 and any(levels for _, levels in engine.runner._graphs)
     # each step launched before the last one's tokens reach the host: the placeholders are
     # filled on the device, in the eager forward and in the graph's token buffer alike

@@ -11,8 +11,9 @@ the largest bucket's batch is captured once per bucket size (1, 2, 4, ... rows) 
 each step plans the bucket's decode and append wrappers (their CUDA-graph mode: fixed buffers
 at fixed addresses), copies the tokens in and replays the whole forward pass, every layer's
 GEMMs, append and attention in one graph launch. A batch smaller than its bucket is padded
-with one-token sequences on a scratch page nobody else uses. A cascade decode step (the engine's
-levels) replays a graph of its own per bucket and level count, over
+with one-token sequences on a scratch page nobody else uses. With ``cascade_graphs=True`` a
+cascade decode step (the engine's levels) replays a graph of its own per bucket and level count,
+over
 :class:`~nbinfer.MultiLevelCascadeAttentionWrapper`'s CUDA-graph mode; its padding rows form one
 more level-0 segment and one segment each below, on the scratch page.
 
@@ -53,7 +54,8 @@ class TorchRunner:
         Capture plain decode steps once per batch bucket and replay them (module docstring).
     cascade_graphs : bool
         With ``cuda_graphs``, capture and replay cascade decode steps too (else they run
-        eagerly, and :class:`~nbinfer.engine.Engine`'s rule keeps replayed steps paged).
+        eagerly, and :class:`~nbinfer.engine.Engine`'s rule keeps replayed steps paged). Off
+        by default until it has run on the H200 (built in session 21 on a CPU).
     graph_batch_sizes : sequence of int
         The buckets: a decode step of ``B`` sequences replays the smallest bucket ``>= B``;
         larger batches run eagerly.
@@ -64,7 +66,7 @@ class TorchRunner:
     def __init__(self, model: TorchLlama, num_pages: int, page_size: int, *,
                  workspace_bytes: int = 128 << 20, timing: bool = False,
                  cuda_graphs: bool = False, graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
-                 cascade_graphs: bool = True):
+                 cascade_graphs: bool = False):
         if not isinstance(model, TorchLlama):
             raise TypeError(f"model must be a TorchLlama, got {type(model).__name__}")
         if model.device.type != "cuda":
