@@ -292,38 +292,32 @@ class PrefillWrapperBase(WrapperBase):
         launch = None if keep is None else keep.get("launch")
         if launch is not None:
             launch.bind(layout, step.sm_scale)
-            return self._stage_upload(step, spec, launch, layout, sched, table, qo_start,
-                                      qo_end, mask_ptr, words)
-        kernel, (before, after) = kernels
-        if before:  # the value scan runs on a grid of its own
-            scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
-            before = tuple((k, scan_grid) for k in before)
-        grids = [None] * len(after)  # the guarded twin runs the main kernel's items: its grid
-        if getattr(spec, "defer_merge", False):
-            # The merge launch (last) takes one (list, kv head) pair per CTA: as many CTAs as
-            # fit, so that a cascade's 512 pairs run in one round instead of two on the main
-            # kernel's 396 CTAs.
-            grids[-1] = _merge_grid(self._backend, after[-1], threads)
-        launch = AttentionLaunch(spec, self._workspace, layout, self._backend, sched.num_ctas,
-                                 step.sm_scale, self._memory,
-                                 kernel=(kernel, prefill_signature(spec), PREFILL_PLAN_SECTIONS),
-                                 num_threads=threads, before=before,
-                                 after=tuple(zip(after, grids, strict=True)))
-        if keep is not None:
-            keep["launch"] = launch
-        return self._stage_upload(step, spec, launch, layout, sched, table, qo_start, qo_end,
-                                  mask_ptr, words)
-
-    def _stage_upload(self, step, spec, launch, layout, sched, table, qo_start, qo_end,
-                      mask_ptr, words) -> StepPlan:
-        """Stage ``sched`` and the step's sections at ``layout``, copy them to the plan memory
-        on the current stream, and return the step plan bound to ``launch``."""
+        else:
+            kernel, (before, after) = kernels
+            if before:  # the value scan runs on a grid of its own
+                scan_grid = persistent_ctas(self._backend, SCAN_CTAS_PER_SM)
+                before = tuple((k, scan_grid) for k in before)
+            # the guarded twin runs the main kernel's items: its grid
+            grids = [None] * len(after)
+            if getattr(spec, "defer_merge", False):
+                # The merge launch (last) takes one (list, kv head) pair per CTA: as many CTAs
+                # as fit, so that a cascade's 512 pairs run in one round instead of two on the
+                # main kernel's 396 CTAs.
+                grids[-1] = _merge_grid(self._backend, after[-1], threads)
+            launch = AttentionLaunch(spec, self._workspace, layout, self._backend,
+                                     sched.num_ctas, step.sm_scale, self._memory,
+                                     kernel=(kernel, prefill_signature(spec),
+                                             PREFILL_PLAN_SECTIONS),
+                                     num_threads=threads, before=before,
+                                     after=tuple(zip(after, grids, strict=True)))
+            if keep is not None:
+                keep["launch"] = launch
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end)
         launch.upload(staged, table, arrays.current_stream(self._workspace))
         fast = launch.fast
-        if fast is not None:  # (a reused launch: its fast path follows the new plan)
+        if fast is not None:  # (a kept launch: its fast path follows the new plan)
             fast.update(step.num_qo_rows, step.num_qo_heads, step.head_dim,
                         int(table[1].max()) + 1 if table[1].size else 0)
         elif (self._torch_fast_path and self._backend == "cuda"
