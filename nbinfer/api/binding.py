@@ -180,6 +180,14 @@ def page_table_fast(indptr, indices, last_page_len, page_size: int,
                                  names)
 
 
+def check_int32_buffer(name: str, buf) -> None:
+    """A caller's fixed buffer of a CUDA-graph wrapper: an array nbinfer takes, 1-D, int32."""
+    arrays.array_kind(buf, name)
+    check_ndim(name, buf, 1)
+    if arrays.dtype_name(buf) != "int32":
+        raise TypeError(f"{name} must be int32, got {arrays.dtype_name(buf)}")
+
+
 def frozen(a: np.ndarray) -> np.ndarray:
     """A read-only copy of ``a`` (plans hold snapshots, never the caller's arrays)."""
     a = np.array(a, copy=True)

@@ -105,9 +105,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                 raise ValueError(f"use_cuda_graph=True needs {name}: a list of num_levels="
                                  f"{self._levels} int32 arrays (fixed capacities)")
             for i, buf in enumerate(lst):
-                arrays.array_kind(buf, f"{name}[{i}]")
-                if len(getattr(buf, "shape", ())) != 1 or arrays.dtype_name(buf) != "int32":
-                    raise TypeError(f"{name}[{i}] must be a 1-D int32 array")
+                binding.check_int32_buffer(f"{name}[{i}]", buf)
         segments = [int(b.shape[0]) - 1 for b in bufs["paged_kv_indptr_buf_arr"]]
         for i, n in enumerate(segments):
             for name, want in (("qo_indptr_buf_arr", n + 1),

@@ -142,10 +142,7 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                              "addresses the captured kernel reads every step)")
         if use_cuda_graph:
             for name, buf in zip(names, buffers, strict=True):
-                arrays.array_kind(buf, name)
-                check_ndim(name, buf, 1)
-                if arrays.dtype_name(buf) != "int32":
-                    raise TypeError(f"{name} must be int32, got {arrays.dtype_name(buf)}")
+                binding.check_int32_buffer(name, buf)
         self._graph_buffers = buffers if use_cuda_graph else None
         self._graph_layout = None
         # Per-wrapper memos of what stays the same between steps: validated static arguments,
