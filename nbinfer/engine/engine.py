@@ -335,8 +335,8 @@ class Engine:
 
     def _prompts_in_flight(self) -> dict | None:
         """Running sequences whose prompt is not all in the prefix cache yet, by first page
-        (None without a prefix cache)."""
-        if self.tree is None:
+        (None without a prefix cache, or when no request waits: a decode step's case)."""
+        if self.tree is None or not self.waiting:
             return None
         ps = self.pool.page_size
         return {tuple(s.tokens[:ps]): s for s in self.running

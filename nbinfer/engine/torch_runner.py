@@ -86,6 +86,10 @@ class TorchRunner:
         self.cuda_graphs = bool(cuda_graphs)
         self.cascade_graphs = self.cuda_graphs and bool(cascade_graphs)
         self.graph_batch_sizes = tuple(sorted(int(b) for b in graph_batch_sizes))
+        # Pages one level of a replayed cascade step may hold (before its padding): a level's
+        # pages are distinct but for a page some, not all, of a group share (the engine's two
+        # levels allow that), so the pool plus one per sequence bounds what the engine makes.
+        self.cascade_level_pages = num_pages + self.graph_batch_sizes[-1] + 1
         # (bucket, 0) a decode step's graph; (bucket, levels) a cascade step's
         self._graphs: dict[tuple, _DecodeGraph | _CascadeGraph] = {}
         self._rope_version = model.rope_version  # the RoPE table the graphs were captured on
@@ -124,13 +128,11 @@ class TorchRunner:
 
     def replays_cascade(self, batch: int, levels=None) -> bool:
         """Whether a cascade decode step of ``batch`` sequences (``levels``, when known) replays
-        a CUDA graph: its level tables must fit the graph's buffers (no level holds more than
-        the pool and the padding's scratch pages: a page repeats within a level only when some
-        but not all of a group share it, which the engine's two levels allow)."""
+        a CUDA graph: no level may hold more than :attr:`cascade_level_pages` pages."""
         if not (self.cascade_graphs and batch <= self.graph_batch_sizes[-1]):
             return False
-        cap = self.num_pages + self.graph_batch_sizes[-1] + 1
-        return levels is None or all(int(p[-1]) <= cap for p in levels.paged_kv_indptr_arr)
+        return levels is None or all(int(p[-1]) <= self.cascade_level_pages
+                                     for p in levels.paged_kv_indptr_arr)
 
     def _graph(self, batch: int, levels):
         """The graph of a decode step of ``batch`` sequences (a cascade's with ``levels``)."""
@@ -319,8 +321,8 @@ class _CascadeGraph(_DecodeGraph):
     def _wrapper(self):
         dev, i32, levels = self.runner.device, torch.int32, range(self.num_levels)
         n = self.size + 1  # segments of a level: at most one per row, and the padding's
-        # the capacity TorchRunner.replays_cascade checks a step's levels against
-        pages = self.runner.num_pages + 2 * self.runner.graph_batch_sizes[-1] + 1
+        # what TorchRunner.replays_cascade admits, and a scratch page per padding segment
+        pages = self.runner.cascade_level_pages + self.size
         ptrs = [torch.empty(n + 1, dtype=i32, device=dev) for _ in levels]
         return MultiLevelCascadeAttentionWrapper(
             self.num_levels, self.runner.workspace, "NHD", True, ptrs, ptrs,
@@ -331,13 +333,11 @@ class _CascadeGraph(_DecodeGraph):
         pad, scratch, i32 = self.size - batch, self.runner.num_pages, np.int32
         qo, kv_ptr, kv_idx, kv_last = [], [], [], []
         for lvl in range(self.num_levels):
-            segs = 1 if lvl == 0 else pad  # the padding rows: one segment, then one each
-            q = levels.qo_indptr_arr[lvl]
+            # the padding rows' segment ends: one segment in level 0, one per row below
+            ends = np.arange(1, pad + 1) if lvl else np.array([pad] if pad else [], np.int64)
+            segs = ends.size
             p = levels.paged_kv_indptr_arr[lvl]
-            if not pad:
-                segs = 0
-            ends = np.arange(1, segs + 1) if lvl else np.array([pad])[:segs]
-            qo.append(np.concatenate([q, batch + ends]).astype(i32))
+            qo.append(np.concatenate([levels.qo_indptr_arr[lvl], batch + ends]).astype(i32))
             kv_ptr.append(np.concatenate([p, p[-1] + np.arange(1, segs + 1)]).astype(i32))
             kv_idx.append(np.concatenate([levels.paged_kv_indices_arr[lvl][:p[-1]],
                                           np.full(segs, scratch)]).astype(i32))
