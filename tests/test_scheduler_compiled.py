@@ -51,7 +51,7 @@ def test_equal_to_the_numpy_planner(kwargs):
 ])
 def test_equal_on_decode_steps(lens, rng):
     b = len(lens)
-    for ctas in (528, 7):
+    for ctas in (528, 7, 8, 1):  # the LPT tree's leaves: padded, exact, a single one
         p = _same(dict(qo_indptr=np.arange(b + 1), kv_lens=lens, num_qo_heads=32,
                        num_kv_heads=8, num_ctas=ctas, granule=256))
         assert p.num_work >= b * 8

@@ -15,21 +15,6 @@ jit = njit(cache=True, nogil=True)
 
 
 @jit
-def sift_down(heap, i, n):
-    key = heap[i]
-    while True:
-        child = 2 * i + 1
-        if child >= n:
-            break
-        if child + 1 < n and heap[child + 1] < heap[child]:
-            child += 1
-        if heap[child] >= key:
-            break
-        heap[i] = heap[child]
-        i = child
-    heap[i] = key
-
-@jit
 def blob_size(num_work, num_ctas, merge_rows, num_partials):
     # schedule()'s buffer: work [W, 7], cta_indptr [C + 1], cta_work [W], merge_rows [M],
     # merge_indptr [M + 1], merge_indices [P], item_merge [W], in that order
@@ -148,17 +133,21 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
                 work[w, 6] = prow
                 costs[w] = cost
                 w += 1
-    # 3. LPT: largest first (stable), each to the least-loaded CTA (key load * n + cta)
+    # 3. LPT: largest first (stable), each to the least-loaded CTA (least (load, cta))
     # The hkv items of a chunk are adjacent and cost the same, so sorting the chunks (stably)
     # and expanding each to its heads gives the items' stable order at 1/hkv of the sort. The
     # stable sort is a sort of unique keys, (largest cost - cost) * nchunks + chunk: values sort
-    # faster than an argsort, and need no stable one. Keys of the heap below reach
-    # cost * num_work * num_ctas: past 2**61 the NumPy planner takes the step (it never does
-    # for a real one), which also keeps these keys in range.
+    # faster than an argsort, and need no stable one. The CTAs' keys below are
+    # load << bits | cta (2**bits >= num_ctas) and reach cost * num_work * 2**bits: past 2**61
+    # the NumPy planner takes the step (it never does for a real one), which also keeps the
+    # sort's keys in range.
+    bits = 0
+    while (1 << bits) < num_ctas:
+        bits += 1
     max_cost = 0
     for c in range(nchunks):
         max_cost = max(max_cost, costs[c * hkv])
-    if max_cost * 1.0 * num_work * num_ctas >= 2.0**61:
+    if max_cost * 1.0 * num_work * (1 << bits) >= 2.0**61:
         return (_FALLBACK, blob[:0], 0, 0, 0, tile_q, tile_rows, kv_chunk)
     keys = np.empty(nchunks, np.int64)
     for c in range(nchunks):
@@ -178,16 +167,36 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
     for k in range(first):
         owner[k] = k
     if first < num_work:
-        heap = np.empty(num_ctas, np.int64)
-        for k in range(num_ctas):
-            heap[k] = (costs[order[k]] * num_ctas + k) if k < first else k
-        for i in range(num_ctas // 2 - 1, -1, -1):
-            sift_down(heap, i, num_ctas)
+        # A winner tree over the CTAs: leaf size + c holds CTA c's key load << bits | c (the
+        # order of (load, cta), as the definition's heap of load * num_ctas + cta; keys are
+        # unique, so any exact minimum gives the same owners), each inner node the least key
+        # below it, the root the least-loaded CTA. An update rewrites one leaf-to-root path of
+        # bits levels; the sibling read at each level does not wait on a comparison, where a
+        # heap's sift-down waits on one per level (2048 items on 528 CTAs: 20 -> 10 us on a
+        # 2-core VM, bench/NOTES.md, session 22).
+        size = 1 << bits
+        mask = size - 1
+        tree = np.empty(2 * size, np.int64)
+        for k in range(size):
+            if k < first:
+                tree[size + k] = (costs[order[k]] << bits) | k
+            elif k < num_ctas:
+                tree[size + k] = k  # an empty CTA (fewer positive items than CTAs)
+            else:
+                tree[size + k] = 9223372036854775807  # padding, never the least
+        for i in range(size - 1, 0, -1):
+            tree[i] = min(tree[2 * i], tree[2 * i + 1])
         for k in range(first, num_work):
-            top = heap[0]
-            owner[k] = top % num_ctas
-            heap[0] = top + costs[order[k]] * num_ctas
-            sift_down(heap, 0, num_ctas)
+            top = tree[1]
+            c = top & mask
+            owner[k] = c
+            v = top + (costs[order[k]] << bits)
+            i = size + c
+            tree[i] = v
+            while i > 1:
+                v = min(v, tree[i ^ 1])
+                i >>= 1
+                tree[i] = v
     cta_indptr[:] = 0
     for k in range(num_work):
         cta_indptr[owner[k] + 1] += 1
