@@ -22,8 +22,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from test_gpu_cache import CHILD  # noqa: E402
+from test_gpu_cache import CHILD as TEST_CHILD  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from compile import FROM_SOURCE_PROBE  # noqa: E402
+
+# the test's child, counting the modules it compiles from source (bench/compile.py)
+CHILD = FROM_SOURCE_PROBE + TEST_CHILD.replace(
+    'print(json.dumps({"elapsed": elapsed,',
+    'import sys\nprint(json.dumps({"elapsed": elapsed, "from_source": dict(_from_source), '
+    '"dont_write_bytecode": sys.flags.dont_write_bytecode,', 1)
 PROFILED = CHILD.replace(
     "t0 = time.perf_counter()\n",
     "t0 = time.perf_counter()\nimport cProfile, pstats, sys\n_pr = cProfile.Profile()\n"
@@ -48,9 +56,11 @@ def main():
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     assert "_pr.enable()" in PROFILED and "_pr.disable()" in PROFILED
+    assert '"from_source"' in CHILD
     with tempfile.TemporaryDirectory() as cache:
         cold, _ = child(CHILD, cache)
-        warm = [child(CHILD, cache)[0]["elapsed"] for _ in range(2)]
+        warm_runs = [child(CHILD, cache)[0] for _ in range(2)]
+        warm = [r["elapsed"] for r in warm_runs]
         _, importtime = child(CHILD, cache, "-X", "importtime")
         prof, profile = child(PROFILED, cache)
     rows = []
@@ -60,7 +70,9 @@ def main():
             rows.append((int(parts[1]), parts[2].rstrip()))
     rows.sort(reverse=True)
     text = (f"cold {cold['elapsed']:.3f} s; warm {', '.join(f'{t:.3f}' for t in warm)} s; "
-            f"profiled {prof['elapsed']:.3f} s\n\nslowest imports (cumulative us):\n"
+            f"profiled {prof['elapsed']:.3f} s\nmodules compiled from source in the warm "
+            f"process: {warm_runs[-1]['from_source'] or 'none'} (dont_write_bytecode "
+            f"{warm_runs[-1]['dont_write_bytecode']})\n\nslowest imports (cumulative us):\n"
             + "\n".join(f"{us:9d} {name}" for us, name in rows[:30]) + "\n\n" + profile)
     if a.out:
         Path(a.out).write_text(text)

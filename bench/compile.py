@@ -37,7 +37,20 @@ CASES = [
                                              page_size=1)),
 ]
 
-CHILD = """
+# Counts the modules this process compiles from source (no usable bytecode), by top-level
+# package: a wheel installed with ``pip --no-compile`` where bytecode is never written (the
+# device's numpy, session 22) is compiled again by every process, which a normal install is not.
+FROM_SOURCE_PROBE = """
+import collections, importlib.machinery
+_from_source = collections.Counter()
+_source_to_code = importlib.machinery.SourceFileLoader.source_to_code
+def _counted(self, *args, **kwargs):
+    _from_source[(self.name or "?").split(".")[0]] += 1
+    return _source_to_code(self, *args, **kwargs)
+importlib.machinery.SourceFileLoader.source_to_code = _counted
+"""
+
+CHILD = FROM_SOURCE_PROBE + """
 import json, sys, time
 import torch
 torch.zeros(1, device="cuda")
@@ -47,7 +60,8 @@ from nbinfer.kernels import compiled
 task = Task(**json.loads(sys.argv[1]))
 run_task(task)
 wall = time.perf_counter() - t0
-print(json.dumps({"wall": wall, "kernels": [
+print(json.dumps({"wall": wall, "from_source": dict(_from_source),
+                  "dont_write_bytecode": sys.flags.dont_write_bytecode, "kernels": [
     {"kind": kind, "from_cache": k.from_cache, "regs": k.regs, "timings": k.timings}
     for kind, _, k in compiled.LOADED]}))
 """
@@ -85,8 +99,12 @@ def main():
                                  cold_process_s=cold["wall"], warm_process_s=warm["wall"],
                                  warm_load_s=sum(w["timings"]["load"] for w in warm["kernels"]
                                                  if w["kind"] == k["kind"]),
-                                 warm_from_cache=all(w["from_cache"] for w in warm["kernels"])))
-            print(f"{label}: cold {cold['wall']:.2f} s, warm {warm['wall']:.2f} s", flush=True)
+                                 warm_from_cache=all(w["from_cache"] for w in warm["kernels"]),
+                                 warm_from_source=warm["from_source"],
+                                 dont_write_bytecode=warm["dont_write_bytecode"]))
+            print(f"{label}: cold {cold['wall']:.2f} s, warm {warm['wall']:.2f} s (modules "
+                  f"compiled from source in the warm process: {warm['from_source'] or 'none'})",
+                  flush=True)
     result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"),
                   command="python3 bench/compile.py", rows=rows)
     if args.out:

@@ -13,6 +13,10 @@ export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
 # The persistent kernel cache lives in the (git-ignored) checkout, so a later call on the same
 # machine, or a later session that carries the folder, starts warm.
 export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+# bytecode for the carried wheels and nbinfer (bench/session_lib.sh says why)
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+bytecode_ready
 before=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
 t0=$(date +%s)
 run() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }

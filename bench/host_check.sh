@@ -9,6 +9,10 @@ OUT=${OUT:-/tmp/nbinfer-out}
 mkdir -p "$OUT"
 export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
 export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+# bytecode for the carried wheels and nbinfer (bench/session_lib.sh says why)
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+bytecode_ready
 run() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
 t0=$(date +%s)
 run tests/test_gpu_decode.py tests/test_api_state.py tests/test_api_append.py >"$OUT/gpu_decode.log" 2>&1 &

@@ -10,7 +10,19 @@ session_env() {
   OUT=${OUT:-/tmp/nbinfer-out}
   export NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS=0 PYTHONUNBUFFERED=1
   export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
+  bytecode_ready
   status=0
+}
+
+# This workplace sets PYTHONDONTWRITEBYTECODE=1 and the run prefix installs the carried wheels
+# with --no-compile, so without this every Python process compiles numpy's and nbinfer's modules
+# from source (numpy 0.18-0.21 s instead of 0.05 s, nbinfer's decode path 0.09 s instead of
+# 0.02 s on the 2-core VM: bench/NOTES.md, session 22), which an installed package never does.
+# Byte-compile them once per call, as a pip install does (compileall writes whatever the flag).
+bytecode_ready() {
+  local dirs=(nbinfer)
+  [ -d /tmp/site ] && dirs+=(/tmp/site)
+  python3 -m compileall -q -j 0 "${dirs[@]}" >/dev/null 2>&1 || true
 }
 
 # session_env, $OUT/r for logs and JSON, t0 for elapsed times.
