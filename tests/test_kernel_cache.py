@@ -6,6 +6,7 @@ the one-second second process are gpu tests (tests/test_gpu_cache.py).
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -233,6 +234,46 @@ def test_a_kernel_is_keyed_by_the_sources_it_is_built_from():
     spec = _spec()
     assert kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.decode")[0] != \
         kernel_key("decode", spec, SIG, {}, (9, 0), "nbinfer.kernels.prefill_mma")[0]
+
+
+def _ast_sibling_imports(source):
+    # the definition the line scan stands in for: one-dot imports among top-level statements
+    out = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            out.extend([node.module.split(".")[0]] if node.module else
+                       [alias.name for alias in node.names])
+    return out
+
+
+@pytest.mark.parametrize("path", sorted((Path(cache.__file__).parent).glob("*.py")),
+                         ids=lambda p: p.name)
+def test_the_source_keys_line_scan_finds_what_ast_finds(path):
+    source = path.read_text()
+    assert cache.sibling_imports(source) == _ast_sibling_imports(source)
+
+
+def test_the_line_scan_reads_every_form_of_a_sibling_import():
+    source = textwrap.dedent('''\
+        """A docstring."""
+        import numpy as np
+        from .common import ARG, WORK_FIELDS
+        from .sub.deeper import thing
+        from . import warp, mma as tile_ops
+        from . import (  # the tile ops
+            loading,
+            positions as pos,  # comment
+        )
+        from ..variants import Variant
+        from .a import (x,
+                        y)
+
+
+        def later():
+            from .compiled import gpu_kernel  # host code, not the kernel's source
+        ''')
+    assert cache.sibling_imports(source) == _ast_sibling_imports(source) == [
+        "common", "sub", "warp", "mma", "loading", "positions", "a"]
 
 
 def test_an_unwritable_cache_folder_costs_the_reuse_not_the_kernel(tmp_path):
