@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import TOLERANCE, rel_err
 
-from nbinfer import reference
+from nbinfer import reference, scheduler
 from nbinfer import variants as V
 from nbinfer.api import prefill as prefill_api
 from nbinfer.api.prefill import (
@@ -65,6 +65,32 @@ def test_paged_prefill_mma(rng, qo_lens, kv_lens, hq, hkv, d, ps, layout, kw):
         q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, kv_layout=layout,
         return_lse=True, **kw)
     assert out.dtype == np.float16
+    _check(w, out, lse, ref, ref_lse)
+
+
+def test_l2_order_knob_sections_the_plan_and_keeps_the_result(rng, monkeypatch):
+    # a section of 1 KiB of D 64 fp16 KV is 4 tokens: every (request, kv head) pair its own
+    hq, hkv, d = 4, 2, 64
+    qo_indptr, kv_indptr = np.array([0, 7, 9, 20]), np.array([0, 30, 41, 60])
+    q = rng.standard_normal((20, hq, d)).astype(np.float16)
+    k = rng.standard_normal((60, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((60, hkv, d)).astype(np.float16)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    args = (qo_indptr, kv_indptr, hq, hkv, d)
+    w.plan(*args, q_data_type="float16", causal=True, fixed_split_size=8)
+    plain = w.schedule
+    monkeypatch.setattr(prefill_api, "PREFILL_L2_SECTION_MIB", 1 / 1024)
+    w.plan(*args, q_data_type="float16", causal=True, fixed_split_size=8)
+    assert prefill_api.l2_section_kv(w.step_plan.spec) == 4
+    want = scheduler.plan(qo_indptr, np.diff(kv_indptr), hq, hkv, plain.num_ctas,
+                          granule=plain.granule, causal=True, fixed_split_size=8,
+                          tile_q=plain.tile_q, item_overhead=plain.item_overhead,
+                          l2_section_kv=4)
+    assert w.schedule == want and not np.array_equal(want.cta_work, plain.cta_work)
+    assert np.array_equal(w.schedule.work, plain.work)
+    out, lse = w.run(q, k, v, return_lse=True)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        q, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
     _check(w, out, lse, ref, ref_lse)
 
 

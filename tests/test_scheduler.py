@@ -18,8 +18,9 @@ HEADS = [(1, 1), (4, 1), (8, 2), (4, 4), (6, 3)]
 
 
 @st.composite
-def batches(draw, max_batch=6):
-    """Keyword arguments of plan(): small ragged batches with every option drawn."""
+def batches(draw, max_batch=6, l2=True):
+    """Keyword arguments of plan(): small ragged batches with every option drawn (``l2``: the
+    L2 order too, which the compiled planner does not take)."""
     b = draw(st.integers(0, max_batch))
     qo = [1] * b if draw(st.booleans()) else draw(st.lists(st.integers(0, 9), min_size=b, max_size=b))
     hq, hkv = draw(st.sampled_from(HEADS))
@@ -31,7 +32,9 @@ def batches(draw, max_batch=6):
                 fixed_split_size=draw(st.one_of(st.none(), st.integers(1, 50))),
                 causal=draw(st.booleans()),
                 tile_q=draw(st.one_of(st.none(), st.sampled_from([1, 4, 16, 64]))),
-                item_overhead=draw(st.sampled_from([0, 0, 7, 64])))
+                item_overhead=draw(st.sampled_from([0, 0, 7, 64])),
+                **({"l2_section_kv": draw(st.sampled_from([None, None, 1, 50, 300]))}
+                   if l2 else {}))
 
 
 def visible(kv_len, qo_len, i, causal):
@@ -138,6 +141,52 @@ def test_lpt_is_textbook_lpt_and_meets_graham_bound(costs, m):
         opt = min(max(sum(c for c, a in zip(costs, assign, strict=True) if a == k) for k in range(m))
                   for assign in itertools.product(range(m), repeat=len(costs)))
         assert max(loads) * 3 * m <= (4 * m - 1) * opt
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 2)), max_size=9), st.integers(1, 4))
+def test_lpt_by_sections_takes_each_section_longest_first(items, m):
+    costs = np.array([c for c, _ in items], dtype=np.int64)
+    sections = np.array([s for _, s in items], dtype=np.int64)
+    indptr, work = lpt_assign(costs, m, sections=sections)
+    # textbook greedy over (section, -cost, index), loads carried across sections
+    loads, owner = [0] * m, {}
+    for i in sorted(range(len(items)), key=lambda i: (sections[i], -costs[i], i)):
+        c = min(range(m), key=lambda c: (loads[c], c))
+        owner[i], loads[c] = c, loads[c] + costs[i]
+    queues = [work[indptr[c]:indptr[c + 1]].tolist() for c in range(m)]
+    assert queues == [sorted((i for i in owner if owner[i] == c),
+                             key=lambda i: (sections[i], -costs[i], i)) for c in range(m)]
+    for q in queues:  # every CTA runs its sections in order
+        assert np.all(np.diff(sections[q]) >= 0)
+    if len(items):
+        assert max(loads) <= costs.sum() / m + costs.max()  # any greedy list schedule's bound
+    assert lpt_assign(costs, m, sections=np.zeros_like(costs))[1].tolist() == \
+        lpt_assign(costs, m)[1].tolist()  # one section: plain LPT
+    with pytest.raises(ValueError, match="sections"):
+        lpt_assign(costs, m, sections=np.zeros(len(items) + 1, dtype=np.int64))
+
+
+def test_l2_sections_reorder_the_queues_not_the_work():
+    # B4 L4096 H32 causal on 264 CTAs (the prefill benchmark): 16 MiB sections of D 128 fp16
+    # KV are 32768 tokens, 8 (request, head) pairs of 4096 tokens each
+    args = dict(qo_indptr=np.arange(5) * 4096, kv_lens=[4096] * 4, num_qo_heads=32,
+                num_kv_heads=32, num_ctas=264, granule=64, causal=True, tile_q=128,
+                item_overhead=256)
+    a, b = plan(**args), plan(**args, l2_section_kv=32768)
+    assert np.array_equal(a.work, b.work) and np.array_equal(a.merge_indices, b.merge_indices)
+    assert not np.array_equal(a.cta_work, b.cta_work)
+    pair = b.work[:, 0].astype(np.int64) * 32 + b.work[:, 1]
+    for c in range(b.num_ctas):  # each queue runs the pairs' sections in order
+        q = b.cta_work[b.cta_indptr[c]:b.cta_indptr[c + 1]]
+        assert np.all(np.diff(pair[q] // 8) >= 0)
+    # the first item of every CTA: 16-17 pairs for the sections, all 128 for plain LPT
+    def first_pairs(p):
+        first = p.work[p.cta_work[p.cta_indptr[:-1]]].astype(np.int64)
+        return len(set((first[:, 0] * 32 + first[:, 1]).tolist()))
+
+    assert first_pairs(a) == 128 and first_pairs(b) <= 24
+    assert b.cta_loads().max() <= a.cta_loads().max() * 1.01  # as balanced (the cost model)
 
 
 def test_unsplit_requests_write_directly():

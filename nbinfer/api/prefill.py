@@ -30,7 +30,7 @@ from .._checks import (
     check_sm_scale,
 )
 from ..formats import segment_packbits
-from ..kernels.common import PREFILL_PLAN_SECTIONS
+from ..kernels.common import ITEMSIZE, PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
 from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
@@ -117,6 +117,12 @@ LEAN_PREFETCH = None
 # rescales per tile only when a row's maximum grows by more than 2^8). None: off, until timed
 # (bench/prefill.py's ``glz`` token).
 LEAN_LAZY_RESCALE = None
+# The tensor-core kernels' work in L2 order (scheduler.plan's ``l2_section_kv``): LPT takes the
+# (request, kv head) pairs in sections of about this many MiB of KV, so the items running at
+# once read ~2 sections' KV (B4 L4096 H32 causal: ~32 MiB at 16, against 190 MiB for plain
+# LPT, whose first items span all 128 pairs; the CTAs' loads as balanced, by the cost model:
+# bench/NOTES.md, session 22). None: off, until timed (bench/prefill.py's ``o`` token).
+PREFILL_L2_SECTION_MIB = None
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
@@ -177,6 +183,17 @@ def mma_item_overhead(spec) -> int:
         return 0
     return 4 * spec.kv_tile if MMA_ITEM_OVERHEAD is None else int(MMA_ITEM_OVERHEAD)
 
+
+def l2_section_kv(spec) -> int | None:
+    """The planner's ``l2_section_kv`` for ``spec``'s kernel: :data:`PREFILL_L2_SECTION_MIB`
+    of KV (K and V rows of ``head_dim`` elements) in tokens, on the tensor-core kernels; None
+    (plain LPT) when the knob is off or on the CUDA-core kernel."""
+    if not PREFILL_L2_SECTION_MIB or not isinstance(spec, MmaPrefillSpec):
+        return None
+    token_bytes = 2 * spec.head_dim * ITEMSIZE[spec.kv_dtype]
+    return max(1, int(PREFILL_L2_SECTION_MIB * 2**20) // token_bytes)
+
+
 __all__ = ["BatchPrefillWithPagedKVCacheWrapper", "BatchPrefillWithRaggedKVCacheWrapper",
            "single_prefill_with_kv_cache"]
 
@@ -228,7 +245,8 @@ class PrefillWrapperBase(WrapperBase):
         sched = scheduler.plan(step.qo_indptr, step.kv_lens, num_qo_heads, num_kv_heads,
                                num_ctas, granule=MIN_CHUNK, causal=causal,
                                fixed_split_size=fixed_split_size, tile_q=spec.tile_q,
-                               item_overhead=mma_item_overhead(spec))
+                               item_overhead=mma_item_overhead(spec),
+                               l2_section_kv=l2_section_kv(spec))
         return self._upload(step, spec, (kernel, companions), threads, sched, step.qo_indptr,
                             np.ascontiguousarray(step.qo_indptr[1:]))
 

@@ -63,7 +63,8 @@ def integer_weights(alpha: float, beta: float) -> tuple[int, int]:
     return ia // g, ib // g
 
 
-def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+def lpt_assign(costs: np.ndarray, num_ctas: int, *,
+               sections: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Assign work items to ``num_ctas`` CTAs, longest first, each to the least-loaded CTA.
 
     Parameters
@@ -72,6 +73,12 @@ def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray
         Non-negative cost of every work item (see :func:`integer_costs`).
     num_ctas : int
         Number of CTA queues (``>= 1``).
+    sections : ndarray [W], integer, optional
+        Take the items section by section (in increasing section number), longest first
+        within each; the queues' loads carry over from one section to the next. Since every
+        CTA runs its queue in order, the items running at any moment then come from about one
+        section (:func:`nbinfer.scheduler.plan`'s ``l2_section_kv`` groups the items by the
+        KV they read, so that the KV in use fits the L2). None: one section, plain LPT.
 
     Returns
     -------
@@ -89,19 +96,27 @@ def lpt_assign(costs: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray
         raise ValueError(f"costs must be >= 0, got {int(costs.min())}")
     num_ctas = check_positive_int("num_ctas", num_ctas)
     num_items = costs.size
-    order = np.argsort(-costs, kind="stable")  # largest first; ties keep item order
+    if sections is None:
+        order = np.argsort(-costs, kind="stable")  # largest first; ties keep item order
+    else:
+        sections = np.asarray(sections).reshape(-1)
+        if sections.shape != costs.shape or sections.dtype.kind not in "iu":
+            raise ValueError(f"sections must be {costs.size} integers (one per item), got "
+                             f"{sections.dtype} {sections.shape}")
+        order = np.lexsort((-costs, sections))  # by section, then largest first (stable)
     sorted_costs = costs[order]
     owner = np.empty(num_items, dtype=np.int64)  # owner[k]: CTA of the k-th item in ``order``
 
     # While some CTA is still empty, the least-loaded CTA is the lowest-indexed empty one, so the
     # first ``num_ctas`` positive-cost items go to CTAs 0, 1, 2 ... without touching a heap.
     # (A zero-cost item would leave its CTA at load 0, which breaks that shortcut, so stop at it.)
-    first = min(num_ctas, int(np.count_nonzero(sorted_costs > 0)))
+    zero = sorted_costs <= 0
+    first = min(num_ctas, int(np.argmax(zero)) if zero.any() else num_items)
     owner[:first] = np.arange(first)
 
     if first < num_items:
         # Keys are load * num_ctas + cta; past int64 they must stay Python ints (still exact).
-        wide = int(sorted_costs[0]) * num_items * num_ctas >= _INT64_SAFE
+        wide = int(costs.max()) * num_items * num_ctas >= _INT64_SAFE
         head, rest = sorted_costs[:first], sorted_costs[first:]
         if wide:  # Python ints all the way: exact for any magnitude, a little slower
             heap = [int(c) * num_ctas + i for i, c in enumerate(head.tolist())]

@@ -102,7 +102,8 @@ def _check_weight(name: str, value) -> float:
 def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int, *,
          granule: int = 16, alpha: float = 1.0, beta: float = 1.0,
          fixed_split_size: int | None = None, causal: bool = False,
-         tile_q: int | None = None, item_overhead: int = 0) -> Plan:
+         tile_q: int | None = None, item_overhead: int = 0,
+         l2_section_kv: int | None = None) -> Plan:
     """Schedule one step: split every (request, kv head, query tile) into KV chunks and assign
     the chunks to CTAs, longest first.
 
@@ -136,6 +137,14 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
         start and end of an item (query load, pipeline fill, state write), which the byte count
         misses. 0 (the default) is the byte model; the tensor-core wrappers pass about four KV
         tiles (``nbinfer.api.prefill.mma_item_overhead``).
+    l2_section_kv : int, optional
+        Order the assignment for the L2: the (request, kv head) pairs, in order, are grouped
+        into sections of about this many KV tokens (summed over the pairs; a pair's own KV is
+        its request's), and LPT takes the sections one after another
+        (:func:`~.lpt.lpt_assign`'s ``sections``), so the items running at once read the KV of
+        about one section (FlashAttention-3 orders its tiles for the L2 the same way). None
+        (the default): plain LPT, whose first items span every pair at once. Changes which
+        CTA runs what and when, never the work items.
 
     Returns
     -------
@@ -162,6 +171,8 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
     if tile_q is not None:
         tile_q = check_positive_int("tile_q", tile_q)
     item_overhead = check_item_overhead(item_overhead)
+    if l2_section_kv is not None:
+        l2_section_kv = check_positive_int("l2_section_kv", l2_section_kv)
     hkv = int(num_kv_heads)
 
     # 1. query tiles ------------------------------------------------------------------------------
@@ -219,7 +230,13 @@ def plan(qo_indptr, kv_lens, num_qo_heads: int, num_kv_heads: int, num_ctas: int
 
     # 3. LPT -------------------------------------------------------------------------------------
     chunk_cost = integer_costs(rows[chunk_tile] * group, ke - ks + item_overhead, alpha, beta)
-    cta_indptr, cta_work = lpt_assign(np.repeat(chunk_cost, hkv), num_ctas)
+    sections = None
+    if l2_section_kv is not None:
+        # section of pair (b, h) = b * hkv + h: where its KV starts in the pairs' running sum
+        pair_kv = np.repeat(kv, hkv)
+        pair_section = (np.cumsum(pair_kv) - pair_kv) // l2_section_kv
+        sections = pair_section[(tile_req[chunk_tile] * hkv)[:, None] + np.arange(hkv)].ravel()
+    cta_indptr, cta_work = lpt_assign(np.repeat(chunk_cost, hkv), num_ctas, sections=sections)
 
     # 4b. reduction map --------------------------------------------------------------------------
     merge_rows, merge_indptr, merge_indices = reduction_map(
