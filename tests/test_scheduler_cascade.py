@@ -43,6 +43,34 @@ def test_every_row_merges_every_level_once(rng, hkv, ctas):
         np.testing.assert_array_equal(covered[:, lvl], kv[seg])
 
 
+@pytest.mark.parametrize("case", range(24))
+def test_the_compiled_loops_give_the_definitions_plan(rng, case):
+    # every option, three levels half the time, empty segments and rows without queries
+    rows = int(rng.integers(1, 30))
+    ptrs, kvs = _random_levels(rng, rows)
+    if case % 2:
+        ptrs = [ptrs[0], ptrs[1], np.union1d(ptrs[1], rng.integers(0, rows + 1, size=3))]
+        kvs = kvs + [rng.integers(0, 300, size=ptrs[2].size - 1)]
+    if case % 3 == 0:  # a level of repeated boundaries: segments without rows
+        ptrs[-1] = np.sort(np.concatenate([ptrs[-1], ptrs[-1][:2]]))
+        kvs[-1] = rng.integers(0, 300, size=ptrs[-1].size - 1)
+    hq, hkv = [(4, 1), (8, 2), (32, 8), (6, 6)][case % 4]
+    kw = dict(granule=int(rng.choice([1, 16, 64])), tile_q=[None, 16, 64][case % 3],
+              fixed_split_size=[None, 40][case % 2], alpha=[1.0, 3.0][case % 2],
+              item_overhead=[0, 128][case // 12])
+    ctas = int(rng.integers(1, 300))
+    want = cascade_plan(ptrs, kvs, hq, hkv, ctas, **kw)
+    got = cascade_plan(ptrs, kvs, hq, hkv, ctas, compiled=True, **kw)
+    assert got[0] == want[0]
+    for a, b in zip(got[1:], want[1:], strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    assert got[0].cta_work.flags.writeable is False  # frozen like every plan
+    trusted = cascade_plan([np.asarray(p, np.int64) for p in ptrs],
+                           [np.asarray(k, np.int64) for k in kvs], hq, hkv, ctas,
+                           compiled=True, trusted=True, **kw)
+    assert trusted[0] == want[0]
+
+
 def test_cascade_plan_errors():
     with pytest.raises(ValueError, match="non-empty"):
         cascade_plan([], [], 4, 1, 8)

@@ -25,11 +25,7 @@ NAMES = ("indptr", "indices", "last_page_len")
 
 
 def _same(kwargs):
-    # The compiled loops serve the CUDA-core decode, whose cost model is the byte model (no
-    # per-item overhead: that is the tensor-core kernels', planned by the NumPy planner).
-    kwargs = {**kwargs, "item_overhead": 0}
     want = plan(**kwargs)
-    del kwargs["item_overhead"]
     got, item_merge = plan_compiled(np.asarray(kwargs.pop("qo_indptr")),
                                     np.asarray(kwargs.pop("kv_lens"), dtype=np.int64), **kwargs)
     assert got == want

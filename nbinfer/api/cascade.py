@@ -23,6 +23,7 @@ sliding windows across levels raise an error (the reference engine,
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -30,7 +31,7 @@ import numpy as np
 from .. import reference
 from .._checks import check_heads, check_positive_int, check_sm_scale
 from ..reference.cascade import _check_levels
-from ..scheduler import PlanLayout
+from ..scheduler import PlanLayout, compiled
 from ..scheduler.cascade import cascade_plan
 from ..scheduler.planner import check_weights
 from ..variants import from_flashinfer_args
@@ -169,11 +170,15 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                                  f"got {got}")
         qo = [binding.frozen(arrays.host_int32(p, f"qo_indptr_arr[{i}]"))
               for i, p in enumerate(qo_indptr_arr)]
-        tables = [binding.page_table(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
-                                     paged_kv_last_page_len[lvl], page_size,
-                                     names=(f"paged_kv_indptr_arr[{lvl}]",
-                                            f"paged_kv_indices_arr[{lvl}]",
-                                            f"paged_kv_last_page_len[{lvl}]"))
+        # int32 tables in one compiled pass each once the compiled loops serve this wrapper
+        # (the same checks and snapshots; any other table, and every error, goes through the
+        # NumPy validator)
+        check = binding.page_table_fast if self._fused._planned or compiled.loaded() else \
+            binding.page_table
+        tables = [check(paged_kv_indptr_arr[lvl], paged_kv_indices_arr[lvl],
+                        paged_kv_last_page_len[lvl], page_size,
+                        names=(f"paged_kv_indptr_arr[{lvl}]", f"paged_kv_indices_arr[{lvl}]",
+                               f"paged_kv_last_page_len[{lvl}]"))[:4]
                   for lvl in range(self._levels)]
         host = [[t[i] for t in tables] for i in range(4)]  # indptrs, indices, lasts, kv_lens
         nnz = int(qo[-1][-1]) if qo[-1].size else 0
@@ -182,7 +187,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
-        var = from_flashinfer_args(causal=causal, logits_soft_cap=logits_soft_cap,
+        var = _variant(causal=causal, logits_soft_cap=logits_soft_cap,
                                    num_qo_heads=num_qo_heads)
         if CASCADE_LAUNCH not in (None, "levels"):
             raise ValueError(f"CASCADE_LAUNCH must be None or 'levels', got {CASCADE_LAUNCH!r}")
@@ -278,8 +283,28 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         return (o, s) if return_lse else o
 
 
+@functools.lru_cache(maxsize=64)
+def _cached_variant(causal, logits_soft_cap, num_qo_heads, types):
+    return from_flashinfer_args(causal=causal, logits_soft_cap=logits_soft_cap,
+                                num_qo_heads=num_qo_heads)
+
+
+def _variant(*, causal=False, logits_soft_cap=None, num_qo_heads=None):
+    """:func:`~nbinfer.variants.from_flashinfer_args` of a cascade plan's flags, built once per
+    distinct set (variants are immutable; building one checks every hook: ~10 us, twice per
+    serving step's plan())."""
+    args = (causal, logits_soft_cap, num_qo_heads)
+    try:
+        return _cached_variant(*args, tuple(map(type, args)))
+    except TypeError:  # unhashable: the builder names what is wrong
+        return from_flashinfer_args(causal=causal, logits_soft_cap=logits_soft_cap,
+                                    num_qo_heads=num_qo_heads)
+
+
 class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     """All levels of a cascade as one paged-prefill launch (virtual requests, one merge map)."""
+
+    _planned = False  # whether a plan was built (the compiled planner from the second on)
 
     _indices_name = "paged_kv_indices_arr"
     # Every row is merged from its items (cascade_plan gives each item partial rows, even in a
@@ -312,16 +337,21 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
         step = StepPlan(batch, nnz, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
                         normalize_dtype("kv_data_type", kv_data_type or q_data_type),
                         check_sm_scale(sm_scale, head_dim),
-                        from_flashinfer_args(logits_soft_cap=logits_soft_cap,
+                        _variant(logits_soft_cap=logits_soft_cap,
                                              num_qo_heads=num_qo_heads),
                         binding.frozen(np.array([0, nnz], np.int32)), *table,
                         binding.frozen(np.concatenate(kv_lens)), (None,) * batch)
         spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
+        # As decode's plan(): the NumPy planner the first time (a script that plans once never
+        # loads Numba's CPU target), then the compiled loops: the same plan, a serving step's
+        # cascade planned in ~20x less time (bench/NOTES.md, session 22).
+        fast = self._backend != "reference" and (self._planned or compiled.loaded())
         sched, qo_start, qo_end, _ = cascade_plan(qo, kv_lens, num_qo_heads, num_kv_heads,
                                                   num_ctas, granule=MIN_CHUNK,
                                                   tile_q=spec.tile_q,
                                                   item_overhead=mma_item_overhead(spec),
-                                                  **schedule)
+                                                  compiled=fast, trusted=True, **schedule)
+        self._planned = True
         layout = None if self._graph is None else self._graph_layout(
             step, spec, sched, len(qo), schedule["fixed_split_size"])
         return self._upload(step, spec, (kernel, companions), threads, sched, qo_start, qo_end,

@@ -43,7 +43,8 @@ def table_views(snap, batch):
 
 
 @jit
-def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causal, tile_q):
+def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causal, tile_q,
+             overhead):
     batch = qo_indptr.size - 1
     num_rows = qo_indptr[batch]
     # 1. query tiles
@@ -122,7 +123,7 @@ def schedule(qo_indptr, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, causa
             ks = c * t_size[t]
             ke = min(ks + t_size[t], t_eff[t])
             prow = t_base[t] + c * t_rows[t] if t_base[t] >= 0 else -1
-            cost = wq * (t_rows[t] * group) + wkv * (ke - ks)
+            cost = wq * (t_rows[t] * group) + wkv * (ke - ks + overhead)
             for h in range(hkv):
                 work[w, 0] = t_req[t]
                 work[w, 1] = h
@@ -318,9 +319,9 @@ def check_and_schedule(indptr, indices, last, page_size, qo_indptr, hkv, group, 
     table = check_table(indptr, indices, last, page_size)
     if table[0] != _OK or table[2].size != qo_indptr.size - 1:
         return table, schedule(qo_indptr[:1], table[2][:0], hkv, group, num_ctas, granule, wq,
-                               wkv, fixed, causal, tile_q)
+                               wkv, fixed, causal, tile_q, 0)
     return table, schedule(qo_indptr, table[2], hkv, group, num_ctas, granule, wq, wkv, fixed,
-                           causal, tile_q)
+                           causal, tile_q, 0)
 
 
 @jit
@@ -355,3 +356,54 @@ def check_schedule_pack(indptr, indices, last, page_size, qo_indptr, hkv, group,
     pack(out, caps[5], off, h, work, cta_indptr, cta_work, merge_rows, merge_indptr,
          merge_indices, caps[1], caps[6], item_merge, item_merge_off, ptr, idx, lst, table_off)
     return table, res, True
+
+
+@jit
+def cascade_map(work, hkv, num_partials, qo_start, nnz):
+    # cascade_plan's rebuild of a base plan over virtual requests: every chunk that wrote its
+    # rows directly gets partial rows after the planner's own, and the reduction map is rebuilt
+    # over the real rows (virtual request v's rows start at real row qo_start[v]), each row's
+    # entries in the order the chunks come (level, then KV start: what cascade_plan's lexsort
+    # gives). Returns (work with the new partial rows, partial rows in all, merge_rows,
+    # merge_indptr, merge_indices).
+    nch = work.shape[0] // hkv
+    out = work.copy()
+    prow = np.empty(nch, np.int64)
+    total = num_partials
+    count = np.zeros(nnz + 1, np.int64)
+    for c in range(nch):
+        w = c * hkv
+        rows = work[w, 3] - work[w, 2]
+        p = work[w, 6]
+        if p < 0:
+            p = total
+            total += rows
+        prow[c] = p
+        for h in range(hkv):
+            out[w + h, 6] = p
+        first = qo_start[work[w, 0]] + work[w, 2]
+        for j in range(rows):
+            count[first + j + 1] += 1
+    m = 0
+    for r in range(nnz):
+        if count[r + 1] > 0:
+            m += 1
+    merge_rows = np.empty(m, np.int32)
+    merge_indptr = np.empty(m + 1, np.int32)
+    merge_indptr[0] = 0
+    m = 0
+    for r in range(nnz):
+        if count[r + 1] > 0:
+            merge_rows[m] = r
+            merge_indptr[m + 1] = merge_indptr[m] + count[r + 1]
+            m += 1
+        count[r + 1] += count[r]  # now the first entry of row r + 1
+    merge_indices = np.empty(count[nnz], np.int32)
+    for c in range(nch):
+        w = c * hkv
+        first = qo_start[work[w, 0]] + work[w, 2]
+        for j in range(work[w, 3] - work[w, 2]):
+            r = first + j
+            merge_indices[count[r]] = prow[c] + j
+            count[r] += 1
+    return out, total, merge_rows, merge_indptr, merge_indices

@@ -28,7 +28,7 @@ __all__ = ["cascade_plan"]
 def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_heads: int,
                  num_ctas: int, *, granule: int = 16, tile_q: int | None = None,
                  fixed_split_size: int | None = None, alpha: float = 1.0, beta: float = 1.0,
-                 item_overhead: int = 0):
+                 item_overhead: int = 0, compiled: bool = False, trusted: bool = False):
     """Schedule all levels of a cascade as one plan.
 
     Parameters
@@ -41,6 +41,13 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     num_qo_heads, num_kv_heads, num_ctas : int
     granule, tile_q, fixed_split_size, alpha, beta, item_overhead : optional
         As :func:`nbinfer.scheduler.plan` (chunking and the LPT cost model, over all levels).
+    compiled : bool, optional
+        Schedule with the compiled loops (:mod:`nbinfer.scheduler.compiled`: the same plan,
+        ~20x less host time on a serving step; the wrappers ask for them from their second
+        plan on). False: the NumPy definition below.
+    trusted : bool, optional
+        The arrays are already checked (int arrays that agree with each other: the cascade
+        wrapper's plan() validates them under its own argument names): skip the checks.
 
     Returns
     -------
@@ -52,26 +59,22 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     level : int32 array [V]
         Level of each virtual request.
     """
-    if not isinstance(qo_indptr_levels, (list, tuple)) or not qo_indptr_levels:
-        raise ValueError("qo_indptr_levels must be a non-empty list of arrays")
-    if not isinstance(kv_lens_levels, (list, tuple)) or len(kv_lens_levels) != len(
-            qo_indptr_levels):
-        raise ValueError(f"kv_lens_levels must be a list of {len(qo_indptr_levels)} arrays (one "
-                         f"per level)")
-    ptrs = [check_indptr(f"qo_indptr_levels[{i}]", p) for i, p in enumerate(qo_indptr_levels)]
-    kvs = [as_index_array(f"kv_lens_levels[{i}]", k) for i, k in enumerate(kv_lens_levels)]
-    for i, (p, k) in enumerate(zip(ptrs, kvs, strict=True)):
-        if k.size != p.size - 1:
-            raise ValueError(f"kv_lens_levels[{i}] must have {p.size - 1} entries, got {k.size}")
-        if p[-1] != ptrs[0][-1]:
-            raise ValueError(f"qo_indptr_levels[{i}] ends at {int(p[-1])}, level 0 at "
-                             f"{int(ptrs[0][-1])}: every level covers the same rows")
+    if trusted:
+        ptrs, kvs = qo_indptr_levels, kv_lens_levels
+    else:
+        ptrs, kvs = _check(qo_indptr_levels, kv_lens_levels)
     qo_start = np.concatenate([p[:-1] for p in ptrs]).astype(np.int64)
     qo_end = np.concatenate([p[1:] for p in ptrs]).astype(np.int64)
     level = np.concatenate([np.full(p.size - 1, i) for i, p in enumerate(ptrs)])
     kv = np.concatenate(kvs).astype(np.int64)
     virt = np.zeros(qo_start.size + 1, dtype=np.int64)
     np.cumsum(qo_end - qo_start, out=virt[1:])
+    i32 = np.int32
+    if compiled:
+        return _cascade_compiled(virt, kv, qo_start, qo_end, level, int(ptrs[0][-1]),
+                                 num_qo_heads, num_kv_heads, num_ctas, granule=granule,
+                                 tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha,
+                                 beta=beta, item_overhead=item_overhead)
     base = plan_batch(virt, kv, num_qo_heads, num_kv_heads, num_ctas, granule=granule,
                       tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha, beta=beta,
                       item_overhead=item_overhead)
@@ -104,9 +107,39 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
 
     work = base.work.copy()  # the base plan's arrays are frozen
     work[:, 6] = np.repeat(prow, hkv)
-    i32 = np.int32
     plan = dataclasses.replace(
         base, work=work, merge_rows=merge_rows.astype(i32),
         merge_indptr=merge_indptr.astype(i32), merge_indices=merge_indices.astype(i32),
         num_partials=num_partials, num_qo_rows=int(ptrs[0][-1]))
     return plan, qo_start.astype(i32), qo_end.astype(i32), level.astype(i32)
+
+
+def _check(qo_indptr_levels, kv_lens_levels) -> tuple[list, list]:
+    """:func:`cascade_plan`'s arguments checked: ``(qo indptrs, kv lengths)``, int arrays."""
+    if not isinstance(qo_indptr_levels, (list, tuple)) or not qo_indptr_levels:
+        raise ValueError("qo_indptr_levels must be a non-empty list of arrays")
+    if not isinstance(kv_lens_levels, (list, tuple)) or len(kv_lens_levels) != len(
+            qo_indptr_levels):
+        raise ValueError(f"kv_lens_levels must be a list of {len(qo_indptr_levels)} arrays (one "
+                         f"per level)")
+    ptrs = [check_indptr(f"qo_indptr_levels[{i}]", p) for i, p in enumerate(qo_indptr_levels)]
+    kvs = [as_index_array(f"kv_lens_levels[{i}]", k) for i, k in enumerate(kv_lens_levels)]
+    for i, (p, k) in enumerate(zip(ptrs, kvs, strict=True)):
+        if k.size != p.size - 1:
+            raise ValueError(f"kv_lens_levels[{i}] must have {p.size - 1} entries, got {k.size}")
+        if p[-1] != ptrs[0][-1]:
+            raise ValueError(f"qo_indptr_levels[{i}] ends at {int(p[-1])}, level 0 at "
+                             f"{int(ptrs[0][-1])}: every level covers the same rows")
+    return ptrs, kvs
+
+
+def _cascade_compiled(virt, kv, qo_start, qo_end, level, nnz, num_qo_heads, num_kv_heads,
+                      num_ctas, **options):
+    """:func:`cascade_plan`'s result from the compiled loops (the same plan)."""
+    from . import compiled
+
+    compiled.load()
+    base, _ = compiled.plan_compiled(virt, kv, num_qo_heads, num_kv_heads, num_ctas, **options)
+    i32 = np.int32
+    return (compiled.cascade_rebuild(base, qo_start, nnz), qo_start.astype(i32),
+            qo_end.astype(i32), level.astype(i32))

@@ -13,7 +13,9 @@ packing of the plan into the staging buffer (:meth:`PlanLayout.pack`'s format):
 - :func:`plan_compiled`: exactly :func:`nbinfer.scheduler.plan`'s :class:`Plan` (every array
   equal; ``tests/test_scheduler_compiled.py`` compares them on random batches), plus each work
   item's merge list;
-- :func:`pack_compiled`: exactly :meth:`PlanLayout.pack` into a given buffer.
+- :func:`pack_compiled`: exactly :meth:`PlanLayout.pack` into a given buffer;
+- :func:`cascade_rebuild`: :func:`nbinfer.scheduler.cascade_plan`'s partial rows and reduction
+  map over the real rows, for a plan of its virtual requests.
 
 The rare inputs the loops do not take (cost keys that could pass 2**61, counts past int32) go
 to the NumPy planner, so the result is always the definition's.
@@ -30,8 +32,8 @@ from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["PendingPlan", "check_and_plan", "check_page_table_fast", "load", "loaded",
-           "pack_compiled", "plan_compiled"]
+__all__ = ["PendingPlan", "cascade_rebuild", "check_and_plan", "check_page_table_fast", "load",
+           "loaded", "pack_compiled", "plan_compiled"]
 
 _OK = 0  # _loops.schedule returns 1 for the steps it hands to the NumPy planner
 
@@ -43,7 +45,7 @@ def _kernels():
     from . import _loops
 
     return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
-            _loops.check_schedule_pack)
+            _loops.check_schedule_pack, _loops.cascade_map)
 
 
 def loaded() -> bool:
@@ -75,6 +77,9 @@ def load() -> None:
             check_and_plan(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1,
                            "abc", _frozen(np.arange(2, dtype=np.int32), True), 1, 1, 1,
                            speculate=speculate)
+    # the cascade's rebuild of its virtual requests' plan (scheduler.cascade_plan)
+    base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
+    _kernels()[5](base.work, 1, base.num_partials, np.zeros(1, dtype=np.int64), 1)
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
@@ -152,7 +157,7 @@ def sched_views(blob: np.ndarray, num_work: int, num_ctas: int, merge_rows: int,
 def plan_compiled(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_qo_heads: int,
                   num_kv_heads: int, num_ctas: int, *, granule: int = 16, alpha: float = 1.0,
                   beta: float = 1.0, fixed_split_size: int | None = None, causal: bool = False,
-                  tile_q: int | None = None) -> tuple[Plan, np.ndarray]:
+                  tile_q: int | None = None, item_overhead: int = 0) -> tuple[Plan, np.ndarray]:
     """``(plan(...), item_merge)`` for arguments the caller has already validated.
 
     ``qo_indptr`` and ``kv_lens`` are valid int32 or int64 host arrays, the integers positive
@@ -161,17 +166,17 @@ def plan_compiled(qo_indptr: np.ndarray, kv_lens: np.ndarray, num_qo_heads: int,
     item writes its output directly), as :func:`nbinfer.api.workspace.item_merge_lists` gives.
     """
     args = (qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha, beta,
-            fixed_split_size, causal, tile_q)
+            fixed_split_size, causal, tile_q, item_overhead)
     return _plan_of(_schedule(*args), *args)
 
 
 def _schedule(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha, beta,
-              fixed_split_size, causal, tile_q) -> tuple:
+              fixed_split_size, causal, tile_q, item_overhead) -> tuple:
     """``_loops.schedule``'s raw result for :func:`plan_compiled`'s arguments."""
     wq, wkv = _weights(alpha, beta)
     return _kernels()[0](qo_indptr, kv_lens, num_kv_heads, num_qo_heads // num_kv_heads,
                          num_ctas, granule, wq, wkv, fixed_split_size or 0, bool(causal),
-                         tile_q or 0)
+                         tile_q or 0, int(item_overhead))
 
 
 class PendingPlan:
@@ -210,7 +215,7 @@ class PendingPlan:
 
 
 def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, alpha,
-             beta, fixed_split_size, causal, tile_q) -> tuple[Plan, np.ndarray]:
+             beta, fixed_split_size, causal, tile_q, item_overhead) -> tuple[Plan, np.ndarray]:
     """``(Plan, item_merge)`` from ``_loops.schedule``'s result, or from the NumPy planner for
     the steps the loops hand back."""
     if res[0] != _OK:  # counts past int32 (plan raises) or huge cost keys (plan handles them)
@@ -218,7 +223,7 @@ def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, gran
 
         sched = plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule=granule,
                      alpha=alpha, beta=beta, fixed_split_size=fixed_split_size, causal=causal,
-                     tile_q=tile_q)
+                     tile_q=tile_q, item_overhead=item_overhead)
         return sched, item_merge_lists(sched)
     _, blob, num_work, merge_rows_n, num_partials, tile_q_used, tile_rows, kv_chunk = res
     work, cta_indptr, cta_work, merge_rows, merge_indptr, merge_indices, item_merge = \
@@ -230,8 +235,23 @@ def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, gran
         num_qo_heads=int(num_qo_heads), num_kv_heads=int(num_kv_heads), tile_q=int(tile_q_used),
         tile_rows=int(tile_rows), kv_chunk=int(kv_chunk), granule=int(granule),
         causal=bool(causal), fixed_split_size=fixed_split_size, alpha=float(alpha),
-        beta=float(beta))
+        beta=float(beta), item_overhead=int(item_overhead))
     return sched, item_merge
+
+
+def cascade_rebuild(base: Plan, qo_start: np.ndarray, nnz: int) -> Plan:
+    """:func:`nbinfer.scheduler.cascade_plan`'s rebuild of ``base`` (the compiled plan of its
+    virtual requests, whose rows start at real row ``qo_start[v]``, ``nnz`` real rows): every
+    chunk that wrote its rows directly gets partial rows after the planner's, and the reduction
+    map is rebuilt over the real rows, in one compiled pass (``_loops.cascade_map``: a counting
+    sort over the rows in the chunks' order, which is the definition's (row, level, KV start)
+    lexsort order)."""
+    work, num_partials, merge_rows, merge_indptr, merge_indices = _kernels()[5](
+        base.work, base.num_kv_heads, base.num_partials, qo_start, nnz)
+    return Plan._from_scheduler(**{
+        **{f: getattr(base, f) for f in base.__dataclass_fields__}, "work": work,
+        "merge_rows": merge_rows, "merge_indptr": merge_indptr, "merge_indices": merge_indices,
+        "num_partials": int(num_partials), "num_qo_rows": int(nnz)})
 
 
 def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_indptr,
@@ -275,7 +295,7 @@ def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_ind
         ptr, idx, last, kv_lens, pages = check_page_table_fast(indptr, indices, last_page_len,
                                                                page_size, names)
     args = (qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, granule, 1.0, 1.0,
-            fixed_split_size, False, None)
+            fixed_split_size, False, None, 0)
     if not checked:
         res = _schedule(*args)
     return ptr, idx, last, kv_lens, pages, PendingPlan(res, args), bool(packed)
