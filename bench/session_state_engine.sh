@@ -4,7 +4,11 @@
 # then the shared-prefix cascade (bench/prefill.py: the level-by-level form under graph replay
 # now that its merge can be captured) and the engine's shared-prefix rows (bench/engine.py
 # --shared-only: the prefix cache's in-flight wait and decode steps that no longer walk the
-# radix tree). Logs and JSON in $OUT/results.tgz (KEEP_R=1 leaves the files too).
+# radix tree; since session 22 the cascade's plan() on the compiled loops). Then issue 14's
+# requirement 1 in seconds: warm processes against the carried cache (bench/compile.py
+# --warm-from), without and with bytecode for numpy and nbinfer (session 22: this workplace
+# writes none, so every process compiled them from source). Logs and JSON in
+# $OUT/results.tgz (KEEP_R=1 leaves the files too).
 #   CACHE_BACK=1 KEEP_R=1 bash bench/session_state_engine.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -24,4 +28,14 @@ grep -E "shared prefix|levels|graph" "$OUT/r/prefill.log" | cut -c1-400
 python3 bench/engine.py --shared-only --out "$OUT/r/engine_shared_h200.json" \
   >"$OUT/r/engine.log" 2>&1 || status=1
 tail -6 "$OUT/r/engine.log"
+for form in no_bytecode bytecode; do
+  if [ $form = no_bytecode ]; then
+    find nbinfer /tmp/site -name '*.pyc' -delete 2>/dev/null
+  else
+    bytecode_ready
+  fi
+  python3 bench/compile.py --warm-from "$NBINFER_CACHE_DIR" \
+    --out "$OUT/r/compile_warm_$form.json" >"$OUT/r/compile_warm_$form.log" 2>&1 || status=1
+  echo "$form:"; tail -6 "$OUT/r/compile_warm_$form.log"
+done
 session_end
