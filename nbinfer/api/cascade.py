@@ -187,8 +187,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
         check_heads(num_qo_heads, num_kv_heads)
         head_dim = check_positive_int("head_dim", head_dim)
-        var = _variant(causal=causal, logits_soft_cap=logits_soft_cap,
-                                   num_qo_heads=num_qo_heads)
+        var = _variant(causal=causal, logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads)
         if CASCADE_LAUNCH not in (None, "levels"):
             raise ValueError(f"CASCADE_LAUNCH must be None or 'levels', got {CASCADE_LAUNCH!r}")
         if self._graph_caps is not None:
@@ -337,8 +336,7 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
         step = StepPlan(batch, nnz, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
                         normalize_dtype("kv_data_type", kv_data_type or q_data_type),
                         check_sm_scale(sm_scale, head_dim),
-                        _variant(logits_soft_cap=logits_soft_cap,
-                                             num_qo_heads=num_qo_heads),
+                        _variant(logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads),
                         binding.frozen(np.array([0, nnz], np.int32)), *table,
                         binding.frozen(np.concatenate(kv_lens)), (None,) * batch)
         spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
