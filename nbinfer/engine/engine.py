@@ -48,6 +48,13 @@ def _int32(values) -> np.ndarray:  # page ids, lengths, offsets: the runners tak
     return np.asarray(values, dtype=np.int32)
 
 
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def _concat(arrays: list) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else _EMPTY
+
+
 @dataclass
 class Request:
     """One generation request.
@@ -88,6 +95,19 @@ class _Sequence:
     def __post_init__(self):
         self.tokens = list(self.request.prompt)
         self.prompt_ids = np.asarray(self.request.prompt)  # for the admission's prefix check
+        self._page_array = (None, 0, _EMPTY)
+
+    def page_array(self) -> np.ndarray:
+        """``pages`` as int32 (read-only), rebuilt only when they changed: pages are appended
+        in place or replaced by a new list, so the list and its length say when. A step's
+        tables are slices of these: converting every sequence's list each step cost ~0.1 ms
+        at 64 sequences of ~70 pages on a 2-core CPU."""
+        held, n, arr = self._page_array
+        if held is not self.pages or n != len(self.pages):
+            arr = np.array(self.pages, dtype=np.int32)
+            arr.flags.writeable = False
+            self._page_array = (self.pages, len(self.pages), arr)
+        return arr
 
     @property
     def output(self) -> list:
@@ -437,12 +457,12 @@ class Engine:
             qo.append(qo[-1] + n)
             length = seq.computed + n
             used = -(-length // ps)
-            indices += seq.pages[:used]
+            indices.append(seq.page_array()[:used])
             kv_indptr.append(kv_indptr[-1] + used)
             last.append(length - (used - 1) * ps)
         logits = self.runner.forward(np.asarray(tokens), np.asarray(positions), _int32(qo),
-                                     _int32(kv_indptr), _int32(indices), _int32(last), levels=levels,
-                                     rows=rows)
+                                     _int32(kv_indptr), _concat(indices), _int32(last),
+                                     levels=levels, rows=rows)
         return logits, "paged" if levels is None else "cascade"
 
     def _cascade_levels(self, plan: list):
@@ -481,19 +501,18 @@ class Engine:
         b = 0
         for members, shared in groups:
             qo0.append(qo0[-1] + len(members))
-            seq = plan[b][0]
-            idx0 += seq.pages[:shared]
-            ptr0.append(len(idx0))
+            idx0.append(plan[b][0].page_array()[:shared])
+            ptr0.append(ptr0[-1] + shared)
             last0.append(ps if shared else 0)
             for _ in members:
                 seq = plan[b][0]
-                idx1 += seq.pages[shared:used[b]]
-                ptr1.append(len(idx1))
+                idx1.append(seq.page_array()[shared:used[b]])
+                ptr1.append(ptr1[-1] + used[b] - shared)
                 last1.append(seq.computed + 1 - (used[b] - 1) * ps)
                 b += 1
         batch = len(plan)
         levels = CascadeLevels([_int32(qo0), np.arange(batch + 1, dtype=np.int32)],
-                               [_int32(ptr0), _int32(ptr1)], [_int32(idx0), _int32(idx1)],
+                               [_int32(ptr0), _int32(ptr1)], [_concat(idx0), _concat(idx1)],
                                [_int32(last0), _int32(last1)], np.arange(batch),
                                np.arange(batch + 1, dtype=np.int32), np.arange(batch))
         if replays and not cascade_replays(batch, levels):  # (its tables outgrow the graph's)
