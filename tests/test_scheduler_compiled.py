@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from nbinfer.scheduler.compiled import (
     PendingPlan,
     check_and_plan,
     check_page_table_fast,
+    item_merge_compiled,
     pack_compiled,
     plan_compiled,
 )
@@ -70,6 +72,18 @@ def test_huge_costs_fall_back_to_the_exact_planner():
     p = _same(dict(qo_indptr=np.arange(1101), kv_lens=[2**22] * 1100, num_qo_heads=1,
                    num_kv_heads=1, num_ctas=1024, alpha=3e-6, beta=1.0))
     assert int(p.work[:, 5].max()) * 2**20 * p.num_work * p.num_ctas >= 2**61
+
+
+@SETTINGS
+@given(batches(max_batch=8))
+def test_item_merge_lists_compiled_equal_to_numpy(kwargs):
+    p = plan(**kwargs)
+    got = item_merge_compiled(p)
+    # the NumPy form, which item_merge_lists takes before the compiled loops are loaded
+    with mock.patch("nbinfer.scheduler.compiled.loaded", return_value=False):
+        want = item_merge_lists(p)
+    assert got.dtype == want.dtype == np.int32
+    np.testing.assert_array_equal(got, want)
 
 
 @SETTINGS

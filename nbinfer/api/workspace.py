@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels.common import VALUE_SCAN_SPLITS
-from ..scheduler import Plan, PlanLayout
+from ..scheduler import Plan, PlanLayout, compiled
 from ..scheduler.compiled import pack_compiled, section_offsets, word_offsets
 from ..scheduler.layout import STEP_FIELDS_AT
 
@@ -157,8 +157,12 @@ class WorkspaceLayout:
 def item_merge_lists(plan: Plan) -> np.ndarray:
     """For every work item, the merge list its partial rows belong to (-1: direct write).
 
-    Decode items cover one query row, so an item's partial row lies in exactly one list.
+    Decode items cover one query row, so an item's partial row lies in exactly one list (an
+    item of several rows: the list of its first). Once the compiled planner is loaded, one
+    compiled pass (:func:`~nbinfer.scheduler.compiled.item_merge_compiled`, the same lists).
     """
+    if compiled.loaded():
+        return compiled.item_merge_compiled(plan)
     prow = plan.work[:, 6]
     owner = np.full(max(plan.num_partials, 1), -1, dtype=np.int32)
     counts = np.diff(plan.merge_indptr)

@@ -407,3 +407,17 @@ def cascade_map(work, hkv, num_partials, qo_start, nnz):
             merge_indices[count[r]] = prow[c] + j
             count[r] += 1
     return out, total, merge_rows, merge_indptr, merge_indices
+
+
+@jit
+def item_merge(prow, merge_indptr, merge_indices, num_partials):
+    # api.workspace.item_merge_lists: the merge list of every work item's (first) partial row,
+    # -1 for an item that writes its output directly
+    owner = np.full(max(num_partials, 1), -1, np.int32)
+    for m in range(merge_indptr.size - 1):
+        for e in range(merge_indptr[m], merge_indptr[m + 1]):
+            owner[merge_indices[e]] = m
+    out = np.empty(prow.size, np.int32)
+    for w in range(prow.size):
+        out[w] = owner[prow[w]] if prow[w] >= 0 else -1
+    return out

@@ -32,8 +32,8 @@ from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["PendingPlan", "cascade_rebuild", "check_and_plan", "check_page_table_fast", "load",
-           "loaded", "pack_compiled", "plan_compiled"]
+__all__ = ["PendingPlan", "cascade_rebuild", "check_and_plan", "check_page_table_fast",
+           "item_merge_compiled", "load", "loaded", "pack_compiled", "plan_compiled"]
 
 _OK = 0  # _loops.schedule returns 1 for the steps it hands to the NumPy planner
 
@@ -45,7 +45,7 @@ def _kernels():
     from . import _loops
 
     return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
-            _loops.check_schedule_pack, _loops.cascade_map)
+            _loops.check_schedule_pack, _loops.cascade_map, _loops.item_merge)
 
 
 def loaded() -> bool:
@@ -80,6 +80,7 @@ def load() -> None:
     # the cascade's rebuild of its virtual requests' plan (scheduler.cascade_plan)
     base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
     _kernels()[5](base.work, 1, base.num_partials, np.zeros(1, dtype=np.int64), 1)
+    item_merge_compiled(cascade_rebuild(base, np.zeros(1, dtype=np.int64), 1))
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
@@ -252,6 +253,12 @@ def cascade_rebuild(base: Plan, qo_start: np.ndarray, nnz: int) -> Plan:
         **{f: getattr(base, f) for f in base.__dataclass_fields__}, "work": work,
         "merge_rows": merge_rows, "merge_indptr": merge_indptr, "merge_indices": merge_indices,
         "num_partials": int(num_partials), "num_qo_rows": int(nnz)})
+
+
+def item_merge_compiled(plan: Plan) -> np.ndarray:
+    """:func:`nbinfer.api.workspace.item_merge_lists` of ``plan`` in one compiled pass."""
+    return _kernels()[6](plan.work[:, 6], plan.merge_indptr, plan.merge_indices,
+                         plan.num_partials)
 
 
 def check_and_plan(indptr, indices, last_page_len, page_size: int, names, qo_indptr,
