@@ -412,8 +412,9 @@ class Engine:
         """Give every scheduled sequence the pages its new tokens need, oldest first; when the
         pool is short, preempt the youngest running sequence (recomputed later)."""
         ps = self.pool.page_size
+        alive = set(self.running)  # (a list's membership test per sequence: O(batch^2))
         for seq, n in sorted(plan, key=lambda p: p[0].order):
-            if seq not in self.running:  # preempted for an older sequence already
+            if seq not in alive:  # preempted for an older sequence already
                 continue
             need = -(-(seq.computed + n) // ps) - len(seq.pages)
             while need > 0:
@@ -426,10 +427,11 @@ class Engine:
                     continue
                 victim = max(self.running, key=lambda s: s.order)
                 self._preempt(victim)
+                alive.discard(victim)
                 preempted.append(victim.rid)
                 if victim is seq:
                     break
-        return [(s, n) for s, n in plan if s in self.running]
+        return [(s, n) for s, n in plan if s in alive]
 
     def _evict(self, n: int) -> int:
         """Free up to ``n`` cached pages no sequence runs on, least recently used first."""
