@@ -54,6 +54,7 @@ def check_float(name: str, a, allowed=FLOAT_DTYPES) -> None:
 
 
 INT32_MIN, INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
+_INT32 = np.dtype(np.int32)
 
 
 def as_integer_array(name: str, a, ndim: int = 1) -> np.ndarray:
@@ -67,7 +68,7 @@ def as_integer_array(name: str, a, ndim: int = 1) -> np.ndarray:
     arr = np.asarray(a)
     if arr.size == 0 and not isinstance(a, np.ndarray):
         arr = arr.astype(np.int64)  # np.asarray([]) is float64; an empty list is a valid index list
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # (np.issubdtype(.., np.integer), without its ~1 us)
         raise TypeError(f"{name} must be an integer array, got dtype {arr.dtype}")
     if arr.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s), got {arr.ndim} (shape {arr.shape})")
@@ -81,7 +82,7 @@ def as_index_array(name: str, a, ndim: int = 1) -> np.ndarray:
     raises instead of wrapping to 1.
     """
     arr = as_integer_array(name, a, ndim)
-    if arr.size:
+    if arr.size and arr.dtype != _INT32:  # (int32 values are in range by their type)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < INT32_MIN or hi > INT32_MAX:
             flat = arr.reshape(-1)

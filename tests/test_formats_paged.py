@@ -175,6 +175,8 @@ def test_check_page_table_range_checks_before_narrowing(args, kw, match):
     ({"indptr": np.array(PTR, float)}, TypeError, r"^kv_indptr must be an integer array"),
     ({"indices": np.array(IND, float)}, TypeError, r"^kv_indices must be an integer array"),
     ({"indices": np.array(IND, bool)}, TypeError, r"^kv_indices must be an integer array"),
+    # NumPy counts timedelta64 among its integer types; page ids are never durations
+    ({"indices": np.array(IND, "m8[s]")}, TypeError, r"^kv_indices must be an integer array"),
     ({"last": np.array(LAST, np.float32)}, TypeError,
      r"^kv_last_page_len must be an integer array"),
     ({"last": [3, 0]}, ValueError, r"^kv_last_page_len must have length 3 \(batch size"),
