@@ -193,19 +193,12 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                                     kv_data_type=kv_data_type, fixed_split_size=fixed_split_size,
                                     variant=variant)
             return
-        # _install's contract inline (a serving step's plan() forwards its fourteen keyword
-        # arguments once, not twice): a failed build leaves no plan
-        try:
-            step = self._build(indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
-                               head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
-                               window_left=window_left, logits_soft_cap=logits_soft_cap,
-                               sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
-                               q_data_type=q_data_type, kv_data_type=kv_data_type,
-                               fixed_split_size=fixed_split_size, variant=variant)
-        except BaseException as exc:
-            self._slot.fail(exc)
-            raise
-        self._slot.install(step)
+        self._install(self._build, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
+                      head_dim, page_size, pos_encoding_mode=pos_encoding_mode,
+                      window_left=window_left, logits_soft_cap=logits_soft_cap,
+                      sm_scale=sm_scale, rope_scale=rope_scale, rope_theta=rope_theta,
+                      q_data_type=q_data_type, kv_data_type=kv_data_type,
+                      fixed_split_size=fixed_split_size, variant=variant)
 
     def _plan_tensor_cores(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads,
                            head_dim, page_size, **flags) -> None:

@@ -69,7 +69,6 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
     kv = np.concatenate(kvs).astype(np.int64)
     virt = np.zeros(qo_start.size + 1, dtype=np.int64)
     np.cumsum(qo_end - qo_start, out=virt[1:])
-    i32 = np.int32
     if compiled:
         return _cascade_compiled(virt, kv, qo_start, qo_end, level, int(ptrs[0][-1]),
                                  num_qo_heads, num_kv_heads, num_ctas, granule=granule,
@@ -107,6 +106,7 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
 
     work = base.work.copy()  # the base plan's arrays are frozen
     work[:, 6] = np.repeat(prow, hkv)
+    i32 = np.int32
     plan = dataclasses.replace(
         base, work=work, merge_rows=merge_rows.astype(i32),
         merge_indptr=merge_indptr.astype(i32), merge_indices=merge_indices.astype(i32),

@@ -79,7 +79,6 @@ def load() -> None:
                            speculate=speculate)
     # the cascade's rebuild of its virtual requests' plan (scheduler.cascade_plan)
     base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
-    _kernels()[5](base.work, 1, base.num_partials, np.zeros(1, dtype=np.int64), 1)
     item_merge_compiled(cascade_rebuild(base, np.zeros(1, dtype=np.int64), 1))
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
