@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from nbinfer.api.workspace import item_merge_lists
+from nbinfer.scheduler import compiled
 from nbinfer.scheduler.cascade import cascade_plan
 
 
@@ -69,6 +71,11 @@ def test_the_compiled_loops_give_the_definitions_plan(rng, case):
                            [np.asarray(k, np.int64) for k in kvs], hq, hkv, ctas,
                            compiled=True, trusted=True, **kw)
     assert trusted[0] == want[0]
+    # the one compiled call the wrappers' plan() takes, and the merge list of every item
+    direct = compiled.cascade_compiled([np.asarray(p, np.int32) for p in ptrs],
+                                       np.concatenate(kvs).astype(np.int64), hq, hkv, ctas, **kw)
+    assert direct is not None and direct[0] == want[0]
+    np.testing.assert_array_equal(direct[4], item_merge_lists(want[0]))
 
 
 def test_cascade_plan_errors():
@@ -103,3 +110,37 @@ def test_item_overhead_spreads_short_items():
     assert after.max() <= 0.85 * before.max()
     assert np.array_equal(plans[1].cta_loads(), np.bincount(
         plans[1].item_cta(), weights=plans[1].item_costs(), minlength=264))
+
+
+@pytest.mark.parametrize("case", range(40))
+def test_the_compiled_level_check_agrees_with_the_definition(rng, case):
+    # compiled.check_levels_fast passes exactly the lists _check_levels accepts: valid levels
+    # and one corruption of each kind (an indptr that decreases, starts off zero, ends off the
+    # rows; a boundary missing from the next level; a page table of the wrong length)
+    from nbinfer.reference.cascade import _check_levels
+
+    rows = int(rng.integers(1, 30))
+    ptrs, _ = _random_levels(rng, rows)
+    qo = [np.asarray(p, np.int32) for p in ptrs]
+    kv_ptrs = [np.zeros(p.size, np.int32) for p in qo]
+    lasts = [np.ones(p.size - 1, np.int32) for p in qo]
+    kind, lvl = case % 8, int(rng.integers(0, 2))
+    if kind == 1 and qo[lvl].size > 2:
+        qo[lvl][1], qo[lvl][2] = qo[lvl][2], qo[lvl][1] - (qo[lvl][1] == qo[lvl][2])
+    elif kind == 2:
+        qo[lvl][0] = 1
+    elif kind == 3:
+        qo[lvl][-1] += 1
+    elif kind == 4:  # a coarse boundary the fine level lacks
+        qo[0] = np.union1d(qo[0], [int(rng.integers(1, rows + 1))]).astype(np.int32)
+        kv_ptrs[0], lasts[0] = np.zeros(qo[0].size, np.int32), np.ones(qo[0].size - 1, np.int32)
+    elif kind == 5:
+        kv_ptrs[lvl] = kv_ptrs[lvl][:-1]
+    elif kind == 6:
+        lasts[lvl] = np.ones(lasts[lvl].size + 1, np.int32)
+    try:
+        _check_levels(int(qo[-1][-1]), qo, kv_ptrs, [np.zeros(0, np.int32)] * 2, lasts)
+        want = True
+    except ValueError:
+        want = False
+    assert compiled.check_levels_fast(qo, kv_ptrs, lasts) is want

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -98,6 +99,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         if self._graph_caps is not None:
             self._fused._graph = dict(caps=tuple(map(sum, self._graph_caps)))
         self._last_decode = None  # the last level's decode wrapper, made when first planned
+        self._configs: dict = {}  # validated static arguments of plan() (see _build)
 
     def _check_graph_buffers(self, **bufs) -> tuple[list, list]:
         """Validate use_cuda_graph's buffer lists; returns (segments, pages) per level."""
@@ -150,15 +152,25 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                paged_kv_last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
                causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                rope_theta, q_data_type, kv_data_type, schedule):
-        if pos_encoding_mode != "NONE" or window_left != -1 or rope_scale is not None or \
-                rope_theta is not None:
-            raise ValueError("MultiLevelCascadeAttentionWrapper supports position-independent "
-                             "flags only (pos_encoding_mode='NONE', window_left=-1); positions "
-                             "across levels are in nbinfer.reference.multi_level_cascade_attention")
-        if schedule["fixed_split_size"] is not None:
-            check_positive_int("fixed_split_size", schedule["fixed_split_size"])
-        check_weights(schedule["alpha"], schedule["beta"])  # also when nothing is scheduled
-        page_size = check_positive_int("page_size", page_size)
+        # Everything but the lists is the same from step to step: validated once per distinct
+        # set of arguments (keyed with their types, as decode's plan() does).
+        statics = (num_qo_heads, num_kv_heads, head_dim, page_size, causal, pos_encoding_mode,
+                   window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
+                   kv_data_type, schedule["fixed_split_size"], schedule["alpha"],
+                   schedule["beta"])
+        try:
+            key = statics + tuple(map(type, statics))
+            cfg = self._configs.get(key)
+        except TypeError:  # an unhashable argument: validated (and rejected) below
+            key, cfg = None, None
+        if cfg is None:
+            cfg = self._validate_statics(*statics)
+            if key is not None:
+                if len(self._configs) >= 32:
+                    self._configs.clear()
+                self._configs[key] = cfg
+        page_size, head_dim, q_dtype, kv_dtype, var = (cfg.page_size, cfg.head_dim, cfg.q_dtype,
+                                                       cfg.kv_dtype, cfg.variant)
         names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",
                  "paged_kv_last_page_len")
         lists = (qo_indptr_arr, paged_kv_indptr_arr, paged_kv_indices_arr,
@@ -182,12 +194,9 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                   for lvl in range(self._levels)]
         host = [[t[i] for t in tables] for i in range(4)]  # indptrs, indices, lasts, kv_lens
         nnz = int(qo[-1][-1]) if qo[-1].size else 0
-        _check_levels(nnz, qo, *host[:3])
-        q_dtype = normalize_dtype("q_data_type", q_data_type)
-        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
-        check_heads(num_qo_heads, num_kv_heads)
-        head_dim = check_positive_int("head_dim", head_dim)
-        var = _variant(causal=causal, logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads)
+        if check is not binding.page_table_fast or not compiled.check_levels_fast(qo, host[0],
+                                                                                  host[2]):
+            _check_levels(nnz, qo, *host[:3])  # (the rules again, raising what is wrong)
         if CASCADE_LAUNCH not in (None, "levels"):
             raise ValueError(f"CASCADE_LAUNCH must be None or 'levels', got {CASCADE_LAUNCH!r}")
         if self._graph_caps is not None:
@@ -196,9 +205,11 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                     raise ValueError(f"level {lvl} has {qo[lvl].size - 1} segments and "
                                      f"{host[1][lvl].size} pages; its CUDA-graph buffers hold "
                                      f"{segs} and {pages}")
-        one_row = len(qo[-1]) > 1 and bool(np.all(np.diff(qo[-1]) == 1))  # a decode step
+        rows = np.diff(qo[-1])  # query rows per last-level segment
+        most = int(rows.max(initial=0))
+        one_row = rows.size > 0 and most == 1 and int(rows.min()) == 1  # a decode step
         fused = self._backend != "reference" and CASCADE_LAUNCH is None and (
-            not causal or int(np.diff(qo[-1]).max(initial=0)) <= 1)
+            not causal or most <= 1)
         if self._graph_caps is not None and not fused and self._backend != "reference":
             raise NotImplementedError("use_cuda_graph=True runs the one-launch cascade; this "
                                       "plan needs the level-by-level form (CASCADE_LAUNCH, or "
@@ -210,7 +221,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
             self._fused.plan_levels(qo, host, num_qo_heads, num_kv_heads, head_dim, page_size,
                                     logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
                                     q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                    **schedule)
+                                    statics=cfg.fused, **schedule)
         for lvl, w in enumerate([] if fused or self._backend == "reference" else self._wrappers):
             if decode_last and lvl == self._levels - 1:
                 if self._last_decode is None:
@@ -230,12 +241,40 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         empty = binding.frozen(np.zeros(0, np.int32))
         lens = binding.frozen(np.zeros(0, np.int64))
         return StepPlan(len(qo[-1]) - 1, nnz, num_qo_heads, num_kv_heads, head_dim, page_size,
-                        q_dtype, kv_dtype, check_sm_scale(sm_scale, head_dim), var, qo[-1],
+                        q_dtype, kv_dtype, cfg.sm_scale, var, qo[-1],
                         empty, empty, empty, lens,
                         schedule=self._fused.schedule if fused else None,
                         extra=dict(levels=tuple(qo), tables=tuple(tuple(t) for t in host[:3]),
                                    causal=causal, logits_soft_cap=logits_soft_cap, fused=fused,
                                    decode_last=decode_last))
+
+    def _validate_statics(self, num_qo_heads, num_kv_heads, head_dim, page_size, causal,
+                          pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
+                          rope_theta, q_data_type, kv_data_type, fixed_split_size, alpha, beta):
+        """The static half of plan()'s arguments, validated (memoised per wrapper by
+        :meth:`_build`): page size, head dim, dtypes, the variant, the checked ``sm_scale``, and
+        ``fused``, what the one-launch wrapper's plan takes of them."""
+        if pos_encoding_mode != "NONE" or window_left != -1 or rope_scale is not None or \
+                rope_theta is not None:
+            raise ValueError("MultiLevelCascadeAttentionWrapper supports position-independent "
+                             "flags only (pos_encoding_mode='NONE', window_left=-1); positions "
+                             "across levels are in nbinfer.reference.multi_level_cascade_attention")
+        if fixed_split_size is not None:
+            check_positive_int("fixed_split_size", fixed_split_size)
+        check_weights(alpha, beta)  # also when nothing is scheduled
+        page_size = check_positive_int("page_size", page_size)
+        q_dtype = normalize_dtype("q_data_type", q_data_type)
+        kv_dtype = normalize_dtype("kv_data_type", kv_data_type or q_data_type)
+        group = check_heads(num_qo_heads, num_kv_heads)
+        head_dim = check_positive_int("head_dim", head_dim)
+        scale = check_sm_scale(sm_scale, head_dim)
+        return SimpleNamespace(
+            page_size=page_size, head_dim=head_dim, q_dtype=q_dtype, kv_dtype=kv_dtype,
+            sm_scale=scale,
+            variant=_variant(causal=causal, logits_soft_cap=logits_soft_cap,
+                             num_qo_heads=num_qo_heads),
+            fused=(group, q_dtype, kv_dtype, scale,
+                   _variant(logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads)))
 
     @property
     def one_launch(self) -> bool:
@@ -311,17 +350,26 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     _all_split = True
 
     def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
+                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, statics=None,
+                    **schedule):
         """``qo``: per-level query indptrs (validated); ``tables``: ``[indptrs, indices,
         last_page_lens, kv_lens]``, one validated array per level each (binding.page_table); ``schedule``:
         ``fixed_split_size``, ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan`."""
         self._install(self._build_levels, qo, tables, num_qo_heads, num_kv_heads, head_dim,
                       page_size, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                      q_data_type=q_data_type, kv_data_type=kv_data_type, **schedule)
+                      q_data_type=q_data_type, kv_data_type=kv_data_type, statics=statics,
+                      **schedule)
 
     def _build_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                      logits_soft_cap, sm_scale, q_data_type, kv_data_type, **schedule):
-        group = check_heads(num_qo_heads, num_kv_heads)
+                      logits_soft_cap, sm_scale, q_data_type, kv_data_type, statics=None,
+                      **schedule):
+        if statics is None:  # ``(group, q_dtype, kv_dtype, sm_scale, variant)``, validated
+            q_dtype = normalize_dtype("q_data_type", q_data_type)
+            statics = (check_heads(num_qo_heads, num_kv_heads), q_dtype,
+                       normalize_dtype("kv_data_type", kv_data_type or q_data_type),
+                       check_sm_scale(sm_scale, head_dim),
+                       _variant(logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads))
+        group, q_dtype, kv_dtype, scale, var = statics
         kv_lens = list(tables[3])
         indptrs, offset = [], 0
         for ptr in tables[0]:
@@ -332,12 +380,8 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
             np.concatenate(tables[1]).astype(np.int32), np.concatenate(tables[2]).astype(np.int32)))
         nnz = int(qo[0][-1])
         batch = table[2].size
-        q_dtype = normalize_dtype("q_data_type", q_data_type)
         step = StepPlan(batch, nnz, num_qo_heads, num_kv_heads, head_dim, page_size, q_dtype,
-                        normalize_dtype("kv_data_type", kv_data_type or q_data_type),
-                        check_sm_scale(sm_scale, head_dim),
-                        _variant(logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads),
-                        binding.frozen(np.array([0, nnz], np.int32)), *table,
+                        kv_dtype, scale, var, binding.frozen(np.array([0, nnz], np.int32)), *table,
                         binding.frozen(np.concatenate(kv_lens)), (None,) * batch)
         spec, kernel, threads, companions, num_ctas = self._kernel(step, group)
         # As decode's plan(): the NumPy planner the first time (a script that plans once never

@@ -12,7 +12,6 @@ A custom mask is AND-ed with the flags' masks, as in the reference engine (Flash
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import numpy as np
@@ -38,7 +37,7 @@ from ..kernels.prefill_wgmma import LEAN_MAX_REGISTERS, LEAN_STAGES, lean_eligib
 from ..kernels.split_merge import build_split_merge_kernel
 from ..kernels.value_scan import SCAN_CTAS_PER_SM, value_guard_kernels
 from ..reference._batch import batch_masks
-from ..scheduler import PlanLayout
+from ..scheduler import PlanLayout, compiled
 from . import arrays, binding
 from .base import WrapperBase, kv_strides, write_reference
 from .decode import (
@@ -257,11 +256,21 @@ class PrefillWrapperBase(WrapperBase):
         """The kernel for the planned problem: ``(spec, compiled, threads, companions, grid
         CTAs)`` (companions as :func:`_compiled` returns them)."""
         spec, most = self._spec(step, group)
-        kernel, threads, companions = _compiled(spec)
-        # as many CTAs per SM as are resident at once (the CUDA-core kernel's 168 registers:
-        # three), at most ``most``
-        return spec, kernel, threads, companions, kernel_ctas(self._backend, kernel, threads,
-                                                              most)
+        # The spec fixes the kernel and ``most`` its grid on this wrapper's device: found once
+        # (on the GPU the grid is an occupancy query and two Numba device lookups, tens of us
+        # of a serving step's plan() on a slow host; the kernel lookups hash the spec thrice).
+        memo = self.__dict__.setdefault("_kernel_memo", {})
+        found = memo.get((spec, most))
+        if found is None:
+            kernel, threads, companions = _compiled(spec)
+            # as many CTAs per SM as are resident at once (the CUDA-core kernel's 168
+            # registers: three), at most ``most``
+            found = (kernel, threads, companions,
+                     kernel_ctas(self._backend, kernel, threads, most))
+            if len(memo) >= 32:
+                memo.clear()
+            memo[(spec, most)] = found
+        return (spec, *found)
 
     def _spec(self, step, group):
         """``(spec, most CTAs per SM)`` of the kernel for the planned problem: the rule alone,
@@ -332,7 +341,7 @@ class PrefillWrapperBase(WrapperBase):
                 keep["launch"] = launch
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
-                              qo_end=qo_end)
+                              qo_end=qo_end, compiled=compiled.loaded())
         launch.upload(staged, table, arrays.current_stream(self._workspace))
         fast = launch.fast
         if fast is not None:  # (a kept launch: its fast path follows the new plan)
@@ -344,7 +353,10 @@ class PrefillWrapperBase(WrapperBase):
             # and a prepared launch, like decode's.
             fast = TorchFastPath(step, launch, self._kv_layout, self._workspace.device,
                                  rows=step.num_qo_rows, indices=table[1])
-        return dataclasses.replace(step, schedule=sched, spec=spec, launch=launch, fast=fast)
+        # (``step`` is validated and snapshotted: its fields as they are, without the frozen
+        # __init__ that dataclasses.replace would run again)
+        return StepPlan._trusted(**{**step.__dict__, "schedule": sched, "spec": spec,
+                                    "launch": launch, "fast": fast})
 
     def with_schedule(self, schedule, qo_start=None, qo_end=None) -> None:
         """Run the current plan's problem on ``schedule`` instead of the planner's (same

@@ -421,3 +421,75 @@ def item_merge(prow, merge_indptr, merge_indices, num_partials):
     for w in range(prow.size):
         out[w] = owner[prow[w]] if prow[w] >= 0 else -1
     return out
+
+
+@jit
+def cascade_schedule(qo_all, qo_off, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, tile_q,
+                     overhead):
+    # scheduler.cascade_plan in one call: level l's query indptr is qo_all[qo_off[l]:qo_off[l +
+    # 1]]; every segment of every level is a virtual request (level-major) with KV length
+    # kv[v]; schedule() over them, then cascade_map()'s rebuild over the real rows and
+    # item_merge() of the result. Returns (schedule's result, qo_start, qo_end, level, the
+    # rebuilt work, partial rows, merge_rows, merge_indptr, merge_indices, item_merge); when
+    # schedule hands the step to the NumPy planner (its first field not _OK) the rebuild's
+    # fields are empty.
+    levels = qo_off.size - 1
+    nv = qo_off[levels] - qo_off[0] - levels
+    qo_start = np.empty(nv, np.int64)
+    qo_end = np.empty(nv, np.int64)
+    level = np.empty(nv, np.int32)
+    virt = np.zeros(nv + 1, np.int64)
+    v = 0
+    for lvl in range(levels):
+        for s in range(qo_off[lvl], qo_off[lvl + 1] - 1):
+            qo_start[v] = qo_all[s]
+            qo_end[v] = qo_all[s + 1]
+            level[v] = lvl
+            virt[v + 1] = virt[v] + qo_all[s + 1] - qo_all[s]
+            v += 1
+    nnz = qo_all[qo_off[1] - 1]
+    res = schedule(virt, kv, hkv, group, num_ctas, granule, wq, wkv, fixed, False, tile_q,
+                   overhead)
+    empty = np.zeros(0, np.int32)
+    if res[0] != _OK:
+        return (res, qo_start, qo_end, level, np.zeros((0, 0), np.int32), 0, empty, empty,
+                empty, empty)
+    num_work, num_partials = res[2], res[4]
+    work = sched_views(res[1], num_work, num_ctas, res[3], num_partials)[0]
+    out, total, merge_rows, merge_indptr, merge_indices = cascade_map(work, hkv, num_partials,
+                                                                      qo_start, nnz)
+    owners = item_merge(out[:, 6], merge_indptr, merge_indices, total)
+    return (res, qo_start, qo_end, level, out, total, merge_rows, merge_indptr, merge_indices,
+            owners)
+
+
+@jit
+def check_levels(qo_all, qo_off, ptr_sizes, last_sizes):
+    # reference.cascade._check_levels' rules over level l's query indptr qo_all[qo_off[l]:
+    # qo_off[l + 1]]: each starts at 0, never decreases and ends where level 0 does; each
+    # level's boundaries are among the next level's (a coarsening); level l's page table has
+    # ptr_sizes[l] = segments + 1 indptr entries and last_sizes[l] = segments last-page
+    # lengths. True when every rule holds (the caller's NumPy check names a broken one).
+    levels = qo_off.size - 1
+    if levels < 1:
+        return False
+    nnz = qo_all[qo_off[1] - 1] if qo_off[1] > qo_off[0] else -1
+    for lvl in range(levels):
+        a, b = qo_off[lvl], qo_off[lvl + 1]
+        if b <= a or qo_all[a] != 0 or qo_all[b - 1] != nnz:
+            return False
+        if ptr_sizes[lvl] != b - a or last_sizes[lvl] != b - a - 1:
+            return False
+        for i in range(a, b - 1):
+            if qo_all[i + 1] < qo_all[i]:
+                return False
+    for lvl in range(levels - 1):
+        # both sorted: one merge-like walk over the finer level per coarse level
+        j, end = qo_off[lvl + 1], qo_off[lvl + 2]
+        for i in range(qo_off[lvl], qo_off[lvl + 1]):
+            x = qo_all[i]
+            while j < end and qo_all[j] < x:
+                j += 1
+            if j == end or qo_all[j] != x:
+                return False
+    return True

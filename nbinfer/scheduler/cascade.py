@@ -63,6 +63,17 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
         ptrs, kvs = qo_indptr_levels, kv_lens_levels
     else:
         ptrs, kvs = _check(qo_indptr_levels, kv_lens_levels)
+    if compiled:
+        from . import compiled as loops
+
+        loops.load()
+        kv = kvs[0].astype(np.int64) if len(kvs) == 1 else np.concatenate(kvs).astype(np.int64)
+        got = loops.cascade_compiled(ptrs, kv, num_qo_heads, num_kv_heads, num_ctas,
+                                     granule=granule, tile_q=tile_q,
+                                     fixed_split_size=fixed_split_size, alpha=alpha, beta=beta,
+                                     item_overhead=item_overhead)
+        if got is not None:
+            return got[:4]
     qo_start = np.concatenate([p[:-1] for p in ptrs]).astype(np.int64)
     qo_end = np.concatenate([p[1:] for p in ptrs]).astype(np.int64)
     level = np.concatenate([np.full(p.size - 1, i) for i, p in enumerate(ptrs)])

@@ -32,8 +32,9 @@ from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["PendingPlan", "cascade_rebuild", "check_and_plan", "check_page_table_fast",
-           "item_merge_compiled", "load", "loaded", "pack_compiled", "plan_compiled"]
+__all__ = ["PendingPlan", "cascade_compiled", "cascade_rebuild", "check_and_plan",
+           "check_levels_fast", "check_page_table_fast", "item_merge_compiled", "load", "loaded",
+           "pack_compiled", "plan_compiled"]
 
 _OK = 0  # _loops.schedule returns 1 for the steps it hands to the NumPy planner
 
@@ -45,7 +46,8 @@ def _kernels():
     from . import _loops
 
     return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
-            _loops.check_schedule_pack, _loops.cascade_map, _loops.item_merge)
+            _loops.check_schedule_pack, _loops.cascade_map, _loops.item_merge,
+            _loops.cascade_schedule, _loops.check_levels)
 
 
 def loaded() -> bool:
@@ -80,6 +82,10 @@ def load() -> None:
     # the cascade's rebuild of its virtual requests' plan (scheduler.cascade_plan)
     base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
     item_merge_compiled(cascade_rebuild(base, np.zeros(1, dtype=np.int64), 1))
+    check_levels_fast([np.arange(2, dtype=np.int32)] * 2, [np.arange(2)] * 2, [np.ones(1)] * 2)
+    for frozen in (False, True):  # the cascade wrapper's snapshots (frozen) or callers' arrays
+        cascade_compiled([_frozen(np.arange(2, dtype=np.int32), frozen)] * 2,
+                         _frozen(np.array([8, 8], dtype=np.int64), frozen), 1, 1, 1)
     layout = PlanLayout(1, 1, 0, 0)
     sched, item_merge = plan_compiled(np.arange(2, dtype=np.int32), np.array([8]), 1, 1, 1)
     pack_compiled(layout, sched, np.empty(layout.size, dtype=np.int32))
@@ -252,6 +258,59 @@ def cascade_rebuild(base: Plan, qo_start: np.ndarray, nnz: int) -> Plan:
         **{f: getattr(base, f) for f in base.__dataclass_fields__}, "work": work,
         "merge_rows": merge_rows, "merge_indptr": merge_indptr, "merge_indices": merge_indices,
         "num_partials": int(num_partials), "num_qo_rows": int(nnz)})
+
+
+def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
+                     num_kv_heads: int, num_ctas: int, *, granule: int = 16,
+                     alpha: float = 1.0, beta: float = 1.0,
+                     fixed_split_size: int | None = None, tile_q: int | None = None,
+                     item_overhead: int = 0):
+    """:func:`nbinfer.scheduler.cascade_plan`'s ``(plan, qo_start, qo_end, level)`` and the
+    plan's ``item_merge``, in one compiled call (``_loops.cascade_schedule``: the virtual
+    requests, their schedule, the rebuild over the real rows, the merge list of every item)
+    for arguments the caller has validated: ``qo_indptr_levels`` int arrays that agree (every
+    level ends at the same row), ``kv_lens`` the levels' KV lengths concatenated (int64).
+    Returns None when the step needs the NumPy planner (counts past int32, huge cost keys)."""
+    qo_all = np.concatenate(qo_indptr_levels)
+    sizes = [p.size for p in qo_indptr_levels]
+    qo_off = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=qo_off[1:])
+    wq, wkv = _weights(alpha, beta)
+    (res, qo_start, qo_end, level, work, num_partials, merge_rows, merge_indptr, merge_indices,
+     item_merge) = _kernels()[7](qo_all, qo_off, kv_lens, num_kv_heads,
+                                 num_qo_heads // num_kv_heads, num_ctas, granule, wq, wkv,
+                                 fixed_split_size or 0, tile_q or 0, int(item_overhead))
+    if res[0] != _OK:
+        return None
+    _, blob, num_work, merge_rows_n, base_partials, tile_q_used, tile_rows, kv_chunk = res
+    cta_indptr, cta_work = sched_views(blob, num_work, num_ctas, merge_rows_n,
+                                       base_partials)[1:3]
+    sched = Plan._from_scheduler(
+        work=work, cta_indptr=cta_indptr, cta_work=cta_work, merge_rows=merge_rows,
+        merge_indptr=merge_indptr, merge_indices=merge_indices,
+        num_partials=int(num_partials), batch_size=qo_start.size,
+        num_qo_rows=int(qo_all[sizes[0] - 1]), num_qo_heads=int(num_qo_heads),
+        num_kv_heads=int(num_kv_heads), tile_q=int(tile_q_used), tile_rows=int(tile_rows),
+        kv_chunk=int(kv_chunk), granule=int(granule), causal=False,
+        fixed_split_size=fixed_split_size, alpha=float(alpha), beta=float(beta),
+        item_overhead=int(item_overhead))
+    i32 = np.int32
+    return sched, qo_start.astype(i32), qo_end.astype(i32), level, item_merge
+
+
+def check_levels_fast(qo_indptr_levels, indptr_levels, last_levels) -> bool:
+    """Whether a cascade's per-level lists agree (int32 query indptrs, validated page tables):
+    :func:`nbinfer.reference.cascade._check_levels`'s rules in one compiled pass. False: the
+    caller runs that check, which names what is wrong."""
+    qo_all = np.concatenate(qo_indptr_levels)
+    if qo_all.dtype != _I32:
+        return False
+    sizes = np.array([p.size for p in qo_indptr_levels], dtype=np.int64)
+    qo_off = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=qo_off[1:])
+    return bool(_kernels()[8](qo_all, qo_off,
+                              np.array([p.size for p in indptr_levels], dtype=np.int64),
+                              np.array([x.size for x in last_levels], dtype=np.int64)))
 
 
 def item_merge_compiled(plan: Plan) -> np.ndarray:
