@@ -19,10 +19,20 @@ session_env() {
 # from source (numpy 0.18-0.21 s instead of 0.05 s, nbinfer's decode path 0.09 s instead of
 # 0.02 s on the 2-core VM: bench/NOTES.md, session 22), which an installed package never does.
 # Byte-compile them once per call, as a pip install does (compileall writes whatever the flag).
+#
+# Also the scheduler's compiled loops (Numba CPU functions, nbinfer/scheduler/_loops.py): Numba
+# caches them beside their source, keyed by the file's mtime and size, which a fresh device
+# machine's copy of the tree does not keep, so every fresh machine compiled them again (26 s on
+# the 2-core VM, session 23). Their cache goes in the carried kernel cache instead, and the
+# file's mtime is set from a hash of its content: the same source finds its cache on any machine
+# (Numba keeps one entry per CPU model), an edited one misses.
 bytecode_ready() {
   local dirs=(nbinfer)
   [ -d /tmp/site ] && dirs+=(/tmp/site)
   python3 -m compileall -q -j 0 "${dirs[@]}" >/dev/null 2>&1 || true
+  export NUMBA_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}/numba-cpu
+  local src=nbinfer/scheduler/_loops.py
+  [ -f "$src" ] && touch -d "@$((16#$(sha1sum "$src" | cut -c1-7)))" "$src"
 }
 
 # session_env, $OUT/r for logs and JSON, t0 for elapsed times.
