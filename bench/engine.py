@@ -21,7 +21,10 @@ Every run is timed from the first token in to the last token out (``torch.cuda.s
 before and after), after a warm-up run of the same configuration on as many short requests (kernels
 compiled or loaded, the graph bucket of the batch captured). Output tokens/s = 64 * 256 / wall.
 The per-step latencies (``on_step`` wall clock, the step ends with the sampled tokens on the
-host) separate prefill steps from decode steps. The last lines are a table.
+host) separate prefill steps from decode steps; in the overlap rows ``decode_host_ms_p50`` is a
+decode step's wall time less its wait for the step before it in ``fetch()``: the host half of
+the step, which binds when it exceeds the replayed step's GPU time (``graph_replay_gpu_ms``).
+The last lines are a table.
 """
 
 from __future__ import annotations
@@ -66,13 +69,25 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
     engine().run(warm)
     runner.attention_seconds = 0.0
     engine = engine()
-    steps, last = [], [0.0]
+    steps, last, waited = [], [0.0], [0.0]
+    # With overlap a step's wall time is its host work plus the wait in fetch() for the step
+    # before it: the host half of a step is the wall time less that wait (without overlap the
+    # wait is inside the sampling's argmax, not separable).
+    fetch = runner.fetch
+
+    def timed_fetch(handle):
+        t = time.perf_counter()
+        tokens = fetch(handle)
+        waited[0] += time.perf_counter() - t
+        return tokens
+
+    runner.fetch = timed_fetch
 
     def on_step(rep):
         now = time.perf_counter()
         decode = all(n == 1 for _, n in rep.scheduled)
-        steps.append((now - last[0], decode, rep.attention))
-        last[0] = now
+        steps.append((now - last[0], decode, rep.attention, waited[0]))
+        last[0], waited[0] = now, 0.0
 
     torch.cuda.synchronize()
     t0 = last[0] = time.perf_counter()
@@ -80,14 +95,17 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     n_out = sum(len(o) for o in outputs)
-    dec = [s * 1e3 for s, d, _ in steps if d]
-    pre = [s * 1e3 for s, d, _ in steps if not d]
+    dec = [s * 1e3 for s, d, _, _ in steps if d]
+    pre = [s * 1e3 for s, d, _, _ in steps if not d]
+    host = [(s - w) * 1e3 for s, d, _, w in steps if d]
     res = dict(wall_s=wall, tokens_per_s=n_out / wall, steps=len(steps),
                decode_steps=len(dec), decode_step_ms_p50=float(np.median(dec)) if dec else None,
                decode_step_ms_p99=float(np.percentile(dec, 99)) if dec else None,
                prefill_steps=len(pre), prefill_s=sum(pre) / 1e3,
                prefix_hit_rate=engine.prefix_hit_rate, cascade_steps=engine.cascade_steps,
                graph_replays=runner.graph_replays, preemptions=engine.preemptions)
+    if overlap and host:
+        res["decode_host_ms_p50"] = float(np.median(host))  # the step less its fetch wait
     if timing:
         res["attention_s"] = runner.attention_seconds
         res["attention_share"] = runner.attention_seconds / wall
@@ -260,9 +278,13 @@ def main():
             json.dump(results, f, indent=1)
         for k, v in results.items():
             if isinstance(v, dict) and "tokens_per_s" in v:
+                host = v.get("decode_host_ms_p50")
                 print(f"{k:50s} {v['tokens_per_s']:9.0f} {v['wall_s']:7.2f} "
                       f"{v['decode_step_ms_p50']:7.2f} prefill {v['prefill_s']:.3f} s, hit "
-                      f"{v['prefix_hit_rate']:.3f}")
+                      f"{v['prefix_hit_rate']:.3f}, cascade steps {v['cascade_steps']}"
+                      + ("" if host is None else f", host {host:.2f} ms")
+                      + ("" if v.get("graph_replay_gpu_ms") is None
+                         else f", replay GPU {v['graph_replay_gpu_ms']:.2f} ms"))
         print("shared-prefix speedup", {n: round(x, 2) for n, x in
                                         results["shared-prefix speedup"].items()})
         return
@@ -304,12 +326,14 @@ def main():
     if a.plot:
         plot(results, a.plot)
     print(f"\n{'run':34s} {'tokens/s':>9s} {'wall s':>7s} {'decode ms p50':>13s} "
-          f"{'replay GPU ms':>13s}")
+          f"{'replay GPU ms':>13s} {'host ms p50':>11s}")
     for k, v in results.items():
         if isinstance(v, dict) and "tokens_per_s" in v:
             d, g = v.get("decode_step_ms_p50"), v.get("graph_replay_gpu_ms")
+            h = v.get("decode_host_ms_p50")
             print(f"{k:34s} {v['tokens_per_s']:9.0f} {v['wall_s']:7.2f} "
-                  f"{'' if d is None else f'{d:13.2f}'} {'' if g is None else f'{g:13.2f}'}")
+                  f"{'' if d is None else f'{d:13.2f}'} {'' if g is None else f'{g:13.2f}'} "
+                  f"{'' if h is None else f'{h:11.2f}'}")
     for k in ("speedup vs hf", "shared-prefix speedup"):
         print(k, {n: round(x, 2) for n, x in results[k].items()})
 
