@@ -93,7 +93,11 @@ class TorchRunner:
         # (bucket, 0) a decode step's graph; (bucket, levels) a cascade step's
         self._graphs: dict[tuple, _DecodeGraph | _CascadeGraph] = {}
         self._rope_version = model.rope_version  # the RoPE table the graphs were captured on
-        self._sampled = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # The last sample()'s tokens at a fixed address (row j: placeholder -1 - j), so that a
+        # captured decode step reads them in the graph itself (grown, and the graphs captured
+        # again, only for a step that samples more rows).
+        self._sampled = torch.zeros(max(4096, self.graph_batch_sizes[-1]), dtype=torch.int64,
+                                    device=self.device)
         self.graph_replays = 0
         self._attention_ms = 0.0  # with timing=True (see above)
         self._events: list = []  # (start, end) pairs not yet read, oldest first
@@ -194,9 +198,14 @@ class TorchRunner:
         """Greedy tokens of ``logits`` kept on the device (the next step's placeholders read
         them there) and copied to pinned host memory behind an event, without waiting: the
         handle for :meth:`fetch`."""
-        self._sampled = logits.argmax(-1)
-        host = torch.empty(self._sampled.shape, dtype=torch.int64, pin_memory=True)
-        host.copy_(self._sampled, non_blocking=True)
+        tokens = logits.argmax(-1)
+        n = tokens.shape[0]
+        if n > self._sampled.shape[0]:  # the graphs read the old buffer: capture them again
+            self._sampled = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+            self._graphs.clear()
+        self._sampled[:n].copy_(tokens)
+        host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))  # the stream the copy is on
         return host, done
@@ -214,8 +223,13 @@ class TorchRunner:
         host = np.asarray(tokens, dtype=np.int64)
         ids = self.to_device(host)
         if host.size and host.min() < 0:
-            ids = torch.where(ids >= 0, ids, self._sampled[(-1 - ids).clamp_(min=0)])
+            ids = self.placeholders(ids)
         return ids
+
+    def placeholders(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` (device int64) with each placeholder ``-1 - j`` replaced by row ``j`` of the
+        last :meth:`sample`'s tokens: device work only, which a CUDA graph captures."""
+        return torch.where(ids >= 0, ids, self._sampled[(-1 - ids).clamp(min=0)])
 
     def to_device(self, array) -> torch.Tensor:
         """A host int array on the device (int64) without waiting for the stream: staged in
@@ -230,10 +244,16 @@ class _DecodeGraph:
     """The decode step of up to ``size`` sequences, captured once and replayed every step.
 
     Everything a replay reads lives at fixed addresses: the token and position inputs, the
-    decode wrapper's page-table buffers and plan memory (its CUDA-graph mode), the append
-    wrapper's reserved index memory. A step plans both wrappers on the host, copies its
-    tokens in and replays; rows past the batch are padding: one token each, on the scratch
-    page ``num_pages``.
+    last sampled tokens (:attr:`TorchRunner._sampled`), the decode wrapper's page-table buffers
+    and plan memory (its CUDA-graph mode), the append wrapper's reserved index memory. A step
+    plans both wrappers on the host, writes its tokens (placeholders included) and positions
+    into a pinned staging buffer, copies that in with one transfer and replays: the graph
+    itself replaces the placeholders by the sampled tokens. Rows past the batch are padding:
+    one token each, on the scratch page ``num_pages``.
+
+    Host work per step outside the plans: one copy, one event, the replay (it was two pinned
+    allocations and transfers, the placeholders' five small kernels, two copies and two fills,
+    each a few microseconds of the host's launch path on the H200).
     """
 
     def __init__(self, runner: TorchRunner, size: int):
@@ -247,8 +267,14 @@ class _DecodeGraph:
         self.attention = self._wrapper()
         self.append = PagedKVAppendWrapper(runner.caches[0], "NHD")
         self.append.reserve(size, size, self.max_pages)
-        self.tokens = torch.zeros(size, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        # row 0: the step's token ids (placeholders -1 - j), row 1: their positions
+        self.inputs = torch.zeros((2, size), dtype=torch.int64, device=dev)
+        # two pinned staging buffers, used in turn; each free again once its copy has run
+        self._stage = [torch.zeros((2, size), dtype=torch.int64, pin_memory=True)
+                       for _ in range(2)]
+        self._stage_host = [t.numpy() for t in self._stage]
+        self._staged = [None, None]  # the event after each buffer's last copy
+        self._turn = 0
         self.rows = np.arange(size, dtype=np.int32)
         self.graph, self.logits = None, None
 
@@ -272,7 +298,8 @@ class _DecodeGraph:
             append(k, v, cache)
             return attention(q, cache)
 
-        return runner.model.forward(self.tokens, self.positions, attend)
+        tokens = runner.placeholders(self.inputs[0])
+        return runner.model.forward(tokens, self.inputs[1], attend)
 
     def step(self, tokens, positions, kv_indptr, kv_indices, kv_last_page_len,
              levels=None) -> torch.Tensor:
@@ -281,17 +308,29 @@ class _DecodeGraph:
         runner = self.runner
         batch, pad = len(tokens), self.size - len(tokens)
         used = int(kv_indptr[-1])
-        indptr = np.concatenate([kv_indptr, used + np.arange(1, pad + 1)]).astype(np.int32)
-        indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages, np.int32)])
-        last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(np.int32)
+        i32 = np.int32
+        if pad:
+            indptr = np.concatenate([kv_indptr, used + np.arange(1, pad + 1)]).astype(i32)
+            indices = np.concatenate([kv_indices[:used], np.full(pad, runner.num_pages, i32)])
+            last = np.concatenate([kv_last_page_len, np.ones(pad)]).astype(i32)
+        else:  # a full bucket (the engine's tables are int32 already: no copies)
+            indptr, indices, last = (np.asarray(kv_indptr, i32), np.asarray(kv_indices[:used], i32),
+                                     np.asarray(kv_last_page_len, i32))
         # each row appends at the last slot of its KV (what the eager path derives the same way)
         pos = ((np.diff(indptr) - 1) * runner.page_size + last - 1).astype(np.int32)
         self._plan(indptr, indices, last, levels, batch)
         self.append.plan(self.rows, pos, indices, indptr, last)
-        self.tokens[:batch].copy_(runner.resolve(tokens))
-        self.tokens[batch:].zero_()
-        self.positions[:batch].copy_(runner.to_device(positions))
-        self.positions[batch:].zero_()
+        turn, self._turn = self._turn, self._turn ^ 1
+        if self._staged[turn] is None:
+            self._staged[turn] = torch.cuda.Event()
+        else:
+            self._staged[turn].synchronize()  # its last copy has run (long since, normally)
+        host = self._stage_host[turn]
+        host[0, :batch] = tokens
+        host[1, :batch] = positions
+        host[:, batch:] = 0
+        self.inputs.copy_(self._stage[turn], non_blocking=True)
+        self._staged[turn].record()
         if self.graph is None:
             # warm up on a side stream (what torch asks before a capture), then capture; the
             # warm-up computed this step already and the replay below recomputes it (the
@@ -331,6 +370,12 @@ class _CascadeGraph(_DecodeGraph):
 
     def _plan(self, indptr, indices, last, levels, batch) -> None:
         pad, scratch, i32 = self.size - batch, self.runner.num_pages, np.int32
+        if not pad:  # a full bucket: the levels as they are (~28 NumPy calls fewer)
+            self.attention.plan(*(list(lst) for lst in (
+                levels.qo_indptr_arr, levels.paged_kv_indptr_arr, levels.paged_kv_indices_arr,
+                levels.paged_kv_last_page_len_arr)), *self.runner.heads,
+                q_data_type=self.runner.attention.dtype)
+            return
         qo, kv_ptr, kv_idx, kv_last = [], [], [], []
         for lvl in range(self.num_levels):
             # the padding rows' segment ends: one segment in level 0, one per row below
