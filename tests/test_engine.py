@@ -177,6 +177,40 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
         Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
 
 
+def test_cascade_levels_hold_each_sequences_pages(model, rng):
+    # Two shared prefixes and requests of their own: a decode step's levels (groups of
+    # sequences over their common full pages, then each sequence's other pages) must give
+    # every row exactly the pages and last-page length of its plain page table, step after
+    # step as the grouping is reused and rebuilt; tokens as each request alone.
+    requests = []
+    for n, prefix_len in ((3, 20), (2, 13), (2, 0)):
+        requests += _shared_prefix_requests(rng, n, prefix_len=prefix_len)
+    for r in requests:
+        r.arrival, r.max_new_tokens = 0, 10
+    checked = []
+
+    class Checking(NumpyRunner):
+        def forward(self, tokens, positions, qo_indptr, kv_indptr, kv_indices, last,
+                    levels=None, rows=None):
+            if levels is not None:
+                (qo0, _), (ptr0, ptr1) = levels.qo_indptr_arr, levels.paged_kv_indptr_arr
+                (idx0, idx1), (last0, last1) = (levels.paged_kv_indices_arr,
+                                                levels.paged_kv_last_page_len_arr)
+                for b in range(len(qo_indptr) - 1):
+                    s = int(np.searchsorted(qo0, b, side="right")) - 1
+                    pages = np.concatenate([idx0[ptr0[s]:ptr0[s + 1]], idx1[ptr1[b]:ptr1[b + 1]]])
+                    np.testing.assert_array_equal(pages, kv_indices[kv_indptr[b]:kv_indptr[b + 1]])
+                    assert ptr1[b + 1] > ptr1[b] and last1[b] == last[b]  # (own: the last page)
+                    assert last0[s] == (4 if ptr0[s + 1] > ptr0[s] else 0)
+                checked.append(len(qo0) - 1)
+            return super().forward(tokens, positions, qo_indptr, kv_indptr, kv_indices, last,
+                                   levels=levels, rows=rows)
+
+    engine = Engine(Checking(model, 128, 4), 128, 4, prefix_cache=True, max_step_tokens=16)
+    assert engine.run(requests) == _alone(model, requests)
+    assert engine.cascade_steps == len(checked) > 0 and max(checked) >= 3  # groups and singles
+
+
 def test_the_public_api_runner_plans_once_per_step_for_every_layer(rng):
     # The NumPy model over nbinfer's wrappers (reference backend), as the GPU runner drives
     # them: per step one plan (decode, causal prefill or cascade) and one append plan, per
