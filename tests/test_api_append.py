@@ -214,6 +214,74 @@ def test_reserved_append_keeps_every_section_at_one_address(rng):
     assert addresses[0] == addresses[1]
 
 
+@pytest.mark.parametrize("case", range(30))
+def test_the_compiled_check_and_staging_agree_with_the_numpy_checks(rng, case):
+    # compiled.check_stage_append (the wrapper's plan() for int32 NumPy indices) accepts
+    # exactly the indices _check_indices accepts, and stages the sections the kernel reads
+    from nbinfer.api.append import _check_indices
+    from nbinfer.scheduler import compiled
+
+    _, _, bi, pos, _, indices, indptr, last = _case(rng, np.float16, 4, "NHD", False)
+    bi, pos, indptr, indices, last = (np.array(a, dtype=np.int32)
+                                      for a in (bi, pos, indptr, indices, last))
+    num_pages = int(indices.max()) + 1 + int(rng.integers(0, 3))
+    kind = case % 10
+    if kind == 1:
+        bi[int(rng.integers(bi.size))] = indptr.size - 1  # a request past the batch
+    elif kind == 2:
+        pos[int(rng.integers(pos.size))] += 100  # past its request's KV
+    elif kind == 3:
+        indices[int(rng.integers(indptr[-1]))] = num_pages  # a page past the pool
+    elif kind == 4:
+        last[int(rng.integers(last.size))] = PAGE + 1
+    elif kind == 5:
+        indptr[1], indptr[2] = indptr[2], indptr[1] - 1  # decreasing
+    elif kind == 6:
+        last = last[:-1]
+    elif kind == 7:
+        indices = indices[:int(indptr[-1]) - 1]  # fewer pages than indptr says
+    elif kind == 8:
+        pos[int(rng.integers(pos.size))] = -1
+    try:
+        want = _check_indices(bi, pos, indices, indptr, last, bi.size, num_pages, PAGE)
+    except ValueError:
+        want = None
+    offsets = (0, bi.size, 2 * bi.size, 2 * bi.size + indptr.size)
+    out = np.full(offsets[3] + max(int(indptr[-1]), 1) + 3, -7, np.int32)
+    got = compiled.check_stage_append(bi, pos, indptr, indices, last, PAGE, num_pages, out,
+                                      offsets)
+    assert got is (want is not None), kind
+    if want is not None:
+        staged = np.concatenate(want[:4])
+        np.testing.assert_array_equal(out[:staged.size], staged)
+        assert (out[staged.size:] == -7).all()  # nothing past the sections
+
+
+def test_append_wrapper_plans_with_the_compiled_check_after_the_first(rng):
+    # From a wrapper's second plan() on (or once the loops are loaded), int32 indices take the
+    # compiled check and staging: the same appends, the same errors (the NumPy checks name
+    # them), and a reserved wrapper copies only the step's own words
+    key, value, bi, pos, cache, indices, indptr, last = _case(rng, np.float16, 8, "NHD", False)
+    bi, pos, indptr, indices, last = (np.array(a, dtype=np.int32)
+                                      for a in (bi, pos, indptr, indices, last))
+    for reserved in (False, True):
+        layer = _copy(cache)
+        wrapper = PagedKVAppendWrapper(layer)
+        if reserved:
+            wrapper.reserve(32, 8, 4096)
+        for _ in range(2):
+            wrapper.plan(bi, pos, indices, indptr, last)
+        assert wrapper._compiled
+        want = _copy(layer)
+        reference.append_paged_kv_cache(key, value, bi, pos, want, indices, indptr, last)
+        wrapper.run(key, value, layer)
+        assert _equal(layer, want)
+        with pytest.raises(ValueError, match=r"positions\[\d+\]=\d+ must lie in"):
+            wrapper.plan(bi, pos + 100, indices, indptr, last)
+        with pytest.raises(RuntimeError, match="plan"):  # a failed plan leaves none
+            wrapper.run(key, value, layer)
+
+
 # --- the H200 -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

@@ -33,8 +33,8 @@ from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
 __all__ = ["PendingPlan", "cascade_compiled", "cascade_rebuild", "check_and_plan",
-           "check_levels_fast", "check_page_table_fast", "item_merge_compiled", "load", "loaded",
-           "pack_compiled", "plan_compiled"]
+           "check_levels_fast", "check_page_table_fast", "check_stage_append",
+           "item_merge_compiled", "load", "loaded", "pack_compiled", "plan_compiled"]
 
 _OK = 0  # _loops.schedule returns 1 for the steps it hands to the NumPy planner
 
@@ -47,7 +47,7 @@ def _kernels():
 
     return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
             _loops.check_schedule_pack, _loops.cascade_map, _loops.item_merge,
-            _loops.cascade_schedule, _loops.check_levels)
+            _loops.cascade_schedule, _loops.check_levels, _loops.check_stage_append)
 
 
 def loaded() -> bool:
@@ -83,6 +83,12 @@ def load() -> None:
     base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
     item_merge_compiled(cascade_rebuild(base, np.zeros(1, dtype=np.int64), 1))
     check_levels_fast([np.arange(2, dtype=np.int32)] * 2, [np.arange(2)] * 2, [np.ones(1)] * 2)
+    i32 = np.int32
+    for frozen in (False, True):  # the engine's arrays (writable) or snapshots
+        one = _frozen(np.ones(1, dtype=i32), frozen)
+        check_stage_append(_frozen(np.zeros(1, dtype=i32), frozen), one,
+                           _frozen(np.array([0, 1], dtype=i32), frozen), one, one, 4, 2,
+                           np.zeros(8, dtype=i32), (0, 1, 2, 4))
     for frozen in (False, True):  # the cascade wrapper's snapshots (frozen) or callers' arrays
         cascade_compiled([_frozen(np.arange(2, dtype=np.int32), frozen)] * 2,
                          _frozen(np.array([8, 8], dtype=np.int64), frozen), 1, 1, 1)
@@ -311,6 +317,19 @@ def check_levels_fast(qo_indptr_levels, indptr_levels, last_levels) -> bool:
     return bool(_kernels()[8](qo_all, qo_off,
                               np.array([p.size for p in indptr_levels], dtype=np.int64),
                               np.array([x.size for x in last_levels], dtype=np.int64)))
+
+
+def check_stage_append(batch_indices, positions, kv_indptr, kv_indices, kv_last_page_len,
+                       page_size: int, num_pages: int, out: np.ndarray, offsets) -> bool:
+    """An append's indices checked (:func:`nbinfer.api.append.append_paged_kv_cache`'s rules)
+    and staged for its kernel in one compiled pass: ``batch_indices``, ``positions``,
+    ``kv_indptr`` and the first ``kv_indptr[-1]`` page ids (one 0 when there are none) written
+    to ``out`` (int32) at the four word ``offsets``. The five arrays are 1-D int32 host
+    arrays. False, with ``out`` unspecified, when a rule fails: the caller's NumPy check then
+    names it."""
+    return bool(_kernels()[9](batch_indices, positions, kv_indptr, kv_indices,
+                              kv_last_page_len, page_size, num_pages, out,
+                              word_offsets(*offsets)))
 
 
 def item_merge_compiled(plan: Plan) -> np.ndarray:
