@@ -419,3 +419,30 @@ def test_decode_mma_non_finite_rule_with_a_negative_scale(rng, monkeypatch):
     ok = ~np.isnan(ref_lse)
     assert np.allclose(lse[ok], ref_lse[ok], atol=1e-4, rtol=0)
     assert rel_err(out[0], ref[0]) <= TOLERANCE["float16"]
+
+
+def test_cuda_graph_mode_runs_later_plans_from_the_callers_buffers(rng):
+    # use_cuda_graph=True: every plan keeps one layout and reads its page table from the
+    # caller's buffers (the layout's own table sections, sized for the buffers, are not
+    # uploaded), so steps of other lengths and batch sizes run right on the same arguments
+    num_pages, hq, hkv, d, ps, batch = 40, 4, 2, 64, 4, 3
+    cache = rng.standard_normal((num_pages, 2, ps, hkv, d)).astype(np.float16)
+    bufs = (np.zeros(batch + 1, np.int32), np.zeros(batch * num_pages, np.int32),
+            np.zeros(batch, np.int32))
+    w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD",
+                                           use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+                                           paged_kv_indices_buffer=bufs[1],
+                                           paged_kv_last_page_len_buffer=bufs[2])
+    first = None
+    for lens in ([30, 5, 61], [1, 90, 7], [12, 0, 33], [44, 45]):
+        pt = PageTable.from_kv_lens(lens, ps, num_pages=num_pages, rng=rng)
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, q_data_type="float16")
+        launch = w.step_plan.launch
+        first = first or (launch, launch.layout, launch.ints)
+        # the same launch, layout and plan memory (the kernel arguments), step after step
+        assert launch is first[0] and launch.layout is first[1] and launch.ints is first[2]
+        q = rng.standard_normal((len(lens), hq, d)).astype(np.float16)
+        out = w.run(q, cache)
+        ref = reference.batch_decode_with_paged_kv_cache(q, cache, pt.indptr, pt.indices,
+                                                         pt.last_page_len)
+        assert rel_err(out, ref) <= TOLERANCE["float16"], lens
