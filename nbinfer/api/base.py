@@ -28,6 +28,9 @@ class WrapperBase:
         self._kv_layout = kv_layout
         self._slot = PlanSlot()
         self._memory = PlanMemory(self._backend)
+        # the current stream of the workspace's device, in one C call for torch (plan() asks
+        # for it every step)
+        self._stream = arrays.stream_getter(self._workspace)
 
     @property
     def backend(self) -> str:

@@ -147,11 +147,10 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
         self._graph_layout = None
         # Per-wrapper memos of what stays the same between steps: validated static arguments,
         # one prepared launch per kernel spec (rebound to each step's layout), workspace
-        # layouts, decode's qo_indptr per batch size, the stream getter (the grid is the
-        # config's: it follows the kernel's registers).
+        # layouts, decode's qo_indptr per batch size (the grid is the config's: it follows the
+        # kernel's registers).
         self._configs, self._launches, self._layouts, self._aranges = {}, {}, {}, {}
         self._planned = False
-        self._stream = arrays.stream_getter(self._workspace)
         self._table_reader = TableReader()  # page tables given as CUDA tensors
         self._device_index = arrays.torch_device_index(self._workspace)
         self._workspace_bytes = binding.nbytes(self._workspace)

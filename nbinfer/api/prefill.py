@@ -342,7 +342,7 @@ class PrefillWrapperBase(WrapperBase):
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,
                               mask_indptr=mask_ptr, mask_words=words, q_pos0=step.q_pos0,
                               qo_end=qo_end, compiled=compiled.loaded())
-        launch.upload(staged, table, arrays.current_stream(self._workspace))
+        launch.upload(staged, table, self._stream())
         fast = launch.fast
         if fast is not None:  # (a kept launch: its fast path follows the new plan)
             fast.update(step.num_qo_rows, step.num_qo_heads, step.head_dim,
