@@ -1,7 +1,7 @@
 """A decode plan()'s host cost on this CPU: the working tree against an earlier commit.
 
     python3 bench/plan_ab.py [--against REV] [--batches 1,8,64,256] [--rounds 60]
-                             [--kind decode|cascade] [--out FILE.json]
+                             [--kind decode|decode-graph|append|cascade] [--out FILE.json]
 
 A small VM's speed drifts by tens of per cent between runs, more than most host-cost changes
 move, so the two versions run in one process and take turns: the one at ``REV`` (default
@@ -16,6 +16,12 @@ then ``--rounds`` rounds of 40 plans per version and batch size. Reported: the b
 mode at the engine benchmark's shared-prefix decode step instead (Llama-3.2-1B heads: Hq 32,
 Hkv 8, D 64, bf16, pages of 16; a prefix of 57 pages shared by the whole batch, 102-358 own
 tokens per request), the one-launch kernel's H200 grid of 396 CTAs forced.
+
+``--kind decode-graph`` and ``--kind append``: the two other plans of a replayed decode step in
+``TorchRunner`` (``nbinfer.engine.torch_runner``), on the decode problem above: the decode
+wrapper in CUDA-graph mode and the append wrapper reserved, both with the capacities a graph
+bucket of ``batch`` rows gets over a pool of the table's pages (every row may hold the whole
+pool: ``batch x (pages + 1)`` page ids), the append of one token per request at its last slot.
 """
 
 from __future__ import annotations
@@ -81,13 +87,36 @@ def cascade_levels(batch: int, seed: int = 0):
 
 def planner(mod, kind: str, batch: int, ws):
     """A wrapper of module ``mod`` for ``kind``, warmed up, and a function that plans it."""
-    if kind == "decode":
+    if kind in ("decode", "decode-graph", "append"):
         table = tables(batch)
+        cap = batch * (int(table[1].size) + 1)  # TorchRunner's bucket: rows x (pool + 1)
+    if kind == "decode":
         w = mod.BatchDecodeWithPagedKVCacheWrapper(ws, backend="sim")
         w._grid = lambda cfg: GRID
 
         def plan_once():
             w.plan(*table, HQ, HKV, D, PS, q_data_type="float16")
+    elif kind == "decode-graph":
+        bufs = (np.zeros(batch + 1, np.int32), np.zeros(cap, np.int32),
+                np.zeros(batch, np.int32))
+        w = mod.BatchDecodeWithPagedKVCacheWrapper(
+            ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=bufs[0],
+            paged_kv_indices_buffer=bufs[1], paged_kv_last_page_len_buffer=bufs[2],
+            backend="sim")
+        w._grid = lambda cfg: GRID
+
+        def plan_once():
+            w.plan(*table, HQ, HKV, D, PS, q_data_type="float16")
+    elif kind == "append":
+        indptr, indices, last = table
+        cache = np.zeros((int(indices.size), 2, PS, HKV, 8), np.float16)  # (only its shape)
+        w = mod.PagedKVAppendWrapper(cache, "NHD", backend="sim")
+        w.reserve(batch, batch, cap)
+        rows = np.arange(batch, dtype=np.int32)
+        pos = ((np.diff(indptr) - 1) * PS + last - 1).astype(np.int32)
+
+        def plan_once():
+            w.plan(rows, pos, indices, indptr, last)
     else:
         levels = cascade_levels(batch)
         bufs = dict(qo_indptr_buf_arr=[np.zeros(batch + 1, np.int32)] * 2,
@@ -111,14 +140,15 @@ def main():
     ap.add_argument("--against", default="HEAD")
     ap.add_argument("--batches", default="1,8,64,256")
     ap.add_argument("--rounds", type=int, default=60)
-    ap.add_argument("--kind", choices=("decode", "cascade"), default="decode")
+    ap.add_argument("--kind", choices=("decode", "decode-graph", "append", "cascade"),
+                    default="decode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="nbinfer-ab-")
     old_package(args.against, tmp)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, tmp)
-    module = "api.decode" if args.kind == "decode" else "api.cascade"
+    module = {"cascade": "api.cascade", "append": "api.append"}.get(args.kind, "api.decode")
     versions = {"new": importlib.import_module(f"nbinfer.{module}"),
                 "old": importlib.import_module(f"nbinfer_old.{module}")}
     ws = np.zeros(64 << 20, np.uint8)
@@ -144,7 +174,7 @@ def main():
                                         text=True).stdout.strip(),
               "kind": args.kind,
               "problem": {"Hq": HQ, "Hkv": HKV, "D": D, "page_size": PS, "grid": GRID,
-                          "backend": "sim", "rounds": args.rounds} if args.kind == "decode" else
+                          "backend": "sim", "rounds": args.rounds} if args.kind != "cascade" else
               {"Hq": 32, "Hkv": 8, "D": 64, "page_size": PS, "grid": CASCADE_GRID,
                "prefix_pages": CASCADE_PREFIX_PAGES, "own_tokens": "102-358",
                "backend": "sim", "rounds": args.rounds}, "plan": rows}

@@ -277,12 +277,15 @@ class AttentionLaunch:
         # sections are never read: they are sized for the buffers' capacity (a graph bucket of
         # 64 over a 5000-page pool: 331k words, 1.3 MB) and are not copied, only the words
         # before and after them.
-        w = self.layout.words
-        skip = (w["kv_indptr"], w["qo_indptr"]) if self.page_table_buffers is not None \
-            else (staged.size, staged.size)
+        if self.page_table_buffers is None:
+            skip = (staged.size, staged.size)
+        else:
+            w = self.layout.words
+            skip = (w["kv_indptr"], w["qo_indptr"])
         if self.backend == "sim":
             self.ints[:skip[0]] = staged[:skip[0]]
-            self.ints[skip[1]:staged.size] = staged[skip[1]:]
+            if skip[1] < staged.size:
+                self.ints[skip[1]:staged.size] = staged[skip[1]:]
             if self.page_table_buffers is not None:
                 for buf, host in zip(self.page_table_buffers, page_table, strict=True):
                     arrays.to_kernel(buf, "sim")[: host.size] = host
