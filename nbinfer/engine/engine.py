@@ -542,8 +542,6 @@ class Engine:
         np.cumsum(shared, out=ptr0[1:])
         saved = ps * sum((k - 1) * n for k, n in zip(sizes, shared, strict=True))
         last0 = np.where(np.array(shared) > 0, ps, 0).astype(np.int32)
-        for a in (qo0, ptr0, last0):  # handed to every step's levels: read-only
-            a.flags.writeable = False
         return (saved, [i for members, _ in groups for i in members], qo0[:-1].tolist(), shared,
                 qo0, ptr0, last0, np.repeat(np.array(shared, dtype=np.int64), sizes))
 
