@@ -7,14 +7,18 @@
 # radix tree; since session 22 the cascade's plan() on the compiled loops). Then issue 14's
 # requirement 1 in seconds: warm processes against the carried cache (bench/compile.py
 # --warm-from), without and with bytecode for numpy and nbinfer (session 22: this workplace
-# writes none, so every process compiled them from source). Logs and JSON in
-# $OUT/results.tgz (KEEP_R=1 leaves the files too).
+# writes none, so every process compiled them from source). Session 23 added to the tests
+# the decode wrapper's CUDA-graph replays of new plans (its upload now skips the layout's
+# table sections) and the append wrapper's (its compiled check and partial upload); the
+# engine's gpu tests check TorchRunner's staged inputs and in-graph placeholders. Logs and JSON
+# in $OUT/results.tgz (KEEP_R=1 leaves the files too).
 #   CACHE_BACK=1 KEEP_R=1 bash bench/session_state_engine.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
 t() { timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
-t tests/test_api_state.py tests/test_gpu_layers.py >"$OUT/r/gpu_s1.log" 2>&1 &
+t tests/test_api_state.py tests/test_gpu_layers.py tests/test_gpu_scheduler.py \
+  tests/test_api_append.py >"$OUT/r/gpu_s1.log" 2>&1 &
 a=$!
 t tests/test_gpu_prefill.py -k "cascade_gpu or one_warpgroup or cuda_graph_cascade" >"$OUT/r/gpu_s2.log" 2>&1 &
 b=$!
