@@ -98,6 +98,7 @@ class TorchRunner:
         # again, only for a step that samples more rows).
         self._sampled = torch.zeros(max(4096, self.graph_batch_sizes[-1]), dtype=torch.int64,
                                     device=self.device)
+        self._presampled = None  # the last replayed step's logits, whose tokens its graph took
         self.graph_replays = 0
         self._attention_ms = 0.0  # with timing=True (see above)
         self._events: list = []  # (start, end) pairs not yet read, oldest first
@@ -166,7 +167,9 @@ class TorchRunner:
             logits = graph.step(tokens, positions, kv_indptr, kv_indices, kv_last_page_len,
                                 levels)
             if rows is None or np.array_equal(rows, np.arange(batch)):  # every row samples
-                return logits[:batch]
+                # the graph took their greedy tokens already (into _sampled): sample() copies
+                self._presampled = logits[:batch]
+                return self._presampled
             return logits[self.to_device(rows)]
         attend_step = self.attention.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                           levels)
@@ -198,12 +201,16 @@ class TorchRunner:
         """Greedy tokens of ``logits`` kept on the device (the next step's placeholders read
         them there) and copied to pinned host memory behind an event, without waiting: the
         handle for :meth:`fetch`."""
-        tokens = logits.argmax(-1)
-        n = tokens.shape[0]
-        if n > self._sampled.shape[0]:  # the graphs read the old buffer: capture them again
-            self._sampled = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
-            self._graphs.clear()
-        self._sampled[:n].copy_(tokens)
+        n = logits.shape[0]
+        if logits is self._presampled:  # a replayed step's: its graph wrote them at the end
+            tokens = self._sampled[:n]
+        else:
+            tokens = logits.argmax(-1)
+            if n > self._sampled.shape[0]:  # the graphs read the old buffer: capture again
+                self._sampled = torch.zeros(2 * n, dtype=torch.int64, device=self.device)
+                self._graphs.clear()
+            self._sampled[:n].copy_(tokens)
+        self._presampled = None
         host = torch.empty(tokens.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
@@ -248,12 +255,15 @@ class _DecodeGraph:
     and plan memory (its CUDA-graph mode), the append wrapper's reserved index memory. A step
     plans both wrappers on the host, writes its tokens (placeholders included) and positions
     into a pinned staging buffer, copies that in with one transfer and replays: the graph
-    itself replaces the placeholders by the sampled tokens. Rows past the batch are padding:
-    one token each, on the scratch page ``num_pages``.
+    itself replaces the placeholders by the sampled tokens, and ends by taking the step's
+    greedy tokens into that same buffer (:meth:`TorchRunner.sample` then only copies them to
+    the host). Rows past the batch are padding: one token each, on the scratch page
+    ``num_pages``.
 
     Host work per step outside the plans: one copy, one event, the replay (it was two pinned
     allocations and transfers, the placeholders' five small kernels, two copies and two fills,
-    each a few microseconds of the host's launch path on the H200).
+    then the argmax and its copy: each a few microseconds of the host's launch path on the
+    H200).
     """
 
     def __init__(self, runner: TorchRunner, size: int):
@@ -289,7 +299,9 @@ class _DecodeGraph:
         self.attention.plan(indptr, indices, last, *self.runner.heads,
                             q_data_type=self.runner.attention.dtype)
 
-    def _forward(self):
+    def _forward(self, take_tokens: bool = True):
+        """The step's forward pass (captured, or the warm-up before the capture, which must
+        not overwrite the sampled tokens its replay's placeholders read: ``take_tokens``)."""
         runner = self.runner
         append, attention = self.append.run, self.attention.run
 
@@ -299,7 +311,12 @@ class _DecodeGraph:
             return attention(q, cache)
 
         tokens = runner.placeholders(self.inputs[0])
-        return runner.model.forward(tokens, self.inputs[1], attend)
+        logits = runner.model.forward(tokens, self.inputs[1], attend)
+        if take_tokens:
+            # the greedy tokens too, where the next step's placeholders read them (the padding
+            # rows' as well: no placeholder names them)
+            runner._sampled[:self.size].copy_(logits.argmax(-1))
+        return logits
 
     def step(self, tokens, positions, kv_indptr, kv_indices, kv_last_page_len,
              levels=None) -> torch.Tensor:
@@ -338,7 +355,7 @@ class _DecodeGraph:
             side = torch.cuda.Stream(device=runner.device)
             side.wait_stream(torch.cuda.current_stream(runner.device))
             with torch.cuda.stream(side):
-                self._forward()
+                self._forward(take_tokens=False)
             torch.cuda.current_stream(runner.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):
