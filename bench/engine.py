@@ -39,6 +39,8 @@ import torch
 
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
+from engine_overlap_cpu import time_fetch  # noqa: E402 (this folder: python3 bench/engine.py)
+
 from nbinfer.engine import Engine, Request, named_config  # noqa: E402
 from nbinfer.engine.torch_model import TorchLlama  # noqa: E402
 from nbinfer.engine.torch_runner import TorchRunner  # noqa: E402
@@ -69,19 +71,11 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
     engine().run(warm)
     runner.attention_seconds = 0.0
     engine = engine()
-    steps, last, waited = [], [0.0], [0.0]
+    steps, last = [], [0.0]
     # With overlap a step's wall time is its host work plus the wait in fetch() for the step
     # before it: the host half of a step is the wall time less that wait (without overlap the
     # wait is inside the sampling's argmax, not separable).
-    fetch = runner.fetch
-
-    def timed_fetch(handle):
-        t = time.perf_counter()
-        tokens = fetch(handle)
-        waited[0] += time.perf_counter() - t
-        return tokens
-
-    runner.fetch = timed_fetch
+    waited = time_fetch(runner)
 
     def on_step(rep):
         now = time.perf_counter()

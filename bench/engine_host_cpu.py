@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_overlap_cpu import VOCAB, StandInDevice  # noqa: E402
+from engine_overlap_cpu import VOCAB, StandInDevice, time_fetch  # noqa: E402
 
 from nbinfer.engine import Engine, Request  # noqa: E402
 
@@ -66,16 +66,7 @@ def run_once(reqs: list, prefix: bool, cascade: bool) -> dict:
         engine.add_request(r)
     # the wait in fetch() for the stand-in's worker thread (a thread hand-off, tens of us on
     # this VM, not the engine's work) is taken out of each step's time, as bench/engine.py does
-    waited = [0.0]
-    fetch = runner.fetch
-
-    def timed_fetch(handle):
-        t = time.perf_counter()
-        tokens = fetch(handle)
-        waited[0] += time.perf_counter() - t
-        return tokens
-
-    runner.fetch = timed_fetch
+    waited = time_fetch(runner)
     times, walls = [], []
     while engine.has_work:
         waited[0] = 0.0

@@ -250,12 +250,14 @@ def test_prefix_cache_evicts_before_it_preempts(model, rng):
 
 
 def test_the_comparison_fails_when_paged_attention_is_wrong(model, rng):
-    class AliasedPage(NumpyRunner):  # the first logical page of the batch aliases the last one
+    class AliasedPage(NumpyRunner):  # every request's first page aliases the batch's last one
         def forward(self, tokens, positions, qo, kv_indptr, kv_indices, last, levels=None,
                     rows=None):
+            # (one request's page alone left a tiny model's greedy tokens unchanged for some
+            # draws: a request stuck repeating one token)
             wrong = kv_indices.copy()
             if wrong.size > 1:
-                wrong[0] = wrong[-1]
+                wrong[kv_indptr[:-1][np.diff(kv_indptr) > 0]] = wrong[-1]
             return super().forward(tokens, positions, qo, kv_indptr, wrong, last, rows=rows)
 
     requests = [Request(list(rng.integers(0, CFG.vocab_size, size=20)), 6) for _ in range(3)]

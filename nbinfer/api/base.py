@@ -31,6 +31,7 @@ class WrapperBase:
         # the current stream of the workspace's device, in one C call for torch (plan() asks
         # for it every step)
         self._stream = arrays.stream_getter(self._workspace)
+        self._configs: dict = {}  # validated static arguments of plan() (_config)
 
     @property
     def backend(self) -> str:
@@ -51,6 +52,24 @@ class WrapperBase:
         """The scheduler's :class:`~nbinfer.scheduler.Plan` that run() executes (None on the
         reference backend)."""
         return self._slot.get().schedule
+
+    def _config(self, statics: tuple):
+        """The static half of plan()'s arguments (those the same from step to step) as the
+        wrapper's ``_validate_statics(*statics)`` returns it, memoised per wrapper: keyed with
+        the arguments' types (128 and 128.0 differ); an unhashable argument (a variant holding
+        a list) is validated every time."""
+        try:
+            key = statics + tuple(map(type, statics))
+            cfg = self._configs.get(key)
+        except TypeError:
+            key, cfg = None, None
+        if cfg is None:
+            cfg = self._validate_statics(*statics)
+            if key is not None:
+                if len(self._configs) >= 32:
+                    self._configs.clear()
+                self._configs[key] = cfg
+        return cfg
 
     def _install(self, build, *args, **kwargs) -> StepPlan:
         """Run ``build(*args, **kwargs) -> StepPlan`` and install its result; on any error

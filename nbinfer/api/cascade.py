@@ -99,7 +99,6 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         if self._graph_caps is not None:
             self._fused._graph = dict(caps=tuple(map(sum, self._graph_caps)))
         self._last_decode = None  # the last level's decode wrapper, made when first planned
-        self._configs: dict = {}  # validated static arguments of plan() (see _build)
 
     def _check_graph_buffers(self, **bufs) -> tuple[list, list]:
         """Validate use_cuda_graph's buffer lists; returns (segments, pages) per level."""
@@ -158,17 +157,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                    window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
                    kv_data_type, schedule["fixed_split_size"], schedule["alpha"],
                    schedule["beta"])
-        try:
-            key = statics + tuple(map(type, statics))
-            cfg = self._configs.get(key)
-        except TypeError:  # an unhashable argument: validated (and rejected) below
-            key, cfg = None, None
-        if cfg is None:
-            cfg = self._validate_statics(*statics)
-            if key is not None:
-                if len(self._configs) >= 32:
-                    self._configs.clear()
-                self._configs[key] = cfg
+        cfg = self._config(statics)
         page_size, head_dim, q_dtype, kv_dtype, var = (cfg.page_size, cfg.head_dim, cfg.q_dtype,
                                                        cfg.kv_dtype, cfg.variant)
         names = ("qo_indptr_arr", "paged_kv_indptr_arr", "paged_kv_indices_arr",

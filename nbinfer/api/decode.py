@@ -324,21 +324,6 @@ class BatchDecodeWithPagedKVCacheWrapper(WrapperBase):
                 batch, binding.frozen(np.arange(batch + 1, dtype=np.int32)))
         return qo_indptr
 
-    def _config(self, statics):
-        """The validated static half of plan()'s arguments (memoised per wrapper)."""
-        try:
-            key = statics + tuple(map(type, statics))
-            cfg = self._configs.get(key)
-        except TypeError:  # an unhashable argument (a variant holding a list): no memo
-            key, cfg = None, None
-        if cfg is None:
-            cfg = self._validate_statics(*statics)
-            if key is not None:
-                if len(self._configs) >= 32:
-                    self._configs.clear()
-                self._configs[key] = cfg
-        return cfg
-
     def _validate_statics(self, num_qo_heads, num_kv_heads, head_dim, page_size,
                           pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                           rope_theta, q_data_type, kv_data_type, fixed_split_size, variant):
