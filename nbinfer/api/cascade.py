@@ -152,7 +152,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
                causal, pos_encoding_mode, window_left, logits_soft_cap, sm_scale, rope_scale,
                rope_theta, q_data_type, kv_data_type, schedule):
         # Everything but the lists is the same from step to step: validated once per distinct
-        # set of arguments (keyed with their types, as decode's plan() does).
+        # set of arguments (WrapperBase._config).
         statics = (num_qo_heads, num_kv_heads, head_dim, page_size, causal, pos_encoding_mode,
                    window_left, logits_soft_cap, sm_scale, rope_scale, rope_theta, q_data_type,
                    kv_data_type, schedule["fixed_split_size"], schedule["alpha"],
@@ -208,9 +208,7 @@ class MultiLevelCascadeAttentionWrapper(WrapperBase):
         decode_last = not fused and self._backend != "reference" and one_row
         if fused:  # one launch; a single query row per last-level segment sees every key
             self._fused.plan_levels(qo, host, num_qo_heads, num_kv_heads, head_dim, page_size,
-                                    logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                                    q_data_type=q_data_type, kv_data_type=kv_data_type,
-                                    statics=cfg.fused, **schedule)
+                                    cfg.fused, **schedule)
         for lvl, w in enumerate([] if fused or self._backend == "reference" else self._wrappers):
             if decode_last and lvl == self._levels - 1:
                 if self._last_decode is None:
@@ -338,26 +336,18 @@ class _FusedCascade(BatchPrefillWithPagedKVCacheWrapper):
     # one-level cascade): the merge runs as a launch of its own.
     _all_split = True
 
-    def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                    logits_soft_cap, sm_scale, q_data_type, kv_data_type, statics=None,
-                    **schedule):
+    def plan_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size,
+                    statics, **schedule):
         """``qo``: per-level query indptrs (validated); ``tables``: ``[indptrs, indices,
-        last_page_lens, kv_lens]``, one validated array per level each (binding.page_table); ``schedule``:
-        ``fixed_split_size``, ``alpha``, ``beta`` for :func:`~nbinfer.scheduler.cascade_plan`."""
+        last_page_lens, kv_lens]``, one validated array per level each (binding.page_table);
+        ``statics``: ``(group size, q dtype, kv dtype, sm_scale, variant)``, validated (the
+        cascade wrapper's ``_validate_statics``); ``schedule``: ``fixed_split_size``, ``alpha``,
+        ``beta`` for :func:`~nbinfer.scheduler.cascade_plan`."""
         self._install(self._build_levels, qo, tables, num_qo_heads, num_kv_heads, head_dim,
-                      page_size, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
-                      q_data_type=q_data_type, kv_data_type=kv_data_type, statics=statics,
-                      **schedule)
+                      page_size, statics, **schedule)
 
-    def _build_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size, *,
-                      logits_soft_cap, sm_scale, q_data_type, kv_data_type, statics=None,
-                      **schedule):
-        if statics is None:  # ``(group, q_dtype, kv_dtype, sm_scale, variant)``, validated
-            q_dtype = normalize_dtype("q_data_type", q_data_type)
-            statics = (check_heads(num_qo_heads, num_kv_heads), q_dtype,
-                       normalize_dtype("kv_data_type", kv_data_type or q_data_type),
-                       check_sm_scale(sm_scale, head_dim),
-                       _variant(logits_soft_cap=logits_soft_cap, num_qo_heads=num_qo_heads))
+    def _build_levels(self, qo, tables, num_qo_heads, num_kv_heads, head_dim, page_size,
+                      statics, **schedule):
         group, q_dtype, kv_dtype, scale, var = statics
         kv_lens = list(tables[3])
         indptrs, offset = [], 0

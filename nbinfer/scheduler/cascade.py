@@ -74,17 +74,13 @@ def cascade_plan(qo_indptr_levels, kv_lens_levels, num_qo_heads: int, num_kv_hea
                                      item_overhead=item_overhead)
         if got is not None:
             return got[:4]
+        # (counts past int32 or huge cost keys: the definition below, as plan() does)
     qo_start = np.concatenate([p[:-1] for p in ptrs]).astype(np.int64)
     qo_end = np.concatenate([p[1:] for p in ptrs]).astype(np.int64)
     level = np.concatenate([np.full(p.size - 1, i) for i, p in enumerate(ptrs)])
     kv = np.concatenate(kvs).astype(np.int64)
     virt = np.zeros(qo_start.size + 1, dtype=np.int64)
     np.cumsum(qo_end - qo_start, out=virt[1:])
-    if compiled:
-        return _cascade_compiled(virt, kv, qo_start, qo_end, level, int(ptrs[0][-1]),
-                                 num_qo_heads, num_kv_heads, num_ctas, granule=granule,
-                                 tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha,
-                                 beta=beta, item_overhead=item_overhead)
     base = plan_batch(virt, kv, num_qo_heads, num_kv_heads, num_ctas, granule=granule,
                       tile_q=tile_q, fixed_split_size=fixed_split_size, alpha=alpha, beta=beta,
                       item_overhead=item_overhead)
@@ -142,15 +138,3 @@ def _check(qo_indptr_levels, kv_lens_levels) -> tuple[list, list]:
             raise ValueError(f"qo_indptr_levels[{i}] ends at {int(p[-1])}, level 0 at "
                              f"{int(ptrs[0][-1])}: every level covers the same rows")
     return ptrs, kvs
-
-
-def _cascade_compiled(virt, kv, qo_start, qo_end, level, nnz, num_qo_heads, num_kv_heads,
-                      num_ctas, **options):
-    """:func:`cascade_plan`'s result from the compiled loops (the same plan)."""
-    from . import compiled
-
-    compiled.load()
-    base, _ = compiled.plan_compiled(virt, kv, num_qo_heads, num_kv_heads, num_ctas, **options)
-    i32 = np.int32
-    return (compiled.cascade_rebuild(base, qo_start, nnz), qo_start.astype(i32),
-            qo_end.astype(i32), level.astype(i32))

@@ -14,8 +14,12 @@ packing of the plan into the staging buffer (:meth:`PlanLayout.pack`'s format):
   equal; ``tests/test_scheduler_compiled.py`` compares them on random batches), plus each work
   item's merge list;
 - :func:`pack_compiled`: exactly :meth:`PlanLayout.pack` into a given buffer;
-- :func:`cascade_rebuild`: :func:`nbinfer.scheduler.cascade_plan`'s partial rows and reduction
-  map over the real rows, for a plan of its virtual requests.
+- :func:`cascade_compiled`: :func:`nbinfer.scheduler.cascade_plan` (its virtual requests'
+  plan, whose partial rows and reduction map are rebuilt over the real rows) and the items'
+  merge lists;
+- :func:`check_levels_fast` and :func:`check_stage_append`: the cascade wrapper's agreement of
+  its per-level lists, and the append wrapper's index checks with the staging of its kernel's
+  sections.
 
 The rare inputs the loops do not take (cost keys that could pass 2**61, counts past int32) go
 to the NumPy planner, so the result is always the definition's.
@@ -32,7 +36,7 @@ from .lpt import integer_weights
 from .planner import INT32_MAX, plan
 from .schedule import WORK_FIELDS, Plan
 
-__all__ = ["PendingPlan", "cascade_compiled", "cascade_rebuild", "check_and_plan",
+__all__ = ["PendingPlan", "cascade_compiled", "check_and_plan",
            "check_levels_fast", "check_page_table_fast", "check_stage_append",
            "item_merge_compiled", "load", "loaded", "pack_compiled", "plan_compiled"]
 
@@ -46,7 +50,7 @@ def _kernels():
     from . import _loops
 
     return (_loops.schedule, _loops.pack, _loops.check_table, _loops.check_and_schedule,
-            _loops.check_schedule_pack, _loops.cascade_map, _loops.item_merge,
+            _loops.check_schedule_pack, _loops.item_merge,
             _loops.cascade_schedule, _loops.check_levels, _loops.check_stage_append)
 
 
@@ -79,9 +83,9 @@ def load() -> None:
             check_and_plan(_frozen(np.array([0, 1], dtype=np.int32), frozen), one, one, 1,
                            "abc", _frozen(np.arange(2, dtype=np.int32), True), 1, 1, 1,
                            speculate=speculate)
-    # the cascade's rebuild of its virtual requests' plan (scheduler.cascade_plan)
+    # the cascade's plan (scheduler.cascade_plan) and the items' merge lists of a plan
     base, _ = plan_compiled(np.arange(2), np.array([8]), 1, 1, 1)
-    item_merge_compiled(cascade_rebuild(base, np.zeros(1, dtype=np.int64), 1))
+    item_merge_compiled(base)
     check_levels_fast([np.arange(2, dtype=np.int32)] * 2, [np.arange(2)] * 2, [np.ones(1)] * 2)
     i32 = np.int32
     for frozen in (False, True):  # the engine's arrays (writable) or snapshots
@@ -251,21 +255,6 @@ def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, gran
     return sched, item_merge
 
 
-def cascade_rebuild(base: Plan, qo_start: np.ndarray, nnz: int) -> Plan:
-    """:func:`nbinfer.scheduler.cascade_plan`'s rebuild of ``base`` (the compiled plan of its
-    virtual requests, whose rows start at real row ``qo_start[v]``, ``nnz`` real rows): every
-    chunk that wrote its rows directly gets partial rows after the planner's, and the reduction
-    map is rebuilt over the real rows, in one compiled pass (``_loops.cascade_map``: a counting
-    sort over the rows in the chunks' order, which is the definition's (row, level, KV start)
-    lexsort order)."""
-    work, num_partials, merge_rows, merge_indptr, merge_indices = _kernels()[5](
-        base.work, base.num_kv_heads, base.num_partials, qo_start, nnz)
-    return Plan._from_scheduler(**{
-        **{f: getattr(base, f) for f in base.__dataclass_fields__}, "work": work,
-        "merge_rows": merge_rows, "merge_indptr": merge_indptr, "merge_indices": merge_indices,
-        "num_partials": int(num_partials), "num_qo_rows": int(nnz)})
-
-
 def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
                      num_kv_heads: int, num_ctas: int, *, granule: int = 16,
                      alpha: float = 1.0, beta: float = 1.0,
@@ -283,7 +272,7 @@ def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
     np.cumsum(sizes, out=qo_off[1:])
     wq, wkv = _weights(alpha, beta)
     (res, qo_start, qo_end, level, work, num_partials, merge_rows, merge_indptr, merge_indices,
-     item_merge) = _kernels()[7](qo_all, qo_off, kv_lens, num_kv_heads,
+     item_merge) = _kernels()[6](qo_all, qo_off, kv_lens, num_kv_heads,
                                  num_qo_heads // num_kv_heads, num_ctas, granule, wq, wkv,
                                  fixed_split_size or 0, tile_q or 0, int(item_overhead))
     if res[0] != _OK:
@@ -314,7 +303,7 @@ def check_levels_fast(qo_indptr_levels, indptr_levels, last_levels) -> bool:
     sizes = np.array([p.size for p in qo_indptr_levels], dtype=np.int64)
     qo_off = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=qo_off[1:])
-    return bool(_kernels()[8](qo_all, qo_off,
+    return bool(_kernels()[7](qo_all, qo_off,
                               np.array([p.size for p in indptr_levels], dtype=np.int64),
                               np.array([x.size for x in last_levels], dtype=np.int64)))
 
@@ -327,14 +316,14 @@ def check_stage_append(batch_indices, positions, kv_indptr, kv_indices, kv_last_
     to ``out`` (int32) at the four word ``offsets``. The five arrays are 1-D int32 host
     arrays. False, with ``out`` unspecified, when a rule fails: the caller's NumPy check then
     names it."""
-    return bool(_kernels()[9](batch_indices, positions, kv_indptr, kv_indices,
+    return bool(_kernels()[8](batch_indices, positions, kv_indptr, kv_indices,
                               kv_last_page_len, page_size, num_pages, out,
                               word_offsets(*offsets)))
 
 
 def item_merge_compiled(plan: Plan) -> np.ndarray:
     """:func:`nbinfer.api.workspace.item_merge_lists` of ``plan`` in one compiled pass."""
-    return _kernels()[6](plan.work[:, 6], plan.merge_indptr, plan.merge_indices,
+    return _kernels()[5](plan.work[:, 6], plan.merge_indptr, plan.merge_indices,
                          plan.num_partials)
 
 
