@@ -44,10 +44,6 @@ from .pool import PagePool
 __all__ = ["Engine", "Request", "StepReport"]
 
 
-def _int32(values) -> np.ndarray:  # page ids, lengths, offsets: the runners take int32
-    return np.asarray(values, dtype=np.int32)
-
-
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
