@@ -120,8 +120,10 @@ LEAN_LAZY_RESCALE = None
 # (request, kv head) pairs in sections of about this many MiB of KV, so the items running at
 # once read ~2 sections' KV (B4 L4096 H32 causal: ~32 MiB at 16, against 190 MiB for plain
 # LPT, whose first items span all 128 pairs; the CTAs' loads as balanced, by the cost model:
-# bench/NOTES.md, session 22). None: off, until timed (bench/prefill.py's ``o`` token).
-PREFILL_L2_SECTION_MIB = None
+# bench/NOTES.md, session 22). Timed in session 23 (H100, three rounds, bench/prefill.py's
+# ``o`` token): the lean kernel +6.9-7.9 % causal, +4.0-4.9 % non-causal at 16 MiB, 32 MiB no
+# better. None: plain LPT.
+PREFILL_L2_SECTION_MIB = 16
 # Items of at most 16 packed rows split each KV tile's keys over the warps (MmaPrefillSpec's
 # ``kv_split``): off unless set. Measured slower than the row tile for the cascade's own items
 # and for tensor-core decode at 64 x 4096, faster only for long items with few requests
