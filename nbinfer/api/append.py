@@ -218,7 +218,8 @@ class PagedKVAppendWrapper:
                                               and a.ndim == 1 for a in five)):
             return False
         compiled.load()
-        sizes = [bi.size, pos.size, indptr.size, max(int(indptr[-1]), 1)]
+        pages = max(int(indptr[-1]), 1)  # (words of the page section this step fills)
+        sizes = [bi.size, pos.size, indptr.size, pages]
         if self._fixed is not None:
             if any(n > cap for n, cap in zip(sizes, self._fixed, strict=True)):
                 return False  # (plan() raises once the indices are checked)
@@ -228,7 +229,7 @@ class PagedKVAppendWrapper:
         if not compiled.check_stage_append(bi, pos, indptr, indices, last, self._page_size,
                                            self._num_pages, staged, offsets):
             return False
-        self._upload(bi.size, staged, sizes, offsets, offsets[3] + max(int(indptr[-1]), 1))
+        self._upload(bi.size, staged, sizes, offsets, offsets[3] + pages)
         self._compiled = True
         return True
 

@@ -51,6 +51,13 @@ def _concat(arrays: list) -> np.ndarray:
     return np.concatenate(arrays) if arrays else _EMPTY
 
 
+def _indptr(counts) -> np.ndarray:
+    """int32 ``[0, c0, c0 + c1, ...]`` of ``counts`` (the runners take int32 index arrays)."""
+    out = np.zeros(len(counts) + 1, dtype=np.int32)
+    np.cumsum(counts, out=out[1:])
+    return out
+
+
 @dataclass
 class Request:
     """One generation request.
@@ -453,12 +460,10 @@ class Engine:
         # CPU, about three times that on the H200's host.
         start = np.array([seq.computed for seq, _ in plan], dtype=np.int64)
         count = np.array([n for _, n in plan], dtype=np.int64)
-        qo = np.zeros(len(plan) + 1, dtype=np.int32)
-        np.cumsum(count, out=qo[1:])
+        qo = _indptr(count)
         length = start + count
         used = -(-length // ps)
-        kv_indptr = np.zeros(len(plan) + 1, dtype=np.int32)
-        np.cumsum(used, out=kv_indptr[1:])
+        kv_indptr = _indptr(used)
         last = (length - (used - 1) * ps).astype(np.int32)
         if qo[-1] == len(plan):  # one token each (a decode step)
             # with overlap, a placeholder may stand for the last token
@@ -508,9 +513,7 @@ class Engine:
         plan[:] = [plan[i] for i in order]
         computed, used = computed[order], used[order]
         pages = [seq.page_array() for seq, _ in plan]
-        own = used - own_shared  # each sequence's pages past its group's shared ones
-        ptr1 = np.zeros(len(plan) + 1, dtype=np.int32)
-        np.cumsum(own, out=ptr1[1:])
+        ptr1 = _indptr(used - own_shared)  # each sequence's pages past its group's shared
         batch = len(plan)
         levels = CascadeLevels(
             [qo0, np.arange(batch + 1, dtype=np.int32)], [ptr0, ptr1],
@@ -532,10 +535,7 @@ class Engine:
         ps = self.pool.page_size
         sizes = [len(members) for members, _ in groups]
         shared = [n for _, n in groups]
-        qo0 = np.zeros(len(groups) + 1, dtype=np.int32)
-        np.cumsum(sizes, out=qo0[1:])
-        ptr0 = np.zeros(len(groups) + 1, dtype=np.int32)
-        np.cumsum(shared, out=ptr0[1:])
+        qo0, ptr0 = _indptr(sizes), _indptr(shared)
         saved = ps * sum((k - 1) * n for k, n in zip(sizes, shared, strict=True))
         last0 = np.where(np.array(shared) > 0, ps, 0).astype(np.int32)
         return (saved, [i for members, _ in groups for i in members], qo0[:-1].tolist(), shared,

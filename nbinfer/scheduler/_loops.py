@@ -497,40 +497,26 @@ def check_levels(qo_all, qo_off, ptr_sizes, last_sizes):
 
 @jit
 def check_stage_append(bi, pos, indptr, indices, last, page_size, num_pages, out, off):
-    # api.append._check_indices' rules (a page table as check_table states them with page ids
-    # below num_pages, every batch index a request of it, every position inside its request's
-    # KV) and the staging of what the append kernel reads: bi, pos, indptr and the first
+    # api.append._check_indices' rules (check_table's page table with page ids below
+    # num_pages, every batch index a request of it, every position inside its request's KV)
+    # and the staging of what the append kernel reads: bi, pos, indptr and the first
     # indptr[-1] page ids (at least one word: an empty list stages a 0) at out[off[0..3]].
     # True when every rule holds (out is then written); False: the caller's NumPy check names
     # the broken rule.
-    batch = indptr.size - 1
-    if batch < 0 or indptr[0] != 0 or last.size != batch or pos.size != bi.size:
+    table = check_table(indptr, indices, last, page_size)
+    if table[0] != _OK or table[3] > num_pages or pos.size != bi.size:
         return False
-    for b in range(batch):
-        if indptr[b + 1] < indptr[b]:
-            return False
-    nnz = indptr[batch]
-    if indices.size < nnz:
-        return False
-    kv_len = np.empty(batch, np.int64)
-    for b in range(batch):
-        n = indptr[b + 1] - indptr[b]
-        x = last[b]
-        if x < (1 if n > 0 else 0) or x > page_size:
-            return False
-        kv_len[b] = (n - 1) * page_size + x if n > 0 else 0
+    kv_len = table[2]
+    batch = kv_len.size
     for t in range(bi.size):
         b = bi[t]
         if b < 0 or b >= batch or pos[t] < 0 or pos[t] >= kv_len[b]:
             return False
-    for i in range(nnz):
-        x = indices[i]
-        if x < 0 or x >= num_pages:
-            return False
-        out[off[3] + i] = x
-    if nnz == 0:
-        out[off[3]] = 0
+    ptr, idx, _ = table_views(table[1], batch)
     copy_into(out[off[0]:], bi)
     copy_into(out[off[1]:], pos)
-    copy_into(out[off[2]:], indptr)
+    copy_into(out[off[2]:], ptr)
+    copy_into(out[off[3]:], idx)
+    if idx.size == 0:
+        out[off[3]] = 0
     return True

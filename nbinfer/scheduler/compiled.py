@@ -255,6 +255,14 @@ def _plan_of(res, qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, gran
     return sched, item_merge
 
 
+def _flat_levels(arrays) -> tuple[np.ndarray, np.ndarray]:
+    """Per-level arrays as the loops take them: concatenated, and the int64 offset of each
+    level's first entry (one past the last level's last)."""
+    off = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum([a.size for a in arrays], out=off[1:])
+    return np.concatenate(arrays), off
+
+
 def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
                      num_kv_heads: int, num_ctas: int, *, granule: int = 16,
                      alpha: float = 1.0, beta: float = 1.0,
@@ -266,10 +274,7 @@ def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
     for arguments the caller has validated: ``qo_indptr_levels`` int arrays that agree (every
     level ends at the same row), ``kv_lens`` the levels' KV lengths concatenated (int64).
     Returns None when the step needs the NumPy planner (counts past int32, huge cost keys)."""
-    qo_all = np.concatenate(qo_indptr_levels)
-    sizes = [p.size for p in qo_indptr_levels]
-    qo_off = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=qo_off[1:])
+    qo_all, qo_off = _flat_levels(qo_indptr_levels)
     wq, wkv = _weights(alpha, beta)
     (res, qo_start, qo_end, level, work, num_partials, merge_rows, merge_indptr, merge_indices,
      item_merge) = _kernels()[6](qo_all, qo_off, kv_lens, num_kv_heads,
@@ -284,7 +289,7 @@ def cascade_compiled(qo_indptr_levels, kv_lens: np.ndarray, num_qo_heads: int,
         work=work, cta_indptr=cta_indptr, cta_work=cta_work, merge_rows=merge_rows,
         merge_indptr=merge_indptr, merge_indices=merge_indices,
         num_partials=int(num_partials), batch_size=qo_start.size,
-        num_qo_rows=int(qo_all[sizes[0] - 1]), num_qo_heads=int(num_qo_heads),
+        num_qo_rows=int(qo_all[qo_off[1] - 1]), num_qo_heads=int(num_qo_heads),
         num_kv_heads=int(num_kv_heads), tile_q=int(tile_q_used), tile_rows=int(tile_rows),
         kv_chunk=int(kv_chunk), granule=int(granule), causal=False,
         fixed_split_size=fixed_split_size, alpha=float(alpha), beta=float(beta),
@@ -297,12 +302,9 @@ def check_levels_fast(qo_indptr_levels, indptr_levels, last_levels) -> bool:
     """Whether a cascade's per-level lists agree (int32 query indptrs, validated page tables):
     :func:`nbinfer.reference.cascade._check_levels`'s rules in one compiled pass. False: the
     caller runs that check, which names what is wrong."""
-    qo_all = np.concatenate(qo_indptr_levels)
+    qo_all, qo_off = _flat_levels(qo_indptr_levels)
     if qo_all.dtype != _I32:
         return False
-    sizes = np.array([p.size for p in qo_indptr_levels], dtype=np.int64)
-    qo_off = np.zeros(sizes.size + 1, dtype=np.int64)
-    np.cumsum(sizes, out=qo_off[1:])
     return bool(_kernels()[7](qo_all, qo_off,
                               np.array([p.size for p in indptr_levels], dtype=np.int64),
                               np.array([x.size for x in last_levels], dtype=np.int64)))
