@@ -40,6 +40,7 @@ _LAZY = {
     "merge_state_in_place": "api.state",
     "merge_states": "api.state",
     "StepPlan": "api.step",
+    "defer_frees": "api.launch",
     "warmup": "warmup",
 }
 
@@ -81,6 +82,7 @@ __all__ = [
     "bsr_from_mask",
     "bsr_from_ragged",
     "compose",
+    "defer_frees",
     "formats",
     "fused_add_rmsnorm",
     "get_batch_indices_positions",

@@ -87,6 +87,37 @@ def test_layer_ops_replay_from_a_cuda_graph():
         assert_close(_np(m), ref_m, "bfloat16", "replayed silu")
 
 
+def test_a_capture_survives_numba_frees_inside_defer_frees():
+    # Numba flushes its queue of pending frees once it holds more than
+    # CUDA_DEALLOCS_COUNT (10) entries; a cuMemFree during a capture invalidates it. Twelve
+    # device arrays dropped mid-capture (what a collected wrapper's plan memory does) must
+    # leave a capture inside nbinfer.defer_frees() intact, and the frees run after it.
+    from numba import cuda
+
+    dt = torch.bfloat16
+    x, r = (torch.randn(N, HIDDEN, device="cuda").to(dt) for _ in range(2))
+    w = torch.ones(HIDDEN, device="cuda")
+    nbinfer.fused_add_rmsnorm(x.clone(), r.clone(), w, 1e-5)  # compiled before the capture
+    ctx = cuda.current_context()
+    ctx.deallocations.clear()
+    doomed = [cuda.device_array(1024, dtype=np.int32) for _ in range(12)]
+    x0, r0 = x.clone(), r.clone()
+    graph = torch.cuda.CUDAGraph()
+    with nbinfer.defer_frees(), torch.cuda.graph(graph):
+        nbinfer.fused_add_rmsnorm(x, r, w, 1e-5)
+        doomed.clear()  # twelve frees queued, none flushed
+        assert len(ctx.deallocations) >= 12
+    x.copy_(x0)
+    r.copy_(r0)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_n, _ = reference.layers.fused_add_rmsnorm(_np(x0), _np(r0), np.ones(HIDDEN), 1e-5,
+                                                  dtype="bfloat16")
+    assert_close(_np(x), ref_n, "bfloat16", "replayed norm")
+    ctx.deallocations.clear()  # outside: flushed
+    assert len(ctx.deallocations) == 0
+
+
 def test_fast_and_careful_paths_agree_bitwise(monkeypatch):
     # torch CUDA tensors take api/layers_fast.py; the careful path must give the same bits
     # (out=, partial rotary with its copied dimensions, int32 and int64 positions, 2-D and 3-D

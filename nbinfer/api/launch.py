@@ -12,6 +12,8 @@ replays correctly after any later ``upload`` into the same layout.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..kernels.common import ARG, DECODE_PLAN_SECTIONS
@@ -20,9 +22,31 @@ from ..kernels.launch import PreparedLaunch, _driver, check
 from . import arrays, binding
 from .workspace import WorkspaceLayout
 
-__all__ = ["ARG", "AttentionLaunch", "PlanMemory", "TableReader"]
+__all__ = ["ARG", "AttentionLaunch", "PlanMemory", "TableReader", "defer_frees"]
 
 STRIDE_ARGS = ("page_stride", "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h")
+
+
+@contextlib.contextmanager
+def defer_frees():
+    """Hold back the freeing of nbinfer's device and pinned host memory while inside.
+
+    A wrapper's plan memory and staging buffers are Numba allocations; when a wrapper is
+    collected, Numba queues their frees and flushes the queue once it holds more than a few
+    entries, whenever that happens. A ``cuMemFree`` issued while a stream is being captured
+    into a CUDA graph invalidates the capture (``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED``, then
+    901 at the next launch). Wrap a capture in this context manager (nestable; in the simulator
+    it does nothing); the frees run after it, at Numba's next flush.
+
+    Examples
+    --------
+    >>> with nbinfer.defer_frees(), torch.cuda.graph(graph):  # doctest: +SKIP
+    ...     out = wrapper.run(q, kv_cache)
+    """
+    from numba import cuda
+
+    with cuda.defer_cleanup():
+        yield
 
 
 class TableReader:

@@ -29,6 +29,7 @@ from ..api.append import PagedKVAppendWrapper
 from ..api.cascade import MultiLevelCascadeAttentionWrapper
 from ..api.decode import BatchDecodeWithPagedKVCacheWrapper
 from ..api.dtypes import normalize_dtype
+from ..api.launch import defer_frees
 from .runners import StepAttention
 from .torch_model import TorchLlama
 
@@ -358,7 +359,8 @@ class _DecodeGraph:
                 self._forward(take_tokens=False)
             torch.cuda.current_stream(runner.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
+            # (a collected wrapper's Numba memory freed mid-capture would invalidate it)
+            with defer_frees(), torch.cuda.graph(self.graph):
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits
