@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Session 24's first device script (after bench/session_state_engine.sh found the engine's
-# graph capture invalidated by a Numba free): the capture guard's gpu tests (nbinfer.defer_frees,
-# the layer ops' graph replays, the engine's 11), MEMCHECK=1 memcheck / racecheck / the planted
-# read, then the tensor-core prefill's L2 order A/B on this GPU (plain lean kernel against 16
-# and 32 MiB sections, SDPA flash / cuDNN in the same process), and where the engine's replayed
-# cascade step spends its host time against the paged one's (bench/engine_host_profile.py).
+# Session 24's device script (after bench/session_state_engine.sh found the engine's graph
+# capture invalidated by a Numba free): the capture guard's gpu tests (nbinfer.defer_frees, the
+# layer ops' graph replays, the engine's 11); where the engine's replayed cascade step spends
+# its host time against the paged one's (bench/engine_host_profile.py); the shared-prefix
+# cascade by KV chunk size (bench/cascade_levels_sweep.py: the prefix level alone on the lean
+# kernel, level by level, one launch); with L2AB=1 the tensor-core prefill's L2 order A/B (plain
+# lean kernel against 16 and 32 MiB sections, SDPA flash / cuDNN in the same process); with
+# MEMCHECK=1 memcheck / racecheck / the planted read (no kernel changed since session 23's
+# clean run on an H100).
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -12,15 +15,22 @@ session_start
 timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_gpu_layers.py tests/test_engine_gpu.py >"$OUT/r/gpu_capture.log" 2>&1 || status=1
 echo "capture tests: $(tail -1 "$OUT/r/gpu_capture.log") ($((SECONDS - t0)) s)"
-if [ -n "${MEMCHECK:-}" ]; then  # (the kernels are session 23's, clean there on an H100)
+timeout 240 python3 bench/engine_host_profile.py --out "$OUT/r/engine_host_profile.json" \
+  >"$OUT/r/host_profile.log" 2>&1 || status=1
+grep -E "^==|gpu ms/step" "$OUT/r/host_profile.log"
+echo "profile: $((SECONDS - t0)) s"
+timeout 200 python3 bench/cascade_levels_sweep.py --out "$OUT/r/cascade_levels_sweep.json" \
+  >"$OUT/r/cascade_sweep.log" 2>&1 || status=1
+grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -8 | cut -c1-200
+echo "cascade sweep: $((SECONDS - t0)) s"
+if [ -n "${L2AB:-}" ]; then
+  python3 bench/prefill.py --kv-tiles "${TILES:-64w8gl,64w8glo16,64w8glo32}" \
+    --out "$OUT/r/prefill_l2_order.json" >"$OUT/r/l2.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/r/l2.log" | tail -6 | cut -c1-300
+fi
+if [ -n "${MEMCHECK:-}" ]; then
   OUT="$OUT/r" bash bench/memcheck.sh >"$OUT/r/memcheck.out" 2>&1 || status=1
   tail -4 "$OUT/r/memcheck.out"
   echo "memcheck: $((SECONDS - t0)) s"
 fi
-python3 bench/prefill.py --kv-tiles "${TILES:-64w8gl,64w8glo16,64w8glo32}" \
-  --out "$OUT/r/prefill_l2_order.json" >"$OUT/r/l2.log" 2>&1 || status=1
-grep -v -i warn "$OUT/r/l2.log" | tail -6 | cut -c1-300
-timeout 240 python3 bench/engine_host_profile.py --out "$OUT/r/engine_host_profile.json" \
-  >"$OUT/r/host_profile.log" 2>&1 || status=1
-grep -E "^==|gpu ms/step" "$OUT/r/host_profile.log"
 session_end
