@@ -4,10 +4,11 @@
 # layer ops' graph replays, the engine's 11); where the engine's replayed cascade step spends
 # its host time against the paged one's (bench/engine_host_profile.py); the shared-prefix
 # cascade by KV chunk size (bench/cascade_levels_sweep.py: the prefix level alone on the lean
-# kernel, level by level, one launch); with L2AB=1 the tensor-core prefill's L2 order A/B (plain
-# lean kernel against 16 and 32 MiB sections, SDPA flash / cuDNN in the same process); with
-# MEMCHECK=1 memcheck / racecheck / the planted read (no kernel changed since session 23's
-# clean run on an H100).
+# kernel, level by level, one launch); with DECODE=1 bench/decode.py (against cuDNN) and its
+# FP8 rows; with HOST=1 bench/host.py and bench/launch_cost.py; with L2AB=1 the tensor-core
+# prefill's L2 order A/B (plain lean kernel against 16 and 32 MiB sections, SDPA flash / cuDNN
+# in the same process); with MEMCHECK=1 memcheck / racecheck / the planted read (no kernel
+# changed since session 23's clean run on an H100).
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -23,6 +24,22 @@ timeout 200 python3 bench/cascade_levels_sweep.py --out "$OUT/r/cascade_levels_s
   >"$OUT/r/cascade_sweep.log" 2>&1 || status=1
 grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -8 | cut -c1-200
 echo "cascade sweep: $((SECONDS - t0)) s"
+if [ -n "${DECODE:-}" ]; then  # issue 13 req 3 and 5: decode against cuDNN, FP8 against fp16
+  timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" 2>&1 \
+    || status=1
+  tail -6 "$OUT/r/decode.log" | cut -c1-200
+  timeout 150 python3 bench/decode.py --fp8 --out "$OUT/r/decode_fp8_h200.json" \
+    >"$OUT/r/fp8.log" 2>&1 || status=1
+  tail -8 "$OUT/r/fp8.log" | cut -c1-200
+  echo "decode: $((SECONDS - t0)) s"
+fi
+if [ -n "${HOST:-}" ]; then  # issue 14 req 5-6: run() and plan() host cost on this host
+  { timeout 150 python3 bench/host.py --profile --out "$OUT/r/host_h200.json" &&
+    timeout 60 python3 bench/launch_cost.py --out "$OUT/r/launch_cost.json"; } \
+    >"$OUT/r/host.log" 2>&1 || status=1
+  tail -24 "$OUT/r/host.log" | cut -c1-200
+  echo "host: $((SECONDS - t0)) s"
+fi
 if [ -n "${L2AB:-}" ]; then
   python3 bench/prefill.py --kv-tiles "${TILES:-64w8gl,64w8glo16,64w8glo32}" \
     --out "$OUT/r/prefill_l2_order.json" >"$OUT/r/l2.log" 2>&1 || status=1
