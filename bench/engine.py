@@ -123,16 +123,19 @@ def replay_ms(runner, reps=20):
     return start.elapsed_time(end) / reps
 
 
-def gpu_breakdown(model, reqs, step_tokens):
+def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=None):
     """GPU kernel time by kind over the decode steps of a short eager run (torch.profiler):
     GEMMs, nbinfer's attention, nbinfer's append, nbinfer's layer kernels (fused norms, RoPE,
-    SiLU-and-multiply), everything else (torch's elementwise kernels, embedding, argmax)."""
+    SiLU-and-multiply), everything else (torch's elementwise kernels, embedding, argmax).
+    ``prefix`` / ``cascade``: the engine's prefix cache and cascade steps; ``top``: also the
+    ``top`` kernels by time per step (``"top kernels us"``)."""
     from torch.profiler import ProfilerActivity, profile
 
     short = [Request(r.prompt, 8) for r in reqs]
     pages = sum(-(-(len(r.prompt) + 8) // PAGE) for r in short) + 64
     runner = TorchRunner(model, pages, PAGE)
-    engine = Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs))
+    engine = Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
+                    prefix_cache=prefix, cascade="auto" if cascade else "off")
     for r in short:
         engine.add_request(r)
     while True:  # prefill, up to the first decode-only step
@@ -147,19 +150,25 @@ def gpu_breakdown(model, reqs, step_tokens):
             steps += 1
         torch.cuda.synchronize()
     kinds = {"gemm": 0.0, "attention": 0.0, "append": 0.0, "layer kernels": 0.0, "other": 0.0}
+    names = {}
     for ev in prof.key_averages():
         name, us = ev.key.lower(), ev.self_device_time_total
+        names[ev.key[:80]] = us / steps
         if "append" in name:
             kinds["append"] += us
         elif any(k in name for k in ("rmsnorm", "silu_and_mul", "rope")):
             kinds["layer kernels"] += us  # nbinfer.kernels.layers (the fused model's)
-        elif any(k in name for k in ("decode", "prefill", "value_scan", "attention")):
+        elif any(k in name for k in ("decode", "prefill", "value_scan", "attention", "merge")):
             kinds["attention"] += us
         elif any(k in name for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul")):
             kinds["gemm"] += us
         else:
             kinds["other"] += us
-    return {k: v / 1e3 / steps for k, v in kinds.items()} | {"steps": steps}
+    res = {k: v / 1e3 / steps for k, v in kinds.items()} | {"steps": steps}
+    if top:
+        res["top kernels us"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])
+        res["cascade_steps"] = engine.cascade_steps
+    return res
 
 
 def hf_model(model, cfg):

@@ -3,24 +3,27 @@
     python3 bench/engine_host_profile.py [--out JSON] [--top 25]
 
 bench/engine.py's shared-prefix rows (Llama-3.2-1B shapes, bf16, 64 x (1024 + 256), 90 %
-shared, CUDA graphs, overlap) measure the host half of a decode step (``decode_host_ms_p50``):
-on the H200's host in session 24 0.70 ms for the paged step and 1.95 ms for the cascade step,
-against 0.19 / 0.27 ms of engine work and 0.05 / 0.19 ms of plan() on the 2-core VM, where
-the paged path is ~3x faster than that host and the cascade ~6x. This runs the two rows again
-under cProfile (the timed run only; the warm-up loads kernels and captures the graphs) and
-prints, per decode step, the functions with the most own time and the most cumulative time,
-so the part of the cascade step that does not scale with the CPU's speed (a wait on the GPU,
-a driver call) shows by name. Then the GPU side: the same rows eager under torch.profiler,
-kernel time per decode step by kind (attention, append, layer kernels, GEMMs, other).
+shared, CUDA graphs, overlap) measure the host half of a decode step (``decode_host_ms_p50``,
+a step's wall time less its wait in ``fetch()``): on the H200's host in session 24 0.71 ms for
+the paged step and 1.95 ms for the cascade step, but 1.06 ms for the same cascade plans when
+the layers were torch operations (a slower GPU step, 2.89 against 2.04 ms). So ~0.9 ms of the
+first figure looks like a wait on the GPU somewhere other than ``fetch()``, which shows only
+when the GPU is barely behind the host. A deterministic profiler would slow the host and hide
+it; this samples the main thread's stack from a second thread instead (``sys._current_frames``
+about every 0.2 ms; a call blocked in the driver or in torch releases the GIL, so the sampler
+sees it) over the timed run of each row, and prints, per decode step, the milliseconds spent in
+each function (innermost frame, and anywhere on the stack). Then the GPU side: each row eager
+under torch.profiler, kernel time per decode step by kind (bench/engine.py's
+``gpu_breakdown``).
 """
 
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
+import sys
+import threading
 import time
 
 import numpy as np
@@ -28,7 +31,7 @@ import torch
 
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
-from engine import PAGE, make_requests  # noqa: E402 (this folder: python3 bench/...)
+from engine import PAGE, gpu_breakdown, make_requests  # noqa: E402 (this folder)
 from engine_overlap_cpu import time_fetch  # noqa: E402
 
 from nbinfer.engine import Engine, named_config  # noqa: E402
@@ -36,9 +39,60 @@ from nbinfer.engine.torch_model import TorchLlama  # noqa: E402
 from nbinfer.engine.torch_runner import TorchRunner  # noqa: E402
 
 
+class StackSampler:
+    """Samples one thread's Python stack from a daemon thread every ``interval`` seconds:
+    ``leaf`` counts the innermost frame, ``inclusive`` every distinct frame on the stack."""
+
+    def __init__(self, thread_id: int, interval: float = 2e-4, depth: int = 40):
+        self.tid, self.interval, self.depth = thread_id, interval, depth
+        self.leaf: dict[str, int] = {}
+        self.inclusive: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def _name(frame) -> str:
+        code = frame.f_code
+        return f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}:{code.co_name}"
+
+    def _run(self):
+        while not self._stop.is_set():
+            time.sleep(self.interval)
+            frame = sys._current_frames().get(self.tid)
+            if frame is None:
+                continue
+            self.samples += 1
+            leaf = self._name(frame)
+            self.leaf[leaf] = self.leaf.get(leaf, 0) + 1
+            seen = set()
+            for _ in range(self.depth):
+                if frame is None:
+                    break
+                seen.add(self._name(frame))
+                frame = frame.f_back
+            for name in seen:
+                self.inclusive[name] = self.inclusive.get(name, 0) + 1
+
+    def __enter__(self):
+        # the sampler needs the GIL to look: a shorter switch interval than the default 5 ms
+        # lets it in while the main thread runs Python (on a 2-core VM a busy loop was then
+        # sampled at 60 % of the rate of a sleep, against 2 % at 5 ms)
+        self._switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-4)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+
+
 def profiled(model, reqs, warm, *, prefix, cascade, graphs=True, overlap=True, top=25):
-    """One engine run (after a warm-up on the same runner) under cProfile: per decode step
-    host ms (wall less the fetch wait), and the top functions by own and cumulative time."""
+    """One engine run (after a warm-up on the same runner) with its main thread's stack
+    sampled: per decode step host ms (wall less the fetch wait), the run's wall time split
+    over the functions the samples found (ms per decode step, innermost and inclusive)."""
     pages = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs) + 64
     runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs,
                          graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64), cascade_graphs=cascade)
@@ -59,69 +113,24 @@ def profiled(model, reqs, warm, *, prefix, cascade, graphs=True, overlap=True, t
         steps.append((now - last[0], decode, waited[0]))
         last[0], waited[0] = now, 0.0
 
-    prof = cProfile.Profile()
     torch.cuda.synchronize()
-    last[0] = time.perf_counter()
-    prof.enable()
-    eng.run(reqs, on_step=on_step)
-    prof.disable()
+    last[0] = t0 = time.perf_counter()
+    with StackSampler(threading.get_ident()) as sampler:
+        eng.run(reqs, on_step=on_step)
     torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
     host = [(s - w) * 1e3 for s, d, w in steps if d]
     n = len(host)
-    st = pstats.Stats(prof)
-    rows = []
-    for (file, line, fn), (_, ncalls, tt, ct, _) in st.stats.items():
-        rows.append(dict(fn=f"{os.path.basename(file)}:{line}:{fn}", calls=ncalls / n,
-                         own_us=tt / n * 1e6, cum_us=ct / n * 1e6))
-    own = sorted(rows, key=lambda r: -r["own_us"])[:top]
-    cum = sorted(rows, key=lambda r: -r["cum_us"])[:top]
-    return dict(decode_steps=n, cascade_steps=eng.cascade_steps,
-                host_ms_p50_profiled=float(np.median(host)), top_own=own, top_cum=cum)
+    per = wall * 1e3 / max(sampler.samples, 1) / n  # ms per decode step of one sample
 
+    def table(counts):
+        return [dict(fn=k, ms_per_step=v * per)
+                for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
-def breakdown(model, reqs, *, prefix, cascade):
-    """Kernel time per decode step by kind, eager, torch.profiler (bench/engine.py's kinds)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    short = [type(r)(r.prompt, 8) for r in reqs]
-    pages = sum(-(-(len(r.prompt) + 8) // PAGE) for r in short) + 64
-    runner = TorchRunner(model, pages, PAGE)
-    eng = Engine(runner, pages, PAGE, max_step_tokens=8192, max_batch=len(reqs),
-                 prefix_cache=prefix, cascade="auto" if cascade else "off")
-    for r in short:
-        eng.add_request(r)
-    while True:
-        rep = eng.step()
-        if not eng.waiting and all(k == 1 for _, k in rep.scheduled):
-            break
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        steps = 0
-        while eng.has_work:
-            eng.step()
-            steps += 1
-        torch.cuda.synchronize()
-    kinds: dict[str, float] = {}
-    names: dict[str, float] = {}
-    for ev in prof.key_averages():
-        name, us = ev.key.lower(), ev.self_device_time_total
-        if not us:
-            continue
-        if "append" in name:
-            kind = "append"
-        elif any(k in name for k in ("rmsnorm", "silu_and_mul", "rope")):
-            kind = "layer kernels"
-        elif any(k in name for k in ("decode", "prefill", "value_scan", "attention", "merge")):
-            kind = "attention"
-        elif any(k in name for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul")):
-            kind = "gemm"
-        else:
-            kind = "other"
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
-        names[ev.key[:80]] = us / steps
-    top = dict(sorted(names.items(), key=lambda kv: -kv[1])[:12])
-    return dict(steps=steps, ms_per_step=kinds, top_kernels_us_per_step=top,
-                cascade_steps=eng.cascade_steps)
+    return dict(decode_steps=n, cascade_steps=eng.cascade_steps, wall_s=wall,
+                samples=sampler.samples, host_ms_p50_sampled=float(np.median(host)),
+                fetch_ms_per_step=float(np.mean([w for _, d, w in steps if d])) * 1e3,
+                top_leaf=table(sampler.leaf), top_inclusive=table(sampler.inclusive))
 
 
 def main():
@@ -138,23 +147,25 @@ def main():
     for name, kw in (("paged", dict(prefix=False, cascade=False)),
                      ("cascade", dict(prefix=True, cascade=True))):
         res[name] = profiled(model, shared, warm, top=a.top, **kw)
-        res[name + " gpu"] = breakdown(model, shared, **kw)
+        res[name + " gpu"] = gpu_breakdown(model, shared, 8192, top=12, **kw)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
     for name in ("paged", "cascade"):
         r = res[name]
         print(f"== {name}: {r['decode_steps']} decode steps ({r['cascade_steps']} cascade), "
-              f"host p50 {r['host_ms_p50_profiled']:.2f} ms under cProfile")
-        print(f"{'own us/step':>12} {'cum us/step':>12} {'calls':>7}  function")
-        for row in r["top_own"]:
-            print(f"{row['own_us']:12.1f} {row['cum_us']:12.1f} {row['calls']:7.1f}  {row['fn']}")
-        print("  by cumulative:")
-        for row in r["top_cum"]:
-            print(f"{row['own_us']:12.1f} {row['cum_us']:12.1f} {row['calls']:7.1f}  {row['fn']}")
+              f"host p50 {r['host_ms_p50_sampled']:.2f} ms, fetch wait "
+              f"{r['fetch_ms_per_step']:.2f} ms per step, {r['samples']} samples")
+        print(f"{'ms/step':>8}  innermost frame")
+        for row in r["top_leaf"]:
+            print(f"{row['ms_per_step']:8.3f}  {row['fn']}")
+        print(f"{'ms/step':>8}  anywhere on the stack")
+        for row in r["top_inclusive"]:
+            print(f"{row['ms_per_step']:8.3f}  {row['fn']}")
         g = res[name + " gpu"]
-        print(f"  gpu ms/step {json.dumps({k: round(v, 3) for k, v in g['ms_per_step'].items()})}")
-        for k, v in g["top_kernels_us_per_step"].items():
+        ms = {k: round(v, 3) for k, v in g.items() if isinstance(v, float)}
+        print(f"  gpu ms/step {json.dumps(ms)} ({g['cascade_steps']} cascade steps)")
+        for k, v in g["top kernels us"].items():
             print(f"  {v:9.1f} us  {k}")
 
 
