@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from prefill import back_to_back_ms, graph_ms, shared_prefix_case  # noqa: E402
+from prefill import api_overrides, back_to_back_ms, graph_ms, shared_prefix_case  # noqa: E402
 
 from nbinfer.api import cascade as cascade_api  # noqa: E402
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
@@ -65,11 +65,8 @@ def main():
                    prefix_gpu_ms=back_to_back_ms(lambda pw=pw: pw.run(q, cache)),
                    prefix_graph_ms=graph_ms(lambda pw=pw: pw.run(q, cache)))
         lv = MultiLevelCascadeAttentionWrapper(2, ws)
-        saved, cascade_api.CASCADE_LAUNCH = cascade_api.CASCADE_LAUNCH, "levels"
-        try:
+        with api_overrides(cascade_api, CASCADE_LAUNCH="levels"):
             lv.plan(*levels, hq, hkv, d, ps, q_data_type="float16", fixed_split_size=fixed)
-        finally:
-            cascade_api.CASCADE_LAUNCH = saved
         row["levels_max_abs_diff"] = float((lv.run(q, cache).float() - ref).abs().max())
         row["levels_graph_ms"] = graph_ms(lambda lv=lv: lv.run(q, cache))
         casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16", fixed_split_size=fixed)

@@ -30,6 +30,7 @@ The last lines are a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -55,9 +56,10 @@ def make_requests(rng, n, prompt, new, shared, vocab):
 
 
 def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timing=False,
-               overlap=False):
+               overlap=False, around=contextlib.nullcontext):
     """One engine run to completion, after a warm-up run of ``warm`` on the same runner (the
-    kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics."""
+    kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics.
+    ``around()``: a context manager entered around the timed run only (a profiler's)."""
     need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
     pages = need + 64
     runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs, timing=timing,
@@ -85,7 +87,8 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
 
     torch.cuda.synchronize()
     t0 = last[0] = time.perf_counter()
-    outputs = engine.run(reqs, on_step=on_step)
+    with around():
+        outputs = engine.run(reqs, on_step=on_step)
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     n_out = sum(len(o) for o in outputs)
@@ -100,6 +103,7 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
                graph_replays=runner.graph_replays, preemptions=engine.preemptions)
     if overlap and host:
         res["decode_host_ms_p50"] = float(np.median(host))  # the step less its fetch wait
+        res["decode_fetch_ms_mean"] = float(np.mean([w for _, d, _, w in steps if d])) * 1e3
     if timing:
         res["attention_s"] = runner.attention_seconds
         res["attention_share"] = runner.attention_seconds / wall
@@ -153,7 +157,7 @@ def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=
     names = {}
     for ev in prof.key_averages():
         name, us = ev.key.lower(), ev.self_device_time_total
-        names[ev.key[:80]] = us / steps
+        names[ev.key[:80]] = names.get(ev.key[:80], 0.0) + us / steps  # (specs share prefixes)
         if "append" in name:
             kinds["append"] += us
         elif any(k in name for k in ("rmsnorm", "silu_and_mul", "rope")):
@@ -164,10 +168,10 @@ def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=
             kinds["gemm"] += us
         else:
             kinds["other"] += us
-    res = {k: v / 1e3 / steps for k, v in kinds.items()} | {"steps": steps}
+    res = {k: v / 1e3 / steps for k, v in kinds.items()} | {
+        "steps": steps, "cascade_steps": engine.cascade_steps}
     if top:
         res["top kernels us"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])
-        res["cascade_steps"] = engine.cascade_steps
     return res
 
 

@@ -31,12 +31,10 @@ import torch
 
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 
-from engine import PAGE, gpu_breakdown, make_requests  # noqa: E402 (this folder)
-from engine_overlap_cpu import time_fetch  # noqa: E402
+from engine import engine_run, gpu_breakdown, make_requests  # noqa: E402 (this folder)
 
-from nbinfer.engine import Engine, named_config  # noqa: E402
+from nbinfer.engine import named_config  # noqa: E402
 from nbinfer.engine.torch_model import TorchLlama  # noqa: E402
-from nbinfer.engine.torch_runner import TorchRunner  # noqa: E402
 
 
 class StackSampler:
@@ -89,48 +87,21 @@ class StackSampler:
         sys.setswitchinterval(self._switch)
 
 
-def profiled(model, reqs, warm, *, prefix, cascade, graphs=True, overlap=True, top=25):
-    """One engine run (after a warm-up on the same runner) with its main thread's stack
-    sampled: per decode step host ms (wall less the fetch wait), the run's wall time split
-    over the functions the samples found (ms per decode step, innermost and inclusive)."""
-    pages = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs) + 64
-    runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs,
-                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64), cascade_graphs=cascade)
-
-    def engine():
-        return Engine(runner, pages, PAGE, max_step_tokens=8192, max_batch=len(reqs),
-                      prefix_cache=prefix, cascade="auto" if cascade else "off",
-                      overlap=overlap)
-
-    engine().run(warm)
-    eng = engine()
-    waited = time_fetch(runner)
-    steps, last = [], [0.0]
-
-    def on_step(rep):
-        now = time.perf_counter()
-        decode = all(n == 1 for _, n in rep.scheduled)
-        steps.append((now - last[0], decode, waited[0]))
-        last[0], waited[0] = now, 0.0
-
-    torch.cuda.synchronize()
-    last[0] = t0 = time.perf_counter()
-    with StackSampler(threading.get_ident()) as sampler:
-        eng.run(reqs, on_step=on_step)
-    torch.cuda.synchronize()
-    wall = time.perf_counter() - t0
-    host = [(s - w) * 1e3 for s, d, w in steps if d]
-    n = len(host)
-    per = wall * 1e3 / max(sampler.samples, 1) / n  # ms per decode step of one sample
+def profiled(model, reqs, warm, *, prefix, cascade, top=25):
+    """bench/engine.py's engine run (graphs, overlap) with its main thread's stack sampled over
+    the timed run: its statistics and the run's wall time split over the functions the
+    samples found (ms per decode step, innermost frame and inclusive)."""
+    sampler = StackSampler(threading.get_ident())
+    res, _ = engine_run(model, reqs, warm, graphs=True, prefix=prefix, cascade=cascade,
+                        step_tokens=8192, overlap=True, around=lambda: sampler)
+    per = res["wall_s"] * 1e3 / max(sampler.samples, 1) / res["decode_steps"]
 
     def table(counts):
         return [dict(fn=k, ms_per_step=v * per)
                 for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:top]]
 
-    return dict(decode_steps=n, cascade_steps=eng.cascade_steps, wall_s=wall,
-                samples=sampler.samples, host_ms_p50_sampled=float(np.median(host)),
-                fetch_ms_per_step=float(np.mean([w for _, d, w in steps if d])) * 1e3,
-                top_leaf=table(sampler.leaf), top_inclusive=table(sampler.inclusive))
+    return res | dict(samples=sampler.samples, top_leaf=table(sampler.leaf),
+                      top_inclusive=table(sampler.inclusive))
 
 
 def main():
@@ -154,8 +125,8 @@ def main():
     for name in ("paged", "cascade"):
         r = res[name]
         print(f"== {name}: {r['decode_steps']} decode steps ({r['cascade_steps']} cascade), "
-              f"host p50 {r['host_ms_p50_sampled']:.2f} ms, fetch wait "
-              f"{r['fetch_ms_per_step']:.2f} ms per step, {r['samples']} samples")
+              f"host p50 {r['decode_host_ms_p50']:.2f} ms, fetch wait "
+              f"{r['decode_fetch_ms_mean']:.2f} ms per step, {r['samples']} samples")
         print(f"{'ms/step':>8}  innermost frame")
         for row in r["top_leaf"]:
             print(f"{row['ms_per_step']:8.3f}  {row['fn']}")

@@ -34,6 +34,7 @@ from decode import gpu_ms, median_ms, save_json  # noqa: E402
 from nbinfer.api import prefill as prefill_api  # noqa: E402
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
+from nbinfer.api.launch import defer_frees  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
 
 
@@ -116,12 +117,9 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
 
     for name, prefetch in (("levels", None), ("levels_prefetch", True)):
         lv = MultiLevelCascadeAttentionWrapper(2, ws1)
-        with api_overrides(LEAN_PREFETCH=prefetch):
-            saved, cascade_api.CASCADE_LAUNCH = cascade_api.CASCADE_LAUNCH, "levels"
-            try:
-                lv.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
-            finally:
-                cascade_api.CASCADE_LAUNCH = saved
+        with api_overrides(LEAN_PREFETCH=prefetch), \
+                api_overrides(cascade_api, CASCADE_LAUNCH="levels"):
+            lv.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
         spec0 = lv._wrappers[0].step_plan.spec
         parts[name] = dict(
             max_abs_diff=float((lv.run(q, cache).float() - b.float()).abs().max()),
@@ -160,7 +158,7 @@ def graph_ms(fn, n=20):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with defer_frees(), torch.cuda.graph(graph):  # (no Numba free may run inside a capture)
         fn()
     return median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 
@@ -197,17 +195,17 @@ def tile_config(token: str):
 
 
 @contextlib.contextmanager
-def api_overrides(**values):
-    """``nbinfer.api.prefill``'s module-level overrides (``MMA_KV_TILE=64``, ...) set inside,
-    restored after."""
-    saved = {n: getattr(prefill_api, n) for n in values}
+def api_overrides(module=prefill_api, **values):
+    """Module-level overrides of ``module`` (default ``nbinfer.api.prefill``: ``MMA_KV_TILE=64``,
+    ...; ``nbinfer.api.cascade``: ``CASCADE_LAUNCH="levels"``) set inside, restored after."""
+    saved = {n: getattr(module, n) for n in values}
     try:
         for n, x in values.items():
-            setattr(prefill_api, n, x)
+            setattr(module, n, x)
         yield
     finally:
         for n, x in saved.items():
-            setattr(prefill_api, n, x)
+            setattr(module, n, x)
 
 
 def causal_prefill(B=4, L=4096, H=32, d=128, causal=True, dtype="float16", kv_tiles=()):

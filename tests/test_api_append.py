@@ -17,6 +17,7 @@ from nbinfer.api.append import (
     append_paged_kv_cache,
     get_batch_indices_positions,
 )
+from nbinfer.api.launch import defer_frees
 from nbinfer.kernels.append import (
     AppendSpec,
     append_launch_config,
@@ -354,7 +355,7 @@ def test_gpu_append_wrapper_replays_in_a_cuda_graph(rng):
         if graph is None:
             wrapper.run(key, value, cache)  # loads the kernel before the capture
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with defer_frees(), torch.cuda.graph(graph):
                 wrapper.run(key, value, cache)
         graph.replay()
         page_of = torch.as_tensor(ids[indptr[:-1] + pos // page].astype(np.int64), device="cuda")

@@ -13,6 +13,7 @@ import pytest
 from conftest import SIMULATOR, TOLERANCE, rel_err
 
 from nbinfer import reference
+from nbinfer.api.launch import defer_frees
 from nbinfer.api.state import merge_state, merge_state_in_place, merge_states
 from nbinfer.kernels.state import (
     StateSpec,
@@ -261,7 +262,7 @@ def test_gpu_merges_on_a_side_stream_replay_in_a_cuda_graph(rng):
         v.copy_(start[0])
         s.copy_(start[1])
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with defer_frees(), torch.cuda.graph(graph):
             merge_state_in_place(v, s, v_o, s_o, mask)
             pair = merge_state(v_o, s_o, vs[:, 0].contiguous(), ss[:, 0].contiguous())
             stack = merge_states(vs, ss)

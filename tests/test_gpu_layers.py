@@ -71,7 +71,7 @@ def test_layer_ops_replay_from_a_cuda_graph():
     nbinfer.fused_add_rmsnorm(x.clone(), r.clone(), w, 1e-5)  # compiled before the capture
     nbinfer.silu_and_mul(gu)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with nbinfer.defer_frees(), torch.cuda.graph(graph):
         nbinfer.fused_add_rmsnorm(x, r, w, 1e-5)
         m = nbinfer.silu_and_mul(gu)
     for _ in range(2):  # new data in the captured buffers, then replay

@@ -9,6 +9,7 @@ from conftest import TOLERANCE, rel_err
 from nbinfer import reference
 from nbinfer.api import prefill as prefill_api
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper
+from nbinfer.api.launch import defer_frees
 from nbinfer.api.prefill import (
     BatchPrefillWithPagedKVCacheWrapper,
     BatchPrefillWithRaggedKVCacheWrapper,
@@ -359,7 +360,7 @@ def _capture(fn):
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with defer_frees(), torch.cuda.graph(graph):
         result = fn()
     return graph, result
 

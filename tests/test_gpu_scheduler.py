@@ -8,6 +8,7 @@ from conftest import TOLERANCE, rel_err
 
 from nbinfer import reference
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
+from nbinfer.api.launch import defer_frees
 from nbinfer.formats import PageTable
 
 pytestmark = pytest.mark.gpu
@@ -50,7 +51,7 @@ def test_cuda_graph_replays_new_plans(rng):
             w.run(q, cache, out=out)  # warm-up outside capture (compiles nothing new)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with defer_frees(), torch.cuda.graph(graph):
                 w.run(q, cache, out=out)
         graph.replay()
         torch.cuda.synchronize()
