@@ -109,6 +109,7 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
         res["attention_share"] = runner.attention_seconds / wall
     if graphs and runner._graphs:
         res["graph_replay_gpu_ms"] = replay_ms(runner)
+        res["graph_replay_kernels"] = replay_breakdown(runner)
     return res, outputs
 
 
@@ -125,6 +126,22 @@ def replay_ms(runner, reps=20):
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def replay_breakdown(runner, reps=10):
+    """The same replayed step as :func:`replay_ms` under torch.profiler (CUPTI reports each
+    kernel node of a graph): its GPU time by kernel kind, ms per replay, and the top kernels.
+    Where the replayed step's time goes in each row, not in an eager stand-in."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = runner._graphs[max(runner._graphs)].graph
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    return kernel_kinds(prof, reps, top=8)
 
 
 def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=None):
@@ -153,6 +170,15 @@ def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=
             engine.step()
             steps += 1
         torch.cuda.synchronize()
+    res = kernel_kinds(prof, steps, top)
+    res["cascade_steps"] = engine.cascade_steps
+    return res
+
+
+def kernel_kinds(prof, steps, top=None):
+    """A torch.profiler run's GPU kernel time by kind, ms per step over ``steps`` steps: GEMMs,
+    nbinfer's attention (merges included), append, layer kernels (fused norms, RoPE,
+    SiLU-and-multiply), everything else; ``top``: also the ``top`` kernels, us per step."""
     kinds = {"gemm": 0.0, "attention": 0.0, "append": 0.0, "layer kernels": 0.0, "other": 0.0}
     names = {}
     for ev in prof.key_averages():
@@ -168,8 +194,7 @@ def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=
             kinds["gemm"] += us
         else:
             kinds["other"] += us
-    res = {k: v / 1e3 / steps for k, v in kinds.items()} | {
-        "steps": steps, "cascade_steps": engine.cascade_steps}
+    res = {k: v / 1e3 / steps for k, v in kinds.items()} | {"steps": steps}
     if top:
         res["top kernels us"] = dict(sorted(names.items(), key=lambda kv: -kv[1])[:top])
     return res
@@ -294,6 +319,12 @@ def main():
                          else f", replay GPU {v['graph_replay_gpu_ms']:.2f} ms"))
         print("shared-prefix speedup", {n: round(x, 2) for n, x in
                                         results["shared-prefix speedup"].items()})
+        print("replayed step, GPU ms by kernel kind (profiler):")
+        for k, v in results.items():
+            kinds = v.get("graph_replay_kernels") if isinstance(v, dict) else None
+            if kinds:
+                print(f"  {k:48s} " + " ".join(f"{n} {kinds[n]:.3f}" for n in (
+                    "gemm", "attention", "append", "layer kernels", "other")))
         return
     results["engine eager, timed"], _ = engine_run(model, plain, warm, graphs=False,
                                                    prefix=False, cascade=False,

@@ -370,15 +370,17 @@ def plan_specs() -> list:
         out.append(("prefill_plan", prefill_spec(32, 8, 128, 16, "float16", causal=False,
                                                  rows_per_request=64,
                                                  knobs=dict(LEAN_PREFETCH=prefetch))))
-    from nbinfer.kernels.layers import NormSpec, RopeSpec, SiluMulSpec
+    from nbinfer.kernels.layers import RopeSpec, SiluMulSpec, norm_spec
 
     # the torch model's layer kernels (float32 norm weights; tests/test_gpu_layers.py also
-    # normalises with weights of the activations' dtype) and RoPE over head_dim 64
+    # normalises with weights of the activations' dtype; rows of the tiny model, Qwen2.5-0.5B
+    # and Llama-3.2-1B / the layer tests) and RoPE over head_dim 64
     for dtype in ("float32", "float16", "bfloat16"):
-        out += [("rmsnorm", NormSpec(dtype, "float32", False)),
-                ("rmsnorm", NormSpec(dtype, "float32", True)),
-                ("rmsnorm", NormSpec(dtype, dtype, False)),
-                ("silu_and_mul", SiluMulSpec(dtype)),
+        for hidden in (128, 896, 2048):
+            out += [("rmsnorm", norm_spec(dtype, "float32", False, False, hidden)),
+                    ("rmsnorm", norm_spec(dtype, "float32", True, False, hidden)),
+                    ("rmsnorm", norm_spec(dtype, dtype, False, False, hidden))]
+        out += [("silu_and_mul", SiluMulSpec(dtype)),
                 ("rope", RopeSpec(dtype, 64, 64, True, "int64", False))]
     # the fast / careful comparison's int32 positions, memcheck's partial rotary
     out += [("rope", RopeSpec("bfloat16", 64, 64, True, "int32", False)),

@@ -8,7 +8,9 @@
 # FP8 rows; with HOST=1 bench/host.py and bench/launch_cost.py; with L2AB=1 the tensor-core
 # prefill's L2 order A/B (plain lean kernel against 16 and 32 MiB sections, SDPA flash / cuDNN
 # in the same process); with MEMCHECK=1 memcheck / racecheck / the planted read (no kernel
-# changed since session 23's clean run on an H100).
+# changed since session 23's clean run on an H100). Session 25: ENGINE=1 runs
+# bench/engine.py --shared-only first (each row's replayed step by kernel kind); NO_PROFILE=1
+# and NO_SWEEP=1 skip the host profile and the cascade sweep.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -16,14 +18,24 @@ session_start
 timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_gpu_layers.py tests/test_engine_gpu.py >"$OUT/r/gpu_capture.log" 2>&1 || status=1
 echo "capture tests: $(tail -1 "$OUT/r/gpu_capture.log") ($((SECONDS - t0)) s)"
-timeout 240 python3 bench/engine_host_profile.py --out "$OUT/r/engine_host_profile.json" \
-  >"$OUT/r/host_profile.log" 2>&1 || status=1
-grep -E "^==|gpu ms/step" "$OUT/r/host_profile.log"
-echo "profile: $((SECONDS - t0)) s"
-timeout 200 python3 bench/cascade_levels_sweep.py --out "$OUT/r/cascade_levels_sweep.json" \
-  >"$OUT/r/cascade_sweep.log" 2>&1 || status=1
-grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -8 | cut -c1-200
-echo "cascade sweep: $((SECONDS - t0)) s"
+if [ -n "${ENGINE:-}" ]; then  # issue 12: the shared-prefix rows, each replayed step profiled
+  timeout 300 python3 bench/engine.py --shared-only --out "$OUT/r/engine_shared_h200.json" \
+    >"$OUT/r/engine_shared.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/r/engine_shared.log" | tail -22 | cut -c1-220
+  echo "engine: $((SECONDS - t0)) s"
+fi
+if [ -z "${NO_PROFILE:-}" ]; then
+  timeout 240 python3 bench/engine_host_profile.py --out "$OUT/r/engine_host_profile.json" \
+    >"$OUT/r/host_profile.log" 2>&1 || status=1
+  grep -E "^==|gpu ms/step" "$OUT/r/host_profile.log"
+  echo "profile: $((SECONDS - t0)) s"
+fi
+if [ -z "${NO_SWEEP:-}" ]; then
+  timeout 200 python3 bench/cascade_levels_sweep.py --out "$OUT/r/cascade_levels_sweep.json" \
+    >"$OUT/r/cascade_sweep.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -8 | cut -c1-200
+  echo "cascade sweep: $((SECONDS - t0)) s"
+fi
 if [ -n "${DECODE:-}" ]; then  # issue 13 req 3 and 5: decode against cuDNN, FP8 against fp16
   timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" 2>&1 \
     || status=1

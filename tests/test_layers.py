@@ -197,21 +197,24 @@ def test_bf16_kernels(rng):
         build_rmsnorm_kernel,
         build_rope_kernel,
         build_silu_and_mul_kernel,
+        norm_spec,
     )
 
     rows, hidden = 2, 48
-    x, r = _bits(rng.standard_normal((rows, hidden))), _bits(3 * rng.standard_normal((rows,
-                                                                                      hidden)))
-    w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
-    ref_n, ref_t = reference.layers.fused_add_rmsnorm(_values(x), _values(r), w, 1e-6,
-                                                      dtype="bfloat16")
-    spec = NormSpec("bfloat16", "float32", True, sim=True)
-    build_rmsnorm_kernel(spec)[rows, spec.threads](x.ravel(), r.ravel(), w, x.ravel(),
-                                                   np.int32(hidden), np.int64(hidden),
-                                                   np.int64(hidden), np.int64(hidden),
-                                                   np.float32(1e-6))
-    assert np.array_equal(_values(r), ref_t)
-    assert_close(_values(x), ref_n, "bfloat16", "fused_add_rmsnorm bf16")
+    # the strided loop (items 0) and the row in registers (2 per thread, the second partial)
+    for spec in (NormSpec("bfloat16", "float32", True, sim=True),
+                 norm_spec("bfloat16", "float32", True, True, hidden)):
+        x, r = _bits(rng.standard_normal((rows, hidden))), _bits(3 * rng.standard_normal(
+            (rows, hidden)))
+        w = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+        ref_n, ref_t = reference.layers.fused_add_rmsnorm(_values(x), _values(r), w, 1e-6,
+                                                          dtype="bfloat16")
+        build_rmsnorm_kernel(spec)[rows, spec.threads](x.ravel(), r.ravel(), w, x.ravel(),
+                                                       np.int32(hidden), np.int64(hidden),
+                                                       np.int64(hidden), np.int64(hidden),
+                                                       np.float32(1e-6))
+        assert np.array_equal(_values(r), ref_t), spec.items
+        assert_close(_values(x), ref_n, "bfloat16", f"fused_add_rmsnorm bf16, {spec.items}")
 
     d = 24
     gu = _bits(2 * rng.standard_normal((rows, 2 * d)))
@@ -235,6 +238,19 @@ def test_bf16_kernels(rng):
                                                                      hd, hd, hd, hd)))
     assert_close(_values(q), ref_q, "bfloat16", "rope q")
     assert_close(_values(k), ref_k, "bfloat16", "rope k")
+
+
+def test_norm_spec_holds_the_row_in_registers_up_to_32_per_thread():
+    from nbinfer.kernels.layers import LAYER_THREADS, SIM_THREADS, NormSpec, norm_spec
+
+    # the smallest power of two of elements per thread that covers the row
+    assert [norm_spec("bfloat16", "float32", True, False, h).items
+            for h in (1, 256, 257, 896, 2048, 4096, 8192)] == [1, 1, 2, 4, 8, 16, 32]
+    assert norm_spec("float16", "float16", False, False, 8193).items == 0  # the strided loop
+    assert SIM_THREADS == 32 and norm_spec("float16", "float16", False, True, 80).items == 4
+    assert LAYER_THREADS * 32 == 8192
+    with pytest.raises(ValueError, match="items"):
+        NormSpec("float16", "float16", False, False, 3)
 
 
 # --- errors ---------------------------------------------------------------------------------

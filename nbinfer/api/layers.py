@@ -17,11 +17,11 @@ from .. import reference
 from .._checks import check_dim, check_ndim, check_positive_int, dtype_name
 from ..kernels.launch import launch_shared
 from ..kernels.layers import (
-    NormSpec,
     RopeSpec,
     SiluMulSpec,
     build_layer_kernel,
     layer_signature,
+    norm_spec,
 )
 from ..reference.layers import round_to
 from . import arrays
@@ -134,7 +134,7 @@ def rmsnorm(input, weight, eps: float = 1e-6, *, out=None, backend: str = "auto"
         _write(out, reference.layers.rmsnorm(input, weight, float(eps)), dtype)
         return out
     if rows and hidden:
-        spec = NormSpec(dtype, w_dtype, False, be == "sim")
+        spec = norm_spec(dtype, w_dtype, False, be == "sim", hidden)
         views, st = _views(be, dict(input=input, residual=input, weight=weight, out=out))
         _launch(spec, be, rows, views, (hidden, st[0][0], st[1][0], hidden, float(eps)),
                 arrays.current_stream(input))
@@ -176,7 +176,7 @@ def fused_add_rmsnorm(input, residual, weight, eps: float = 1e-6, *,
         _write(input, normed, dtype)
         return None
     if rows and hidden:
-        spec = NormSpec(dtype, w_dtype, True, be == "sim")
+        spec = norm_spec(dtype, w_dtype, True, be == "sim", hidden)
         views, _ = _views(be, dict(input=input, residual=residual, weight=weight, out=input))
         _launch(spec, be, rows, views, (hidden, hidden, hidden, hidden, float(eps)),
                 arrays.current_stream(input))

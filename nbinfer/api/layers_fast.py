@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from ..kernels.layers import NormSpec, RopeSpec, SiluMulSpec
+from ..kernels.layers import RopeSpec, SiluMulSpec, norm_spec
 from . import arrays
 
 __all__ = ["fast_fused_add_rmsnorm", "fast_rmsnorm", "fast_rope", "fast_silu_and_mul"]
@@ -112,7 +112,7 @@ def fast_rmsnorm(launch, input, weight, eps, out, backend):
         return None
     if rows and hidden:
         span, stride = _row_span(input), input.stride(0)
-        launch(NormSpec(dtype, w_dtype, False, False), "cuda", rows,
+        launch(norm_spec(dtype, w_dtype, False, False, hidden), "cuda", rows,
                [(input.data_ptr(), span), (input.data_ptr(), span),
                 (weight.data_ptr(), hidden), (out.data_ptr(), rows * hidden)],
                (hidden, stride, stride, hidden, float(eps)), t.stream(index))
@@ -135,7 +135,7 @@ def fast_fused_add_rmsnorm(launch, input, residual, weight, eps, backend) -> boo
         return False
     if rows and hidden:
         n = rows * hidden
-        launch(NormSpec(dtype, w_dtype, True, False), "cuda", rows,
+        launch(norm_spec(dtype, w_dtype, True, False, hidden), "cuda", rows,
                [(input.data_ptr(), n), (residual.data_ptr(), n), (weight.data_ptr(), hidden),
                 (input.data_ptr(), n)],
                (hidden, hidden, hidden, hidden, float(eps)), t.stream(index))
