@@ -38,13 +38,19 @@ from nbinfer.api.launch import defer_frees  # noqa: E402
 from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E402
 
 
-def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
+def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0,
+                       order="random"):
     """The shared-prefix problem, planned: a dict of the cascade and plain decode wrappers, q,
     the paged cache, the two levels' plan arguments, the page ids and ``heads``, the plan
-    arguments ``(hq, hkv, d, ps)``."""
+    arguments ``(hq, hkv, d, ps)``. ``order``: the pool's page ids in random order (every
+    page anywhere in the pool), or ``"sorted"`` (the prefix's pages consecutive, then each
+    request's own: the order a fresh pool hands pages out in)."""
     rng = np.random.default_rng(seed)
     pp, up = prefix // ps, unique // ps
-    pool = rng.permutation(pp + batch * up).astype(np.int32)
+    if order not in ("random", "sorted"):
+        raise ValueError(f"order must be 'random' or 'sorted', got {order!r}")
+    pool = (rng.permutation(pp + batch * up) if order == "random"
+            else np.arange(pp + batch * up)).astype(np.int32)
     pre, own = pool[:pp], pool[pp:].reshape(batch, up)
     cache = torch.randn(pool.size, 2, ps, hkv, d, device="cuda").half()
     q = torch.randn(batch, hq, d, device="cuda").half()

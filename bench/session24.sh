@@ -10,7 +10,7 @@
 # in the same process); with MEMCHECK=1 memcheck / racecheck / the planted read (no kernel
 # changed since session 23's clean run on an H100). Session 25: ENGINE=1 runs
 # bench/engine.py --shared-only first (each row's replayed step by kernel kind); NO_PROFILE=1
-# and NO_SWEEP=1 skip the host profile and the cascade sweep.
+# and NO_SWEEP=1 skip the host profile and the cascade sweep; SWEEP_ARGS are the sweep's.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -31,9 +31,11 @@ if [ -z "${NO_PROFILE:-}" ]; then
   echo "profile: $((SECONDS - t0)) s"
 fi
 if [ -z "${NO_SWEEP:-}" ]; then
-  timeout 200 python3 bench/cascade_levels_sweep.py --out "$OUT/r/cascade_levels_sweep.json" \
+  # shellcheck disable=SC2086  # (SWEEP_ARGS: several words, e.g. "--orders random,sorted")
+  timeout 200 python3 bench/cascade_levels_sweep.py ${SWEEP_ARGS:-} \
+    --out "$OUT/r/cascade_levels_sweep.json" \
     >"$OUT/r/cascade_sweep.log" 2>&1 || status=1
-  grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -8 | cut -c1-200
+  grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -14 | cut -c1-200
   echo "cascade sweep: $((SECONDS - t0)) s"
 fi
 if [ -n "${DECODE:-}" ]; then  # issue 13 req 3 and 5: decode against cuDNN, FP8 against fp16
