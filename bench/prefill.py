@@ -39,12 +39,12 @@ from nbinfer.api.prefill import BatchPrefillWithRaggedKVCacheWrapper  # noqa: E4
 
 
 def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0,
-                       order="random"):
+                       order="random", dtype="float16"):
     """The shared-prefix problem, planned: a dict of the cascade and plain decode wrappers, q,
     the paged cache, the two levels' plan arguments, the page ids and ``heads``, the plan
     arguments ``(hq, hkv, d, ps)``. ``order``: the pool's page ids in random order (every
     page anywhere in the pool), or ``"sorted"`` (the prefix's pages consecutive, then each
-    request's own: the order a fresh pool hands pages out in)."""
+    request's own: the order a fresh pool hands pages out in); ``dtype``: of q and the cache."""
     rng = np.random.default_rng(seed)
     pp, up = prefix // ps, unique // ps
     if order not in ("random", "sorted"):
@@ -52,26 +52,27 @@ def shared_prefix_case(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, p
     pool = (rng.permutation(pp + batch * up) if order == "random"
             else np.arange(pp + batch * up)).astype(np.int32)
     pre, own = pool[:pp], pool[pp:].reshape(batch, up)
-    cache = torch.randn(pool.size, 2, ps, hkv, d, device="cuda").half()
-    q = torch.randn(batch, hq, d, device="cuda").half()
+    cache = torch.randn(pool.size, 2, ps, hkv, d, device="cuda").to(getattr(torch, dtype))
+    q = torch.randn(batch, hq, d, device="cuda").to(getattr(torch, dtype))
     ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
     casc = MultiLevelCascadeAttentionWrapper(2, ws)
     # Level 0: the prefix, one segment of every query; level 1: each request's own pages.
     levels = ([np.array([0, batch]), np.arange(batch + 1)],
               [np.array([0, pp]), np.arange(batch + 1) * up], [pre, own.ravel()],
               [np.array([ps]), np.full(batch, ps)])
-    casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
+    casc.plan(*levels, hq, hkv, d, ps, q_data_type=dtype)
     plain = BatchDecodeWithPagedKVCacheWrapper(torch.empty(256 << 20, dtype=torch.uint8,
                                                            device="cuda"))
     full = np.concatenate([np.concatenate([pre, o]) for o in own])
     plain.plan(np.arange(batch + 1) * (pp + up), full, np.full(batch, ps), hq, hkv, d, ps,
-               q_data_type="float16")
+               q_data_type=dtype)
     return dict(casc=casc, plain=plain, q=q, cache=cache, levels=levels, pre=pre, own=own,
                 heads=(hq, hkv, d, ps))
 
 
-def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0):
-    case = shared_prefix_case(batch, prefix, unique, hq, hkv, d, ps, seed)
+def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16, seed=0,
+                  order="random", unshared=False, dtype="float16"):
+    case = shared_prefix_case(batch, prefix, unique, hq, hkv, d, ps, seed, order, dtype)
     casc, plain, q, cache = case["casc"], case["plain"], case["q"], case["cache"]
     levels, pre, own = case["levels"], case["pre"], case["own"]
     pp, up = prefix // ps, unique // ps
@@ -90,14 +91,14 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
             ("own_level", np.arange(batch + 1), np.arange(batch + 1) * up, own.ravel(),
              np.full(batch, ps))):
         one = MultiLevelCascadeAttentionWrapper(1, ws1)
-        one.plan([qo_l], [ptr], [idx], [last], hq, hkv, d, ps, q_data_type="float16")
+        one.plan([qo_l], [ptr], [idx], [last], hq, hkv, d, ps, q_data_type=dtype)
         sched = one.fused_wrapper.schedule
         parts[name] = dict(ms=median_ms(lambda one=one: one.run(q, cache)),
                            gpu_ms=back_to_back_ms(lambda one=one: one.run(q, cache)),
                            items=int(sched.num_work), kv_chunk=int(sched.kv_chunk))
     own_dec = BatchDecodeWithPagedKVCacheWrapper(ws1)
     own_dec.plan(np.arange(batch + 1) * up, own.ravel(), np.full(batch, ps), hq, hkv, d, ps,
-                 q_data_type="float16")
+                 q_data_type=dtype)
     parts["own_on_decode_kernel"] = dict(ms=median_ms(lambda: own_dec.run(q, cache)),
                                          gpu_ms=back_to_back_ms(lambda: own_dec.run(q, cache)))
     parts["cascade_gpu_ms"] = back_to_back_ms(lambda: casc.run(q, cache))
@@ -106,7 +107,7 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     sweep = []
     for split in (None, 256, 512):
         for alpha in (1.0, 64.0):
-            casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16", fixed_split_size=split,
+            casc.plan(*levels, hq, hkv, d, ps, q_data_type=dtype, fixed_split_size=split,
                       alpha=alpha)
             err = float((casc.run(q, cache).float() - b.float()).abs().max())
             sweep.append(dict(fixed_split_size=split, alpha=alpha, max_abs_diff=err,
@@ -114,7 +115,7 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
                               ms=median_ms(lambda: casc.run(q, cache)),
                               gpu_ms=back_to_back_ms(lambda: casc.run(q, cache))))
     parts["schedule_sweep"] = sweep
-    casc.plan(*levels, hq, hkv, d, ps, q_data_type="float16")  # back to the default schedule
+    casc.plan(*levels, hq, hkv, d, ps, q_data_type=dtype)  # back to the default schedule
     parts["plain_gpu_ms"] = back_to_back_ms(lambda: plain.run(q, cache))
     # Level by level (CASCADE_LAUNCH = "levels"): the prefix level on the prefill wrapper's
     # rule (the lean warpgroup kernel on sm_90: 256 packed rows per KV head), with and without
@@ -125,7 +126,7 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
         lv = MultiLevelCascadeAttentionWrapper(2, ws1)
         with api_overrides(LEAN_PREFETCH=prefetch), \
                 api_overrides(cascade_api, CASCADE_LAUNCH="levels"):
-            lv.plan(*levels, hq, hkv, d, ps, q_data_type="float16")
+            lv.plan(*levels, hq, hkv, d, ps, q_data_type=dtype)
         spec0 = lv._wrappers[0].step_plan.spec
         parts[name] = dict(
             max_abs_diff=float((lv.run(q, cache).float() - b.float()).abs().max()),
@@ -143,8 +144,21 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     parts["cascade_graph_ms"] = graph_ms(lambda: casc.run(q, cache))
     parts["plain_graph_ms"] = graph_ms(lambda: plain.run(q, cache))
     parts["graph_speedup"] = parts["plain_graph_ms"] / parts["cascade_graph_ms"]
+    if unshared:
+        # Plain decode with every request's own copy of the prefix (what an engine without a
+        # prefix cache reads: batch x (prefix + unique) tokens from HBM, not the prefix from
+        # the L2), on a pool of its own in random order.
+        pages = batch * (pp + up)
+        own_cache = torch.randn(pages, 2, ps, hkv, d, device="cuda").to(getattr(torch, dtype))
+        ids = np.random.default_rng(seed + 1).permutation(pages).astype(np.int32)
+        copy = BatchDecodeWithPagedKVCacheWrapper(ws1)
+        copy.plan(np.arange(batch + 1) * (pp + up), ids, np.full(batch, ps), hq, hkv, d, ps,
+                  q_data_type=dtype)
+        parts["plain_unshared_graph_ms"] = graph_ms(lambda: copy.run(q, own_cache))
+        del own_cache
     fused = casc.fused_wrapper.step_plan
-    return dict(batch=batch, prefix=prefix, unique=unique, cascade_ms=t_c, plain_ms=t_p,
+    return dict(batch=batch, prefix=prefix, unique=unique, head_dim=d, order=order,
+                cascade_ms=t_c, plain_ms=t_p,
                 speedup=t_p / t_c, max_abs_diff=diff, one_launch=casc.one_launch,
                 kernel=type(fused.spec).__name__, work_items=int(fused.schedule.num_work),
                 partial_rows=int(fused.schedule.num_partials), breakdown=parts)
@@ -263,7 +277,26 @@ def main():
     ap.add_argument("--grid-shapes", default=None, metavar="DTYPE:D:L,...",
                     help="with --grid: only these (dtype, head dim, length) rows, causal and "
                          "not (e.g. bfloat16:128:4096,float16:64:4096,float16:128:1024)")
+    ap.add_argument("--shared", default=None, metavar="B,PREFIX,UNIQUE,D[,sorted]",
+                    help="only the shared-prefix comparison, bf16, at this shape (e.g. the "
+                         "engine benchmark's decode step: 64,912,240,64), plain decode over "
+                         "unshared copies of the prefix too")
     args = ap.parse_args()
+    if args.shared:
+        f = args.shared.split(",")
+        a = shared_prefix(batch=int(f[0]), prefix=int(f[1]), unique=int(f[2]), d=int(f[3]),
+                          order=f[4] if len(f) > 4 else "random", unshared=True,
+                          dtype="bfloat16")  # (the engine's: its kernels are cached)
+        save_json(args.out, shared_prefix=a)
+        br = a["breakdown"]
+        print(f"shared prefix {args.shared}: graph replay us: cascade (one launch, "
+              f"{a['work_items']} items) {br['cascade_graph_ms'] * 1e3:.1f}, levels "
+              f"{br['levels'].get('graph_ms', float('nan')) * 1e3:.1f}, plain decode (shared "
+              f"pages) {br['plain_graph_ms'] * 1e3:.1f}, plain decode (unshared copies) "
+              f"{br['plain_unshared_graph_ms'] * 1e3:.1f}; prefix level "
+              f"{br['prefix_level']['gpu_ms'] * 1e3:.1f}, own level {br['own_level']['gpu_ms'] * 1e3:.1f}"
+              f" (decode kernel {br['own_on_decode_kernel']['gpu_ms'] * 1e3:.1f})")
+        return
     tiles = args.kv_tiles.split(",") if args.kv_tiles else []
     if args.grid:
         rows = []

@@ -9,7 +9,8 @@
 # prefill's L2 order A/B (plain lean kernel against 16 and 32 MiB sections, SDPA flash / cuDNN
 # in the same process); with MEMCHECK=1 memcheck / racecheck / the planted read (no kernel
 # changed since session 23's clean run on an H100). Session 25: ENGINE=1 runs
-# bench/engine.py --shared-only first (each row's replayed step by kernel kind); NO_PROFILE=1
+# bench/engine.py --shared-only first (each row's replayed step by kernel kind) and its decode
+# step's attention alone (bench/prefill.py --shared, random and sorted pages); NO_PROFILE=1
 # and NO_SWEEP=1 skip the host profile and the cascade sweep; SWEEP_ARGS are the sweep's.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
@@ -23,6 +24,14 @@ if [ -n "${ENGINE:-}" ]; then  # issue 12: the shared-prefix rows, each replayed
     >"$OUT/r/engine_shared.log" 2>&1 || status=1
   grep -v -i warn "$OUT/r/engine_shared.log" | tail -22 | cut -c1-220
   echo "engine: $((SECONDS - t0)) s"
+  # the attention of its decode step alone: 64 x (912 shared + 240 own), D 64
+  for order in random sorted; do
+    timeout 120 python3 bench/prefill.py --shared "64,912,240,64,$order" \
+      --out "$OUT/r/shared_engine_shape_$order.json" >"$OUT/r/shared_engine_shape_$order.log" \
+      2>&1 || status=1
+    tail -1 "$OUT/r/shared_engine_shape_$order.log" | cut -c1-400
+  done
+  echo "engine shape: $((SECONDS - t0)) s"
 fi
 if [ -z "${NO_PROFILE:-}" ]; then
   timeout 240 python3 bench/engine_host_profile.py --out "$OUT/r/engine_host_profile.json" \
