@@ -130,8 +130,10 @@ def test_silu_and_mul(rng, backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("is_neox, rot", [(True, 16), (False, 16), (True, 8)])
 def test_rope_in_place_on_a_fused_qkv(rng, backend, is_neox, rot):
-    # q and k are views of one [tokens, (Hq + 2 Hk) D] projection output, rotated in place
-    n, hq, hk, d = 5, 4, 2, 16
+    # q and k are views of one [tokens, (Hq + 2 Hk) D] projection output, rotated in place;
+    # 40 heads x rot / 2 pairs: at rot 16 more than one pass of the simulated kernel's 32
+    # threads x 8 pairs, the second one partial
+    n, hq, hk, d = 3, 32, 8, 16
     qkv = rng.standard_normal((n, (hq + 2 * hk) * d)).astype(np.float16)
     q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hk) * d]
     v_before = qkv[:, (hq + hk) * d:].copy()
