@@ -10,7 +10,8 @@
 # in the same process); with MEMCHECK=1 memcheck / racecheck / the planted read (no kernel
 # changed since session 23's clean run on an H100). Session 25: ENGINE=1 runs
 # bench/engine.py --shared-only first (each row's replayed step by kernel kind) and its decode
-# step's attention alone (bench/prefill.py --shared, random and sorted pages); NO_PROFILE=1
+# step's attention alone (bench/prefill.py --shared, random and sorted pages); FP8=1 only the
+# FP8 decode rows of DECODE=1; NO_PROFILE=1
 # and NO_SWEEP=1 skip the host profile and the cascade sweep; SWEEP_ARGS are the sweep's.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
@@ -47,10 +48,12 @@ if [ -z "${NO_SWEEP:-}" ]; then
   grep -v -i warn "$OUT/r/cascade_sweep.log" | tail -14 | cut -c1-200
   echo "cascade sweep: $((SECONDS - t0)) s"
 fi
-if [ -n "${DECODE:-}" ]; then  # issue 13 req 3 and 5: decode against cuDNN, FP8 against fp16
+if [ -n "${DECODE:-}" ]; then  # issue 13 req 3: decode against cuDNN
   timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" 2>&1 \
     || status=1
   tail -6 "$OUT/r/decode.log" | cut -c1-200
+fi
+if [ -n "${DECODE:-}${FP8:-}" ]; then  # issue 13 req 5: FP8 against fp16 (FP8=1: only this)
   timeout 150 python3 bench/decode.py --fp8 --out "$OUT/r/decode_fp8_h200.json" \
     >"$OUT/r/fp8.log" 2>&1 || status=1
   tail -8 "$OUT/r/fp8.log" | cut -c1-200
