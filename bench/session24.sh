@@ -11,7 +11,7 @@
 # changed since session 23's clean run on an H100). Session 25: ENGINE=1 runs
 # bench/engine.py --shared-only first (each row's replayed step by kernel kind) and its decode
 # step's attention alone (bench/prefill.py --shared, random and sorted pages); FP8=1 only the
-# FP8 decode rows of DECODE=1; NO_PROFILE=1
+# FP8 decode rows of DECODE=1; LAYERS=1 bench/layer_kernels.py; NO_PROFILE=1
 # and NO_SWEEP=1 skip the host profile and the cascade sweep; SWEEP_ARGS are the sweep's.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
@@ -20,6 +20,11 @@ session_start
 timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_gpu_layers.py tests/test_engine_gpu.py >"$OUT/r/gpu_capture.log" 2>&1 || status=1
 echo "capture tests: $(tail -1 "$OUT/r/gpu_capture.log") ($((SECONDS - t0)) s)"
+if [ -n "${LAYERS:-}" ]; then  # issue 12: the layer kernels' GPU time, the norm's two forms
+  timeout 120 python3 bench/layer_kernels.py --out "$OUT/r/layer_kernels.json" \
+    >"$OUT/r/layer_kernels.log" 2>&1 || status=1
+  grep -v -i warn "$OUT/r/layer_kernels.log" | tail -9
+fi
 if [ -n "${ENGINE:-}" ]; then  # issue 12: the shared-prefix rows, each replayed step profiled
   timeout 300 python3 bench/engine.py --shared-only --out "$OUT/r/engine_shared_h200.json" \
     >"$OUT/r/engine_shared.log" 2>&1 || status=1
