@@ -105,7 +105,9 @@ def shared_prefix(batch=64, prefix=8192, unique=256, hq=32, hkv=8, d=128, ps=16,
     # The one-launch plan under other chunkings and LPT cost weights (alpha per packed row,
     # beta = 1 per KV token): does balancing, not the kernel, decide the cascade's time?
     sweep = []
-    for split in (None, 256, 512):
+    # (the engine's shape, ``unshared``: also short chunks, the prefix items being the one
+    # launch's critical path there: 8 serial 32-key tiles each at the planner's chunks)
+    for split in (None, 256, 512) + ((64, 128) if unshared else ()):
         for alpha in (1.0, 64.0):
             casc.plan(*levels, hq, hkv, d, ps, q_data_type=dtype, fixed_split_size=split,
                       alpha=alpha)
