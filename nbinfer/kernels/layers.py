@@ -17,9 +17,16 @@ which is why fewer of them is the point.
 
 Layout: one CTA per token row (grid ``x``), its threads striding over the row, so every load of
 a warp is consecutive elements. Strides are run-time element counts (a row of a fused QKV
-projection's output is wider than the q or k it holds); the last dimension is contiguous. The
-norm's sum of squares is reduced in shared memory by a tree of barriers (the same code in the
-simulator, which has no shuffles).
+projection's output is wider than the q or k it holds); the last dimension is contiguous.
+
+Every load of a pass comes before its first store. The outputs may alias the inputs (in-place
+calls are FlashInfer's form), so the compiler issues no load ahead of an earlier store: a loop
+that stored as it went made each element's loads wait for the previous element's round trip.
+The norm holds its share of the row in registers (``NormSpec.items``) and RoPE eight pairs per
+thread. The norm's sum of squares takes warp shuffles and one barrier on the GPU, a tree of
+barriers in shared memory in the simulator (which has no shuffles). Measured inside a CUDA
+graph on an H100 (``bench/layer_kernels.py``): the fused norm 4.0-4.2 us a launch against 5.05
+for the loop that stored as it went, where an empty launch costs 2.3.
 """
 
 from __future__ import annotations
