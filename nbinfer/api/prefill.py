@@ -81,7 +81,8 @@ MMA_DEFER_MERGE = None
 # (a request's own pages, 4 live rows of 64) and wait on memory, so it takes the kernel that
 # fits three CTAs per SM (32-key tiles, Q in shared memory, 168 registers) and merges in a
 # launch of its own: 101.9 against 105.9 us under graph replay at 64 requests x (8192 + 256)
-# tokens (4.52x against 4.35x plain decode; bench/results/issue13/session10/call4).
+# tokens (4.52x against 4.35x plain decode; bench/results/issue13/session10/call4). At head_dim
+# 64 the stage keeps its bytes: 64 keys (mma_tiles).
 CASCADE_TILES = dict(kv_tile=32, q_shared=True, max_registers=168, defer_merge=True)
 # LPT's cost of an item's start and end on the tensor-core kernel, in KV tokens (the planner's
 # ``item_overhead``): None is four KV tiles (256 tokens at 64-key tiles, 128 at the cascade's
@@ -143,6 +144,10 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     rule = dict(kv_tile=64, q_shared=False, max_registers=0)
     if all_split and all(v is None for v in shape.values()):
         rule = {k: CASCADE_TILES[k] for k in rule}
+        # CASCADE_TILES' stage was measured at head_dim 128 (32 keys, 16 KiB of K and V); the
+        # same bytes per stage at 64 are 64 keys: 5-12 % faster from 912 to 16384 shared tokens
+        # (H100, 64 requests; bench/results/issue12/session25/, one_launch_kv64)
+        rule["kv_tile"] = max(rule["kv_tile"], rule["kv_tile"] * 128 // head_dim)
     opts = {k: rule[k] if v is None else v for k, v in shape.items()}
     defer = all_split and CASCADE_TILES["defer_merge"] if MMA_DEFER_MERGE is None \
         else bool(MMA_DEFER_MERGE)
