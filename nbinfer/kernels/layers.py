@@ -181,12 +181,12 @@ def build_rmsnorm_kernel(spec: NormSpec):
     """
     load, store = _codec(spec.dtype, spec.sim)
     load_w = primitives(spec.sim).convert[spec.weight_dtype]
+    tree_sum = _tree_sum(spec.threads, spec.sim)
+    if spec.items:
+        return _rmsnorm_in_registers(spec, load, store, load_w, tree_sum)
     T = spec.threads
-    LEVELS = int(math.log2(T))
     FUSED = spec.fused_add
     ZERO = float32(0.0)
-    if spec.items:
-        return _rmsnorm_in_registers(spec, load, store, load_w)
 
     def rmsnorm(x, residual, weight, out, hidden, x_stride, residual_stride, out_stride, eps):
         row = int64(cuda.blockIdx.x)
@@ -200,15 +200,7 @@ def build_rmsnorm_kernel(spec: NormSpec):
                 store(residual, rs + e, v + load(residual[rs + e]))
                 v = load(residual[rs + e])  # normalise the sum as stored (rounded)
             acc += v * v
-        part[tid] = acc
-        cuda.syncthreads()
-        stride = T // 2
-        for _ in range(LEVELS):  # tree sum: log2(T) barriers, every thread takes part
-            if tid < stride:
-                part[tid] += part[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
-        scale = float32(1.0) / math.sqrt(part[0] / float32(hidden) + eps)
+        scale = float32(1.0) / math.sqrt(tree_sum(part, tid, acc) / float32(hidden) + eps)
         for e in range(tid, hidden, T):
             v = load(residual[rs + e]) if FUSED else load(x[xs + e])
             store(out, os_ + e, v * scale * load_w(weight[e]))
@@ -216,7 +208,27 @@ def build_rmsnorm_kernel(spec: NormSpec):
     return compile_kernel("rmsnorm", spec, layer_signature(spec), lambda: rmsnorm)
 
 
-def _rmsnorm_in_registers(spec: NormSpec, load, store, load_w):
+def _tree_sum(threads: int, sim: bool):
+    """``tree_sum(part, tid, acc)``: the block's sum of every thread's ``acc`` through the
+    shared array ``part`` (``threads`` float32), log2(threads) barriers, every thread taking
+    part and getting the sum."""
+    LEVELS = int(math.log2(threads))
+
+    def tree_sum(part, tid, acc):
+        part[tid] = acc
+        cuda.syncthreads()
+        stride = threads // 2
+        for _ in range(LEVELS):
+            if tid < stride:
+                part[tid] += part[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        return part[0]
+
+    return tree_sum if sim else device_jit(False)(tree_sum)
+
+
+def _rmsnorm_in_registers(spec: NormSpec, load, store, load_w, tree_sum):
     """RMSNorm with each thread's ``items`` elements of the row held in registers.
 
     Why: the strided loop stores the rounded sum to ``residual`` and reads it back before the
@@ -230,7 +242,6 @@ def _rmsnorm_in_registers(spec: NormSpec, load, store, load_w):
     takes the tree of barriers).
     """
     T, K, FUSED, SIM = spec.threads, spec.items, spec.fused_add, spec.sim
-    LEVELS = int(math.log2(T))
     WARPS = T // 32
     ZERO = float32(0.0)
     BF16, F16 = spec.dtype == "bfloat16", spec.dtype == "float16"
@@ -270,15 +281,7 @@ def _rmsnorm_in_registers(spec: NormSpec, load, store, load_w):
                 vals[i] = rounded(vals[i])  # normalise the sum as stored
             acc += vals[i] * vals[i]
         if SIM:
-            part[tid] = acc
-            cuda.syncthreads()
-            stride = T // 2
-            for _ in range(LEVELS):
-                if tid < stride:
-                    part[tid] += part[tid + stride]
-                cuda.syncthreads()
-                stride //= 2
-            total = part[0]
+            total = tree_sum(part, tid, acc)
         else:
             off = 16
             while off >= 1:
