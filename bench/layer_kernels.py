@@ -29,6 +29,8 @@ import torch
 os.environ.setdefault("NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS", "0")
 sys.path.insert(0, os.path.dirname(__file__))
 
+from prefill import graph_ms  # noqa: E402 (this folder: python3 bench/layer_kernels.py)
+
 import nbinfer  # noqa: E402
 from nbinfer.api import layers_fast  # noqa: E402
 from nbinfer.kernels.layers import NormSpec  # noqa: E402
@@ -38,29 +40,10 @@ N, HIDDEN, INTER, HQ, HK, D = 64, 2048, 8192, 32, 8, 64
 LAUNCHES = 200
 
 
-def graph_us(fn, launches=LAUNCHES, reps=10):
-    """Per-launch GPU time of ``fn`` captured ``launches`` times in one graph (median)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with nbinfer.defer_frees(), torch.cuda.graph(graph):
-        for _ in range(launches):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / launches)
-    return float(np.median(times))
+def graph_us(fn, launches=LAUNCHES):
+    """Per-launch GPU time of ``fn`` captured ``launches`` times in one graph (prefill.py's
+    ``graph_ms``: the median over 10 replays, each between its own events)."""
+    return graph_ms(lambda: [fn() for _ in range(launches)], n=1) * 1e3 / launches
 
 
 def strided_norm(dtype, weight_dtype, fused, sim, hidden):
