@@ -59,18 +59,20 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
                overlap=False, around=contextlib.nullcontext):
     """One engine run to completion, after a warm-up run of ``warm`` on the same runner (the
     kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics.
+    ``cascade``: the engine's mode ("off", "auto": its rule, "always"); the warm-up cascades
+    whenever the mode is not "off" (its graph captured before the timed run).
     ``around()``: a context manager entered around the timed run only (a profiler's)."""
     need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
     pages = need + 64
     runner = TorchRunner(model, pages, PAGE, cuda_graphs=graphs, timing=timing,
-                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64), cascade_graphs=cascade)
+                         graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64),
+                         cascade_graphs=cascade != "off")
 
-    def engine():
+    def engine(mode=cascade):
         return Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
-                      prefix_cache=prefix, cascade="auto" if cascade else "off",
-                      overlap=overlap)
+                      prefix_cache=prefix, cascade=mode, overlap=overlap)
 
-    engine().run(warm)
+    engine("off" if cascade == "off" else "always").run(warm)
     runner.attention_seconds = 0.0
     engine = engine()
     steps, last = [], [0.0]
@@ -171,11 +173,11 @@ def replay_breakdown(runner, reps=10):
     return kernel_kinds(prof, reps, top=8)
 
 
-def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=None):
+def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade="off", top=None):
     """GPU kernel time by kind over the decode steps of a short eager run (torch.profiler):
     GEMMs, nbinfer's attention, nbinfer's append, nbinfer's layer kernels (fused norms, RoPE,
     SiLU-and-multiply), everything else (torch's elementwise kernels, embedding, argmax).
-    ``prefix`` / ``cascade``: the engine's prefix cache and cascade steps; ``top``: also the
+    ``prefix`` / ``cascade``: the engine's prefix cache and cascade mode; ``top``: also the
     ``top`` kernels by time per step (``"top kernels us"``)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -183,7 +185,7 @@ def gpu_breakdown(model, reqs, step_tokens, *, prefix=False, cascade=False, top=
     pages = sum(-(-(len(r.prompt) + 8) // PAGE) for r in short) + 64
     runner = TorchRunner(model, pages, PAGE)
     engine = Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
-                    prefix_cache=prefix, cascade="auto" if cascade else "off")
+                    prefix_cache=prefix, cascade=cascade)
     for r in short:
         engine.add_request(r)
     while True:  # prefill, up to the first decode-only step
@@ -266,6 +268,8 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("--small", action="store_true", help="8 x 256 + 32 (a quick check)")
     ap.add_argument("--step-tokens", type=int, default=8192)
+    ap.add_argument("--prompt", type=int, default=1024,
+                    help="prompt tokens per request (the issue's benchmark: 1024)")
     ap.add_argument("--shared-only", action="store_true",
                     help="only the 90 %%-shared-prefix rows (no HF, no breakdown): a quick A/B")
     ap.add_argument("--layer-ops", choices=("nbinfer", "torch"), default="nbinfer",
@@ -273,7 +277,7 @@ def main():
                          "kernels (TorchLlama's default on a GPU) or torch operations")
     a = ap.parse_args()
     cfg = named_config("llama-3.2-1b")
-    n, prompt, new = (8, 256, 32) if a.small else (64, 1024, 256)
+    n, prompt, new = (8, 256, 32) if a.small else (64, a.prompt, 256)
     model = TorchLlama.random(cfg, "cuda", torch.bfloat16, seed=0,
                               fused=a.layer_ops == "nbinfer")
     # the same weights with each layer's elementwise work as torch operations (the model's
@@ -288,43 +292,49 @@ def main():
     # pages of them shared (a prefix-cache run's warm-up then captures its cascade graph too)
     warm = make_requests(rng, n, 48, 4, 0.75, cfg.vocab_size)
     results = dict(device=torch.cuda.get_device_name(), model=cfg.name, dtype="bfloat16",
-                   requests=n, prompt=prompt, new_tokens=new, page_size=PAGE,
-                   step_tokens=a.step_tokens, layer_ops=a.layer_ops)
-    # cascade=True is the engine's "auto" rule (Engine.CASCADE_RULE), which keeps a decode step
-    # that a CUDA graph replays paged: under graphs the prefix+cascade row cascades only the
-    # batches larger than the largest bucket (its JSON's cascade_steps says how many)
+                   cascade_rule=Engine.CASCADE_RULE, requests=n, prompt=prompt,
+                   new_tokens=new, page_size=PAGE, step_tokens=a.step_tokens,
+                   layer_ops=a.layer_ops)
+    # cascade="auto" is the engine's rule (Engine.CASCADE_RULE): at 1024-token prompts (912
+    # shared tokens, 2 KiB of KV each a layer) the reads it would save do not pay for the
+    # cascade's fixed cost and its steps stay paged (cascade_steps 0); "always" cascades them
+    # anyway, the rule's A/B. --prompt 4096 is a shape where the rule picks the cascade.
     runs = {
-        "engine eager": dict(reqs=plain, graphs=False, prefix=False, cascade=False),
-        "engine graphs": dict(reqs=plain, graphs=True, prefix=False, cascade=False),
-        "shared, both off, eager": dict(reqs=shared, graphs=False, prefix=False, cascade=False),
+        "engine eager": dict(reqs=plain, graphs=False, prefix=False, cascade="off"),
+        "engine graphs": dict(reqs=plain, graphs=True, prefix=False, cascade="off"),
+        "shared, both off, eager": dict(reqs=shared, graphs=False, prefix=False, cascade="off"),
         "shared, prefix+cascade, eager": dict(reqs=shared, graphs=False, prefix=True,
-                                              cascade=True),
-        "shared, both off, graphs": dict(reqs=shared, graphs=True, prefix=False, cascade=False),
+                                              cascade="auto"),
+        "shared, both off, graphs": dict(reqs=shared, graphs=True, prefix=False, cascade="off"),
         "shared, prefix+cascade, graphs": dict(reqs=shared, graphs=True, prefix=True,
-                                               cascade=True),
+                                               cascade="auto"),
         "shared, prefix only, graphs": dict(reqs=shared, graphs=True, prefix=True,
-                                            cascade=False),
+                                            cascade="off"),
         # each step launched before the last one's tokens reach the host (Engine's overlap)
-        "engine graphs, overlap": dict(reqs=plain, graphs=True, prefix=False, cascade=False,
+        "engine graphs, overlap": dict(reqs=plain, graphs=True, prefix=False, cascade="off",
                                        overlap=True),
         "shared, both off, graphs, overlap": dict(reqs=shared, graphs=True, prefix=False,
-                                                  cascade=False, overlap=True),
+                                                  cascade="off", overlap=True),
         "shared, prefix+cascade, graphs, overlap": dict(reqs=shared, graphs=True, prefix=True,
-                                                        cascade=True, overlap=True),
+                                                        cascade="auto", overlap=True),
+        # the cascade on every step that shares pages (the rule's A/B: "auto" decides by
+        # the KV bytes the step saves, Engine.CASCADE_RULE)
+        "shared, prefix+cascade always, graphs, overlap": dict(
+            reqs=shared, graphs=True, prefix=True, cascade="always", overlap=True),
         # the cascade's worth on top of the prefix cache, with overlap hiding host time
         "shared, prefix only, graphs, overlap": dict(reqs=shared, graphs=True, prefix=True,
-                                                     cascade=False, overlap=True),
+                                                     cascade="off", overlap=True),
     }
     if torch_ops is not None:
         runs.update({
             "engine graphs, overlap, torch ops": dict(reqs=plain, graphs=True, prefix=False,
-                                                      cascade=False, overlap=True,
+                                                      cascade="off", overlap=True,
                                                       model=torch_ops),
             "shared, both off, graphs, overlap, torch ops": dict(
-                reqs=shared, graphs=True, prefix=False, cascade=False, overlap=True,
+                reqs=shared, graphs=True, prefix=False, cascade="off", overlap=True,
                 model=torch_ops),
             "shared, prefix+cascade, graphs, overlap, torch ops": dict(
-                reqs=shared, graphs=True, prefix=True, cascade=True, overlap=True,
+                reqs=shared, graphs=True, prefix=True, cascade="auto", overlap=True,
                 model=torch_ops)})
     if a.shared_only:
         runs = {k: v for k, v in runs.items() if k.startswith("shared")}
@@ -359,7 +369,7 @@ def main():
                     "gemm", "attention", "append", "layer kernels", "other")))
         return
     results["engine eager, timed"], _ = engine_run(model, plain, warm, graphs=False,
-                                                   prefix=False, cascade=False,
+                                                   prefix=False, cascade="off",
                                                    step_tokens=a.step_tokens, timing=True)
     results["decode step GPU ms by kernel kind (eager, profiler)"] = gpu_breakdown(
         model, plain, a.step_tokens)
@@ -414,7 +424,7 @@ def shared_speedups(results) -> dict:
     out = {}
     for mode in ("eager", "graphs", "graphs, overlap", "graphs, overlap, torch ops"):
         off = results.get(f"shared, both off, {mode}")
-        for on in ("prefix+cascade", "prefix only"):
+        for on in ("prefix+cascade", "prefix+cascade always", "prefix only"):
             row = results.get(f"shared, {on}, {mode}")
             if off is not None and row is not None:
                 out[f"{on} vs both off, {mode}"] = row["tokens_per_s"] / off["tokens_per_s"]

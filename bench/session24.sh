@@ -17,8 +17,13 @@
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
+# CASCADE_TESTS=1 (session 26): the cascade's gpu tests too (the one launch's 64-key tiles at D 64)
+cascade_tests=()
+[ -n "${CASCADE_TESTS:-}" ] && cascade_tests=(tests/test_gpu_prefill.py::test_cascade_gpu
+  tests/test_gpu_prefill.py::test_cuda_graph_cascade_replays_later_plans)
 timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_gpu_layers.py tests/test_engine_gpu.py >"$OUT/r/gpu_capture.log" 2>&1 || status=1
+  tests/test_gpu_layers.py tests/test_engine_gpu.py "${cascade_tests[@]}" \
+  >"$OUT/r/gpu_capture.log" 2>&1 || status=1
 echo "capture tests: $(tail -1 "$OUT/r/gpu_capture.log") ($((SECONDS - t0)) s)"
 if [ -n "${LAYERS:-}" ]; then  # issue 12: the layer kernels' GPU time, the norm's two forms
   timeout 120 python3 bench/layer_kernels.py --out "$OUT/r/layer_kernels.json" \
@@ -26,10 +31,15 @@ if [ -n "${LAYERS:-}" ]; then  # issue 12: the layer kernels' GPU time, the norm
   grep -v -i warn "$OUT/r/layer_kernels.log" | tail -9
 fi
 if [ -n "${ENGINE:-}" ]; then  # issue 12: the shared-prefix rows, each replayed step profiled
-  timeout 300 python3 bench/engine.py --shared-only --out "$OUT/r/engine_shared_h200.json" \
-    >"$OUT/r/engine_shared.log" 2>&1 || status=1
-  grep -v -i warn "$OUT/r/engine_shared.log" | tail -22 | cut -c1-220
-  echo "engine: $((SECONDS - t0)) s"
+  # PROMPTS (session 26): prompt lengths, one --shared-only run each (4096: the cascade
+  # rule's side of the crossover)
+  for prompt in ${PROMPTS:-1024}; do
+    sfx=$([ "$prompt" = 1024 ] && echo "" || echo "_p$prompt")
+    timeout 300 python3 bench/engine.py --shared-only --prompt "$prompt" \
+      --out "$OUT/r/engine_shared${sfx}_h200.json" >"$OUT/r/engine_shared$sfx.log" 2>&1 || status=1
+    grep -v -i warn "$OUT/r/engine_shared$sfx.log" | tail -24 | cut -c1-220
+    echo "engine (prompt $prompt): $((SECONDS - t0)) s"
+  done
   # the attention of its decode step alone: 64 x (912 shared + 240 own), D 64
   for order in random sorted; do
     timeout 120 python3 bench/prefill.py --shared "64,912,240,64,$order" \

@@ -77,8 +77,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=_positive(int), default=4)
     p.add_argument("--max-step-tokens", type=_positive(int), default=64)
     p.add_argument("--prefix-cache", default="on", choices=["on", "off"])
-    p.add_argument("--cascade", default="auto", choices=["auto", "off"],
-                   help="decode steps whose requests share pages run as a cascade (auto)")
+    p.add_argument("--cascade", default="auto", choices=["auto", "always", "off"],
+                   help="decode steps whose requests share pages run as a cascade: when the "
+                        "engine's rule says it pays (auto), whenever pages are shared "
+                        "(always), or never (off)")
     p.add_argument("--cuda-graphs", default="off", choices=["on", "off"],
                    help="GPU only: capture decode steps once per batch bucket and replay them")
     p.add_argument("--overlap", default="off", choices=["on", "off"],

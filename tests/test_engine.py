@@ -174,7 +174,42 @@ def test_decode_runs_as_a_cascade_when_requests_share_pages(model, rng):
         assert engine.run(requests) == results["auto"]
         assert engine.cascade_steps == cascades
     with pytest.raises(ValueError, match="cascade"):
-        Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="always")
+        Engine(NumpyRunner(model, 4, 4), 4, 4, cascade="on")
+
+
+def test_cascade_rule_weighs_the_saved_bytes_against_the_cascades_fixed_cost(model, rng):
+    """A runner that states its KV bytes per token is judged by the cost model: the cascade
+    runs when the shared reads it saves, per layer at CASCADE_BANDWIDTH, outlast its fixed
+    cost; "always" cascades every step that shares a page; the tokens never change."""
+    requests = _shared_prefix_requests(rng, 5, prefix_len=32)
+    for r in requests:
+        r.max_new_tokens = 8
+
+    def run(cascade, kv_bytes=None, layers=4):
+        runner = NumpyRunner(model, 128, 4)
+        if kv_bytes is not None:
+            runner.kv_bytes_per_token, runner.num_layers = kv_bytes, layers
+        engine = Engine(runner, 128, 4, prefix_cache=True, cascade=cascade)
+        return engine.run(requests), engine
+
+    want, always = run("always")
+    assert always.cascade_steps > 0 and want == _alone(model, requests)
+    # the fixed cost of 4 layers: 27 us + 0.55 ms / 4 = 164.5 us a layer; at 4.5 TB/s that
+    # is 740 MB of saved reads. A few saved tokens pay for it only at absurd bytes per token.
+    fixed = Engine.CASCADE_LAYER_S + Engine.CASCADE_STEP_HOST_S / 4
+    for kv_bytes, cascades in ((2048, 0), (1 << 40, always.cascade_steps)):
+        got, engine = run("auto", kv_bytes)
+        assert got == want and engine.cascade_steps == cascades
+    # the boundary: saved tokens x bytes / bandwidth against the fixed cost, to the token
+    engine = run("auto", 1)[1]
+    at = fixed * Engine.CASCADE_BANDWIDTH
+    assert engine.cascade_pays(int(np.ceil(at)), 10 ** 12)
+    assert not engine.cascade_pays(int(np.floor(at)) - 1, 10 ** 12)
+    assert not engine.cascade_pays(0, 100)
+    # a runner without byte counts keeps the share rule, whatever the step's size
+    plain = Engine(NumpyRunner(model, 128, 4), 128, 4)
+    assert plain.cascade_pays(25, 100) and not plain.cascade_pays(24, 100)
+    assert run("auto")[1].cascade_steps == always.cascade_steps  # all share >= 25 % here
 
 
 def test_cascade_levels_hold_each_sequences_pages(model, rng):

@@ -306,11 +306,13 @@ def test_block_sparse_gpu(rng, R, C):
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
 
 
-@pytest.mark.parametrize("kv_split", [False, True, "levels", "levels-prefetch"])
-def test_cascade_gpu(rng, monkeypatch, kv_split):
+@pytest.mark.parametrize("kv_split, d", [(False, 128), (True, 128), ("levels", 128),
+                                         ("levels-prefetch", 128), (False, 64)])
+def test_cascade_gpu(rng, monkeypatch, kv_split, d):
     # (kv_split: the own level's items, one row of 4 packed heads each, split by keys;
     # "levels": CASCADE_LAUNCH = "levels", the prefix level on the prefill rule's kernel (the
-    # lean one on sm_90: 64 packed rows per KV head), the own level on the decode kernel)
+    # lean one on sm_90: 64 packed rows per KV head), the own level on the decode kernel;
+    # d 64: the one launch's 64-key tiles, mma_tiles(all_split=True))
     from nbinfer.api import cascade as cascade_api
 
     levels = str(kv_split).startswith("levels")
@@ -325,17 +327,19 @@ def test_cascade_gpu(rng, monkeypatch, kv_split):
     indptr = [np.array([0, prefix_pages]), np.arange(batch + 1) * own_pages]
     indices = [prefix, own.ravel()]
     last = [np.array([ps]), rng.integers(1, ps + 1, size=batch)]
-    cache = rng.standard_normal((pool.size, 2, ps, 8, 128)).astype(np.float32)
-    q = rng.standard_normal((batch, 32, 128)).astype(np.float32)
+    cache = rng.standard_normal((pool.size, 2, ps, 8, d)).astype(np.float32)
+    q = rng.standard_normal((batch, 32, d)).astype(np.float32)
     tq, tc = _t(q, "float16"), _t(cache, "float16")
     w = MultiLevelCascadeAttentionWrapper(2, _ws())
-    w.plan(qo, indptr, indices, last, 32, 8, 128, ps, q_data_type="float16")
+    w.plan(qo, indptr, indices, last, 32, 8, d, ps, q_data_type="float16")
     if levels:
         assert w.last_level_on_decode
         spec = w._wrappers[0].step_plan.spec
         assert spec.prefetch == (kv_split == "levels-prefetch") and spec.lean
     else:
-        assert w._fused.step_plan.spec.kv_split == kv_split
+        spec = w._fused.step_plan.spec
+        assert spec.kv_split == kv_split
+        assert spec.kv_tile == (64 if d == 64 else prefill_api.CASCADE_TILES["kv_tile"])
     out = w.run(tq, tc)
     ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]

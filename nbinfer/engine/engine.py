@@ -170,22 +170,33 @@ class Engine:
         from the pages of its longest cached prefix (``prefix_hit_rate``), and
         cached pages nobody runs on are evicted, least recently used first, when the pool runs
         dry.
-    cascade : {"auto", "off"}
+    cascade : {"auto", "always", "off"}
         ``"auto"``: a decode-only step whose sequences share pages runs as a cascade (each
         shared run of pages read once for all its sequences, then each sequence's own pages,
-        the states merged) when that saves at least :data:`CASCADE_MIN_SAVING` of the step's KV
-        reads and, when a CUDA graph would replay the plain step, the runner replays the
-        cascade step too (:attr:`CASCADE_RULE`); else paged.
+        the states merged) when the reads it saves pay for its fixed costs
+        (:meth:`cascade_pays`, :attr:`CASCADE_RULE`) and, when a CUDA graph would replay the
+        plain step, the runner replays the cascade step too; else paged. ``"always"``: every
+        such step that shares any page, under the same graph condition (the rule's A/B).
     overlap : bool
         Launch each step before the previous one's tokens reach the host (module docstring);
         the runner must have ``sample`` and ``fetch``.
     """
 
-    CASCADE_MIN_SAVING = 0.25
-    CASCADE_RULE = ("cascade when every sequence decodes one token, sharing pages saves >= 25 % "
-                    "of the step's KV reads and, when a CUDA graph replays the plain step, one "
-                    "replays the cascade step too (H200: an eager cascade step 15.7 ms, a "
-                    "replayed paged one 4.0); else paged attention")
+    # The cascade's cost model, measured on the H100 (session 25, bf16, D 64, 64 sequences,
+    # bench/NOTES.md "The cascade's crossover"): plain decode over shared pages streams every
+    # sequence's tokens through the L2 at ~4.5 TB/s; the one-launch cascade reads the shared
+    # pages once but pays ~27 us a layer for its prefix items (serial tiles, latency-bound)
+    # and, under graphs with overlap, ~0.55 ms more host time a step (its plan: 1.71 against
+    # 1.14 ms). It pays when the shared reads it saves outlast both.
+    CASCADE_BANDWIDTH = 4.5e12  # bytes/s, plain decode's read rate over shared pages
+    CASCADE_LAYER_S = 27e-6  # the cascade's fixed GPU cost per layer
+    CASCADE_STEP_HOST_S = 0.55e-3  # its extra host time per step
+    CASCADE_MIN_SAVING = 0.25  # a runner that states no KV bytes: share of the step's reads
+    CASCADE_RULE = ("cascade when every sequence decodes one token and the KV reads sharing "
+                    "saves, per layer at 4.5 TB/s, outlast the cascade's fixed cost (27 us a "
+                    "layer + 0.55 ms of host time a step over the layers; a runner without KV "
+                    "byte counts: >= 25 % of the step's reads) and, when a CUDA graph replays "
+                    "the plain step, one replays the cascade step too; else paged attention")
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
                  max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto",
@@ -205,8 +216,8 @@ class Engine:
         self.finished: dict[int, list] = {}
         self.steps = self.preemptions = self.evicted_pages = 0
         self._next_rid = self._next_order = 0
-        if cascade not in ("auto", "off"):
-            raise ValueError(f"cascade must be 'auto' or 'off', got {cascade!r}")
+        if cascade not in ("auto", "always", "off"):
+            raise ValueError(f"cascade must be 'auto', 'always' or 'off', got {cascade!r}")
         self.cascade, self.cascade_steps = cascade, 0
         self._levels_key, self._levels_layout = None, None
         self.tree = RadixTree(page_size) if prefix_cache else None
@@ -508,7 +519,7 @@ class Engine:
             self._levels_key, self._levels_layout = key, self._level_layout(
                 self._share_groups(plan, used_list))
         saved, order, first, shared, qo0, ptr0, last0, own_shared = self._levels_layout
-        if saved < self.CASCADE_MIN_SAVING * (int(computed.sum()) + len(plan)):
+        if not self.cascade_pays(saved, int(computed.sum()) + len(plan)):
             return None
         plan[:] = [plan[i] for i in order]
         computed, used = computed[order], used[order]
@@ -526,6 +537,20 @@ class Engine:
             return None
         self.cascade_steps += 1
         return levels
+
+    def cascade_pays(self, saved: int, tokens: int) -> bool:
+        """Whether a decode step whose sharing saves ``saved`` of its ``tokens`` KV token reads
+        (per layer) runs as a cascade under this engine's ``cascade`` mode
+        (:attr:`CASCADE_RULE`). A runner with ``kv_bytes_per_token`` (K and V of one token in
+        one layer) and ``num_layers`` is judged by the cost model; one without, by
+        :attr:`CASCADE_MIN_SAVING`."""
+        if self.cascade == "always" or saved <= 0:
+            return saved > 0
+        kv_bytes = getattr(self.runner, "kv_bytes_per_token", None)
+        if kv_bytes is None:
+            return saved >= self.CASCADE_MIN_SAVING * tokens
+        fixed = self.CASCADE_LAYER_S + self.CASCADE_STEP_HOST_S / self.runner.num_layers
+        return saved * kv_bytes / self.CASCADE_BANDWIDTH >= fixed
 
     def _level_layout(self, groups: list) -> tuple:
         """What a grouping fixes of the levels (reused while it holds): the KV pages sharing

@@ -77,6 +77,10 @@ class TorchRunner:
         self.model, self.page_size, self.timing = model, page_size, timing
         self.heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size)
         self.num_pages, self.device = num_pages, model.device
+        # what the engine's cascade rule weighs (Engine.cascade_pays): K and V of one token in
+        # one layer, and the layers a step's plan serves
+        self.kv_bytes_per_token = 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+        self.num_layers = cfg.num_layers
         # one page past the pool: the scratch page of the padding rows of a graph bucket
         shape = (num_pages + 1, 2, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.caches = [torch.zeros(shape, dtype=model.dtype, device=self.device)
