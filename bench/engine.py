@@ -114,8 +114,9 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
         res["replay_gpu_ms_run_p50"] = float(np.median(times))
         res["replay_gpu_ms_run_mean"] = float(np.mean(times))
     if graphs and runner._graphs:
-        res["graph_replay_gpu_ms"] = replay_ms(runner)
-        res["graph_replay_kernels"] = replay_breakdown(runner)
+        graph = last_graph(runner, engine.cascade_steps > 0)
+        res["graph_replay_gpu_ms"] = replay_ms(graph)
+        res["graph_replay_kernels"] = replay_breakdown(graph)
     return res, outputs
 
 
@@ -142,11 +143,17 @@ def replay_events():
         torch.cuda.CUDAGraph.replay = replay
 
 
-def replay_ms(runner, reps=20):
-    """GPU time of one replay of the largest captured decode step (its last plan: the final
-    KV lengths; the cascade step's graph when the run cascaded), CUDA events around
+def last_graph(runner, cascaded: bool):
+    """The CUDA graph of the largest decode step the run replayed: the largest bucket's, a
+    cascade step's when the run cascaded (the warm-up may have captured one the run never
+    replayed), holding its last plan (the final KV lengths)."""
+    keys = [k for k in runner._graphs if (k[1] > 0) == cascaded] or list(runner._graphs)
+    return runner._graphs[max(keys)].graph
+
+
+def replay_ms(graph, reps=20):
+    """GPU time of one replay of ``graph`` (:func:`last_graph`), CUDA events around
     back-to-back replays: the step without the host."""
-    graph = runner._graphs[max(runner._graphs)].graph
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -157,13 +164,12 @@ def replay_ms(runner, reps=20):
     return start.elapsed_time(end) / reps
 
 
-def replay_breakdown(runner, reps=10):
+def replay_breakdown(graph, reps=10):
     """The same replayed step as :func:`replay_ms` under torch.profiler (CUPTI reports each
     kernel node of a graph): its GPU time by kernel kind, ms per replay, and the top kernels.
     Where the replayed step's time goes in each row, not in an eager stand-in."""
     from torch.profiler import ProfilerActivity, profile
 
-    graph = runner._graphs[max(runner._graphs)].graph
     graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -409,12 +409,13 @@ def block_sparse(ctx, rng, M, N, R, C, causal=False, mask=False, empty_row=None)
     return state(out, lse, ref, dt)
 
 
-def cascade(ctx, rng, causal, levels=False):
+def cascade(ctx, rng, causal, levels=False, d=128):
     """2 levels over one pool: a 100-token shared prefix (partial last page), then each request's
     own pages; several query rows per request. Not causal: all levels in one launch; causal with
     several rows per request: one launch per level, merged by merge_state_in_place. ``levels``:
     one query row per request, level by level (CASCADE_LAUNCH): the prefix level on the lean
-    kernel (MMA_WGMMA), the own level on the decode kernel."""
+    kernel (MMA_WGMMA), the own level on the decode kernel. ``d``: head_dim (64: the one
+    launch's 64-key tiles)."""
     if levels:
         from unittest import mock
 
@@ -423,12 +424,12 @@ def cascade(ctx, rng, causal, levels=False):
 
         with mock.patch.object(cascade_api, "CASCADE_LAUNCH", "levels"), \
                 mock.patch.multiple(prefill_api, MMA_WGMMA=True, LEAN_PREFETCH=True):
-            return _cascade(ctx, rng, causal, [1] * 40)
-    return _cascade(ctx, rng, causal, [3, 1, 5, 7])
+            return _cascade(ctx, rng, causal, [1] * 40, d)
+    return _cascade(ctx, rng, causal, [3, 1, 5, 7], d)
 
 
-def _cascade(ctx, rng, causal, qo_lens):
-    d, ps, dt, layout = 128, 16, "float16", "NHD"
+def _cascade(ctx, rng, causal, qo_lens, d):
+    ps, dt, layout = 16, "float16", "NHD"
     own_lens = rng.integers(1, 50, len(qo_lens)).tolist() if len(qo_lens) > 4 \
         else [20, 1, 47, 16]
     (t0, t1), _, used = allocate(rng, [[100], own_lens], ps)
@@ -567,6 +568,8 @@ CASES = [
     ("prefill_paged_tc", TC,
      lambda c, r: paged_prefill(c, r, [1, 37, 70, 5], [100, 333, 17, 0], 128, "float16", "NHD")),
     ("cascade_fused", TC, lambda c, r: cascade(c, r, causal=False)),
+    ("cascade_fused_d64", TC + " D64 (64-key tiles)",
+     lambda c, r: cascade(c, r, causal=False, d=64)),
     ("cascade_levels_lean", "cascade level by level: lean prefill (overlap) + decode + merge",
      lambda c, r: cascade(c, r, causal=False, levels=True)),
     ("prefill_paged_tc_causal", TC + " causal",

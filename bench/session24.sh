@@ -87,7 +87,10 @@ if [ -n "${L2AB:-}" ]; then
   grep -v -i warn "$OUT/r/l2.log" | tail -6 | cut -c1-300
 fi
 if [ -n "${MEMCHECK:-}" ]; then
-  OUT="$OUT/r" bash bench/memcheck.sh >"$OUT/r/memcheck.out" 2>&1 || status=1
+  # MEMCHECK_ONLY (session 26): memcheck.py's --only patterns (default every case)
+  # shellcheck disable=SC2046
+  OUT="$OUT/r" bash bench/memcheck.sh $([ -n "${MEMCHECK_ONLY:-}" ] && echo --only "$MEMCHECK_ONLY") \
+    >"$OUT/r/memcheck.out" 2>&1 || status=1
   tail -4 "$OUT/r/memcheck.out"
   echo "memcheck: $((SECONDS - t0)) s"
 fi

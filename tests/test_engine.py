@@ -194,8 +194,9 @@ def test_cascade_rule_weighs_the_saved_bytes_against_the_cascades_fixed_cost(mod
 
     want, always = run("always")
     assert always.cascade_steps > 0 and want == _alone(model, requests)
-    # the fixed cost of 4 layers: 27 us + 0.55 ms / 4 = 164.5 us a layer; at 4.5 TB/s that
-    # is 740 MB of saved reads. A few saved tokens pay for it only at absurd bytes per token.
+    # the fixed cost of 4 layers without overlap: 15.4 us + 0.27 ms / 4 = 82.9 us a layer; at
+    # 5.8 TB/s that is 481 MB of saved reads. A few saved tokens pay for it only at absurd bytes
+    # per token.
     fixed = Engine.CASCADE_LAYER_S + Engine.CASCADE_STEP_HOST_S / 4
     for kv_bytes, cascades in ((2048, 0), (1 << 40, always.cascade_steps)):
         got, engine = run("auto", kv_bytes)
@@ -206,6 +207,11 @@ def test_cascade_rule_weighs_the_saved_bytes_against_the_cascades_fixed_cost(mod
     assert engine.cascade_pays(int(np.ceil(at)), 10 ** 12)
     assert not engine.cascade_pays(int(np.floor(at)) - 1, 10 ** 12)
     assert not engine.cascade_pays(0, 100)
+    # with overlap the host's share is hidden: the GPU's fixed cost alone
+    engine.overlap = True
+    at = Engine.CASCADE_LAYER_S * Engine.CASCADE_BANDWIDTH
+    assert engine.cascade_pays(int(np.ceil(at)), 10 ** 12)
+    assert not engine.cascade_pays(int(np.floor(at)) - 1, 10 ** 12)
     # a runner without byte counts keeps the share rule, whatever the step's size
     plain = Engine(NumpyRunner(model, 128, 4), 128, 4)
     assert plain.cascade_pays(25, 100) and not plain.cascade_pays(24, 100)

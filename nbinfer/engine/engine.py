@@ -182,21 +182,23 @@ class Engine:
         the runner must have ``sample`` and ``fetch``.
     """
 
-    # The cascade's cost model, measured on the H100 (session 25, bf16, D 64, 64 sequences,
-    # bench/NOTES.md "The cascade's crossover"): plain decode over shared pages streams every
-    # sequence's tokens through the L2 at ~4.5 TB/s; the one-launch cascade reads the shared
-    # pages once but pays ~27 us a layer for its prefix items (serial tiles, latency-bound)
-    # and, under graphs with overlap, ~0.55 ms more host time a step (its plan: 1.71 against
-    # 1.14 ms). It pays when the shared reads it saves outlast both.
-    CASCADE_BANDWIDTH = 4.5e12  # bytes/s, plain decode's read rate over shared pages
-    CASCADE_LAYER_S = 27e-6  # the cascade's fixed GPU cost per layer
-    CASCADE_STEP_HOST_S = 0.55e-3  # its extra host time per step
+    # The cascade's cost model, fitted on the H100 (sessions 25-26, bf16, D 64, Hkv 8, 64
+    # sequences, 912-16384 shared tokens; bench/NOTES.md "Session 26"): plain decode over
+    # shared pages streams every sequence's tokens through the L2; the one-launch cascade reads
+    # the shared pages once. Per layer the cascade's GPU time is below plain decode's by
+    # saved bytes / 5.8 TB/s - 15.4 us (within 5 us at every size). Without overlap its plan's
+    # extra host time (0.27 ms a step: 0.83 against 0.56 ms) adds to the step; with overlap the
+    # host runs under the previous step's GPU work.
+    CASCADE_BANDWIDTH = 5.8e12  # bytes/s: the fit's rate of the reads sharing saves
+    CASCADE_LAYER_S = 15.4e-6  # the fit's fixed cost of the cascade per layer
+    CASCADE_STEP_HOST_S = 0.27e-3  # its extra host time per step (counted without overlap)
     CASCADE_MIN_SAVING = 0.25  # a runner that states no KV bytes: share of the step's reads
     CASCADE_RULE = ("cascade when every sequence decodes one token and the KV reads sharing "
-                    "saves, per layer at 4.5 TB/s, outlast the cascade's fixed cost (27 us a "
-                    "layer + 0.55 ms of host time a step over the layers; a runner without KV "
-                    "byte counts: >= 25 % of the step's reads) and, when a CUDA graph replays "
-                    "the plain step, one replays the cascade step too; else paged attention")
+                    "saves, per layer at 5.8 TB/s, outlast the cascade's fixed cost (15.4 us a "
+                    "layer, plus 0.27 ms of host time a step over the layers without overlap; "
+                    "a runner without KV byte counts: >= 25 % of the step's reads) and, when a "
+                    "CUDA graph replays the plain step, one replays the cascade step too; else "
+                    "paged attention")
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
                  max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto",
@@ -549,7 +551,9 @@ class Engine:
         kv_bytes = getattr(self.runner, "kv_bytes_per_token", None)
         if kv_bytes is None:
             return saved >= self.CASCADE_MIN_SAVING * tokens
-        fixed = self.CASCADE_LAYER_S + self.CASCADE_STEP_HOST_S / self.runner.num_layers
+        fixed = self.CASCADE_LAYER_S
+        if not self.overlap:
+            fixed += self.CASCADE_STEP_HOST_S / self.runner.num_layers
         return saved * kv_bytes / self.CASCADE_BANDWIDTH >= fixed
 
     def _level_layout(self, groups: list) -> tuple:
