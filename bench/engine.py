@@ -59,8 +59,9 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
                overlap=False, around=contextlib.nullcontext):
     """One engine run to completion, after a warm-up run of ``warm`` on the same runner (the
     kernels loaded, the graph buckets captured); wall time, tokens/s and step statistics.
-    ``cascade``: the engine's mode ("off", "auto": its rule, "always"); the warm-up cascades
-    whenever the mode is not "off" (its graph captured before the timed run).
+    ``cascade``: the engine's mode ("off", "auto": its rule, "always"); when it is not "off"
+    the warm-up runs twice, paged and cascading (every graph the run may replay captured
+    before it: a warm-up that only cascaded left the paged buckets to the timed run).
     ``around()``: a context manager entered around the timed run only (a profiler's)."""
     need = sum(-(-(len(r.prompt) + r.max_new_tokens) // PAGE) for r in reqs)
     pages = need + 64
@@ -72,7 +73,8 @@ def engine_run(model, reqs, warm, *, graphs, prefix, cascade, step_tokens, timin
         return Engine(runner, pages, PAGE, max_step_tokens=step_tokens, max_batch=len(reqs),
                       prefix_cache=prefix, cascade=mode, overlap=overlap)
 
-    engine("off" if cascade == "off" else "always").run(warm)
+    for mode in ("off",) if cascade == "off" else ("off", "always"):
+        engine(mode).run(warm)
     runner.attention_seconds = 0.0
     engine = engine()
     steps, last = [], [0.0]
