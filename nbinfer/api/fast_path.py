@@ -21,7 +21,8 @@ __all__ = ["OUT_SLAB", "OUT_SLAB_BYTES", "TorchFastPath", "run_fast"]
 # OUT_SLAB bytes (a large step's allocation is small beside its GPU time), only on the stream
 # the slab was allocated on (torch's allocator reuses a freed block in that stream's order), and
 # never while the stream is captured into a CUDA graph (the graph's outputs come from its own
-# pool, allocated inside the capture). 0 turns slabs off.
+# pool, allocated inside the capture; a call on the legacy default stream needs no check, since
+# that stream cannot be captured). 0 turns slabs off.
 OUT_SLAB = 32
 OUT_SLAB_BYTES = 1 << 20
 
@@ -119,7 +120,8 @@ class TorchFastPath:
         rest kept for the next calls on ``stream``), or ``torch.empty_like`` where slabs do not
         apply (off, a large output, a stream being captured)."""
         n = self._out_slab
-        if n < 2 or q.numel() * q.element_size() * n > OUT_SLAB_BYTES or self._capturing():
+        if n < 2 or q.numel() * q.element_size() * n > OUT_SLAB_BYTES or (
+                stream != 0 and self._capturing()):
             return self._empty_like(q)  # q is contiguous: same shape, dtype and device
         views = list(self.torch.empty((n, *self.q_shape), dtype=self.q_dtype,
                                       device=self.device).unbind(0))
@@ -181,7 +183,9 @@ class TorchFastPath:
         stream = self.stream(self.index)
         if out is None:
             slab = self._slab
-            if slab and stream == self._slab_stream and not self._capturing():
+            # (the legacy default stream, 0, cannot be captured: cudaStreamBeginCapture
+            # refuses it, so the common eager call skips the check)
+            if slab and stream == self._slab_stream and (stream == 0 or not self._capturing()):
                 out = slab.pop()
             else:
                 out = self._new_out(q, stream)
