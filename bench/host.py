@@ -155,17 +155,10 @@ def run_costs(ws):
     k = torch.randn(1, HKV, kv_len, D, dtype=torch.float16, device="cuda")
     v = torch.randn_like(k)
     q4 = q.view(1, HQ, 1, D)
-    # the same step on a second wrapper whose outputs are not taken from slabs (fast_path's
-    # OUT_SLAB, session 26): torch.empty_like per call, run() as it was before slabs
-    w_plain = BatchDecodeWithPagedKVCacheWrapper(torch.empty_like(ws))
-    w_plain.plan(pt.indptr, pt.indices, pt.last_page_len, HQ, HKV, D, PS,
-                 q_data_type=torch.float16)
-    w_plain.step_plan.fast.out_slab = 0
     res = interleaved_us({
         "run_us": lambda: w.run(q, cache),
-        "run_no_slab_us": lambda: w_plain.run(q, cache),
         "run_out_us": lambda: w.run(q, cache, out=out),
-        "empty_like_us": lambda: torch.empty_like(q),
+        "empty_like_us": lambda: torch.empty_like(q),  # the output run() allocates
         "launch_only_us": lambda: launch(stream),
         "sdpa_us": lambda: torch.nn.functional.scaled_dot_product_attention(q4, k, v,
                                                                             enable_gqa=True)})

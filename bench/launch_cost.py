@@ -14,9 +14,7 @@ back-to-back calls (us):
   (``CU_LAUNCH_PARAM_BUFFER_POINTER``) instead of one pointer each;
 - ``one_param_kernel``: a kernel with a single int32 parameter (the driver's floor);
 - torch allocations run() may make (``torch.empty`` of the output) and the cost of writing one
-  8-byte field of an argument block through NumPy, a memoryview and ``struct.pack_into``;
-- the pieces of an output taken from a slab (the capture check, a slab's refill per output, a
-  list pop) and the fast path's call with and without slabs and ``out=``, beside run().
+  8-byte field of an argument block through NumPy, a memoryview and ``struct.pack_into``.
 """
 
 from __future__ import annotations
@@ -138,21 +136,6 @@ def main():
                                            and q.shape == shape and q.device == dev))
     res["data_ptr"] = per_call_us(q.data_ptr)
     res["raw_stream"] = per_call_us(lambda: torch._C._cuda_getCurrentRawStream(0))
-    # session 26: the pieces of run()'s output from a slab (nbinfer.api.fast_path.OUT_SLAB)
-    res["capture_check"] = per_call_us(torch._C._cuda_isCurrentStreamCapturing)
-    slab_shape = (32, *shape)
-    res["slab_refill_per_output"] = per_call_us(lambda: list(torch.empty(
-        slab_shape, dtype=torch.float16, device=dev).unbind(0)), calls=100) / 32
-    views = []
-    res["list_pop"] = per_call_us(lambda: views.pop() if views else views.extend(range(64)))
-    fast = w.step_plan.fast
-    res["fast_call_slab"] = per_call_us(lambda: fast(q, cache, None, None, False))
-    res["fast_call_out"] = per_call_us(lambda: fast(q, cache, out, None, False))
-    res["run_slab"] = per_call_us(lambda: w.run(q, cache))
-    res["run_out"] = per_call_us(lambda: w.run(q, cache, out=out))
-    fast.out_slab = 0
-    res["fast_call_no_slab"] = per_call_us(lambda: fast(q, cache, None, None, False))
-    res["run_no_slab"] = per_call_us(lambda: w.run(q, cache))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

@@ -81,10 +81,7 @@ print(f"run() = launch {run['launch_only_us']:.1f} us + checks and pointer write
 # this host whatever the kernel, and nbinfer's 98 parameters (a Numba array argument is seven
 # 8-byte fields) add little to that. What `run()` adds on top is a handful of comparisons (the
 # tensors match the plan), five 8-byte pointer writes into the prepared argument block, and,
-# without `out=`, an output: a view handed out from a slab (one `torch.empty` of 32 outputs,
-# split once by `unbind()`; each call's output is still memory of its own) costs less than a
-# `torch.empty_like` per call (the recorded H200 figures predate the slabs; on an H100 host
-# they made run() 7.8 us against 8.4, `bench/results/issue14/session26/`).
+# without `out=`, one `torch.empty_like` for the output.
 #
 # ## 2. What `plan()` costs
 #
@@ -314,8 +311,8 @@ assert np.all(out_buf[0] == 0)  # the empty slot: no keys, output 0
 # ## Summary
 #
 # * A launch costs the host several microseconds of driver time whatever the kernel; nbinfer's
-#   `run()` adds a few microseconds of checks and pointer writes on top, and an output from a
-#   slab when no `out=` is given.
+#   `run()` adds a few microseconds of checks and pointer writes on top, and the output
+#   allocation when no `out=` is given.
 # * `plan()` runs once per step and serves every layer; from a wrapper's second step on it runs
 #   a compiled scheduler, a few hundred microseconds even at 256 requests.
 # * A fixed persistent grid plus a fixed plan layout turn every step-dependent decision into

@@ -11,20 +11,7 @@ from __future__ import annotations
 
 from ..kernels.common import ARG
 
-__all__ = ["OUT_SLAB", "OUT_SLAB_BYTES", "TorchFastPath", "run_fast"]
-
-# Outputs of small steps come from slabs. ``torch.empty_like`` of a batch-1 output costs 2-3.75
-# us of host time (a third of run(): bench/NOTES.md, session 26); one ``torch.empty`` of
-# OUT_SLAB outputs, split by ``unbind()`` into views handed out one per call, costs each call a
-# list pop. Every view is an output of its own (no two calls share memory) and the slab returns
-# to torch's allocator when its last view dies. Only for outputs of at most OUT_SLAB_BYTES /
-# OUT_SLAB bytes (a large step's allocation is small beside its GPU time), only on the stream
-# the slab was allocated on (torch's allocator reuses a freed block in that stream's order), and
-# never while the stream is captured into a CUDA graph (the graph's outputs come from its own
-# pool, allocated inside the capture; a call on the legacy default stream needs no check, since
-# that stream cannot be captured). 0 turns slabs off.
-OUT_SLAB = 32
-OUT_SLAB_BYTES = 1 << 20
+__all__ = ["TorchFastPath", "run_fast"]
 
 
 class TorchFastPath:
@@ -37,9 +24,8 @@ class TorchFastPath:
     a new plan's shapes.
 
     Per call it costs (H200 host, ``bench/launch_cost.py``): ~0.5 us of checks per tensor, five
-    8-byte pointer writes into the argument block (~0.1 us each), an output when none is given
-    (a view from a slab, :data:`OUT_SLAB`; ``torch.empty_like``: 2-3.75 us) and the launch
-    itself (~5-7 us, the driver's).
+    8-byte pointer writes into the argument block (~0.1 us each), ``torch.empty_like`` for the
+    output when none is given (~2 us) and the launch itself (~7 us, the driver's).
     """
 
     def __init__(self, step, launch, layout, device, *, rows=None, indices=None):
@@ -51,12 +37,6 @@ class TorchFastPath:
             device = torch.device("cuda", torch.cuda.current_device())
         self.torch, self.Tensor, self.launch, self.device = torch, torch.Tensor, launch, device
         self._empty_like = torch.empty_like
-        # whether the current stream is being captured (cudaStreamIsCapturing: any capture,
-        # torch's or another library's); one C call
-        self._capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                                  torch.cuda.is_current_stream_capturing)
-        self._slab, self._slab_stream = [], None
-        self.out_slab = OUT_SLAB  # (per object: bench/host.py times both forms in one process)
         self.index = device.index
         tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
                "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
@@ -97,7 +77,6 @@ class TorchFastPath:
         hold (largest page id it reads + 1)."""
         self.q_shape, self.lse_shape = (rows, num_qo_heads, head_dim), (rows, num_qo_heads)
         self.min_pages = min_pages
-        self._slab = []  # views of the old shape
         if self.scratch_lse is None or tuple(self.scratch_lse.shape) != self.lse_shape:
             n = rows * num_qo_heads
             if self._lse_buf is None or self._lse_buf.numel() < n:
@@ -105,30 +84,6 @@ class TorchFastPath:
                                                  device=self.device)
             self.scratch_lse = self._lse_buf[:n].view(rows, num_qo_heads)
         self.dirty = True  # lengths and strides are written by the next call
-
-    @property
-    def out_slab(self) -> int:
-        """Outputs per slab (:data:`OUT_SLAB`; 0: ``torch.empty_like`` every call)."""
-        return self._out_slab
-
-    @out_slab.setter
-    def out_slab(self, n: int) -> None:
-        self._out_slab, self._slab = int(n), []
-
-    def _new_out(self, q, stream):
-        """An output for ``q`` when the slab has none to give: a new slab's first view (the
-        rest kept for the next calls on ``stream``), or ``torch.empty_like`` where slabs do not
-        apply (off, a large output, a stream being captured)."""
-        n = self._out_slab
-        if n < 2 or q.numel() * q.element_size() * n > OUT_SLAB_BYTES or (
-                stream != 0 and self._capturing()):
-            return self._empty_like(q)  # q is contiguous: same shape, dtype and device
-        views = list(self.torch.empty((n, *self.q_shape), dtype=self.q_dtype,
-                                      device=self.device).unbind(0))
-        views.reverse()  # handed out from the slab's start
-        out = views.pop()
-        self._slab, self._slab_stream = views, stream
-        return out
 
     def _ok(self, x, dtype):
         return (type(x) is self.Tensor and x.dtype is dtype and x.is_contiguous()
@@ -180,15 +135,8 @@ class TorchFastPath:
             vp = kp + self.v_off
         if kp % 16 or vp % 16:
             return None
-        stream = self.stream(self.index)
         if out is None:
-            slab = self._slab
-            # (the legacy default stream, 0, cannot be captured: cudaStreamBeginCapture
-            # refuses it, so the common eager call skips the check)
-            if slab and stream == self._slab_stream and (stream == 0 or not self._capturing()):
-                out = slab.pop()
-            else:
-                out = self._new_out(q, stream)
+            out = self._empty_like(q)  # q is contiguous: same shape, dtype and device
         elif not (type(out) is self.Tensor and out.dtype is self.q_dtype  # _ok(), inlined
                   and out.shape == self.q_shape and out.is_contiguous()
                   and out.get_device() == self.index):
@@ -209,6 +157,7 @@ class TorchFastPath:
         c[iv] = vp
         c[io] = out.data_ptr()
         c[il] = lse.data_ptr()
+        stream = self.stream(self.index)
         if self._around:
             self.launch(stream)
             return out, lse
