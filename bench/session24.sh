@@ -13,6 +13,9 @@
 # step's attention alone (bench/prefill.py --shared, random and sorted pages); FP8=1 only the
 # FP8 decode rows of DECODE=1; LAYERS=1 bench/layer_kernels.py; NO_PROFILE=1
 # and NO_SWEEP=1 skip the host profile and the cascade sweep; SWEEP_ARGS are the sweep's.
+# Session 26: CASCADE_TESTS=1 adds the cascade's gpu tests, TESTS replaces the test files,
+# PROMPTS lists the engine's prompt lengths (default 1024), MEMCHECK_ONLY passes memcheck.py
+# --only patterns.
 #   CACHE_BACK=1 bash bench/session24.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
