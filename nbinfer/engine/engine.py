@@ -193,12 +193,15 @@ class Engine:
     CASCADE_LAYER_S = 15.4e-6  # the fit's fixed cost of the cascade per layer
     CASCADE_STEP_HOST_S = 0.27e-3  # its extra host time per step (counted without overlap)
     CASCADE_MIN_SAVING = 0.25  # a runner that states no KV bytes: share of the step's reads
-    CASCADE_RULE = ("cascade when every sequence decodes one token and the KV reads sharing "
-                    "saves, per layer at 5.8 TB/s, outlast the cascade's fixed cost (15.4 us a "
-                    "layer, plus 0.27 ms of host time a step over the layers without overlap; "
-                    "a runner without KV byte counts: >= 25 % of the step's reads) and, when a "
-                    "CUDA graph replays the plain step, one replays the cascade step too; else "
-                    "paged attention")
+    # (the printed rule is written from the constants above, so the two cannot drift apart)
+    CASCADE_RULE = (f"cascade when every sequence decodes one token and the KV reads sharing "
+                    f"saves, per layer at {CASCADE_BANDWIDTH / 1e12:g} TB/s, outlast the "
+                    f"cascade's fixed cost ({CASCADE_LAYER_S * 1e6:g} us a layer, plus "
+                    f"{CASCADE_STEP_HOST_S * 1e3:g} ms of host time a step over the layers "
+                    f"without overlap; a runner without KV byte counts: >= "
+                    f"{CASCADE_MIN_SAVING * 100:g} % of the step's reads) and, when a CUDA graph "
+                    f"replays the plain step, one replays the cascade step too; else paged "
+                    f"attention")
 
     def __init__(self, runner, num_pages: int, page_size: int, *, max_step_tokens: int = 256,
                  max_batch: int = 64, prefix_cache: bool = False, cascade: str = "auto",
