@@ -24,7 +24,7 @@ session_start
 cascade_tests=()
 [ -n "${CASCADE_TESTS:-}" ] && cascade_tests=(tests/test_gpu_prefill.py::test_cascade_gpu
   tests/test_gpu_prefill.py::test_cuda_graph_cascade_replays_later_plans)
-# TESTS (session 26): the test files instead of the capture tests'
+# TESTS (session 26): the test files to run instead of the capture tests
 # shellcheck disable=SC2086
 timeout "${TEST_S:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
   ${TESTS:-tests/test_gpu_layers.py tests/test_engine_gpu.py} "${cascade_tests[@]}" \
