@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# The whole GPU check of a change in one device call: every gpu test (seven pytest processes in
-# parallel, so the kernel specs compile on seven cores at once), then the decode benchmark alone
-# on the GPU (nothing else running while it times), then the optional benchmarks named, each
-# alone too. JSON goes to $OUT, the logs into $OUT/logs.tgz.
-#   [SKIP_DECODE=1] [CACHE_BACK=1] bash bench/gpu_check.sh [prefill] [grid] [order] [sched] [host] [fp8]
+# The whole GPU check of a change in one device call: every gpu test (pytest-xdist's workers, or
+# seven pytest processes, so the kernel specs compile on many cores at once), then the decode
+# benchmark alone on the GPU (nothing else running while it times), then the optional benchmarks
+# named, each alone too. JSON goes to $OUT, the logs into $OUT/logs.tgz.
+#   [SKIP_DECODE=1] [CACHE_BACK=1] [SUITE_S=540] [WORKERS=14] [REPEAT=1] \
+#     bash bench/gpu_check.sh [prefill] [grid] [order] [sched] [host] [fp8]
+# SUITE_S bounds each pass of the tests (seconds; none by default), so a cold-cache run that
+# would outlast the device call still ends, packs its logs and returns the cache it built;
+# REPEAT=1 runs the tests a second time on the cache the first pass left (cold, then warm).
 # CACHE_BACK=1 also returns the kernel cache as $OUT/cache.tgz (a few MiB): unpacked into the
 # checkout, it lets the next session's first device call start warm instead of compiling.
 set -uo pipefail
@@ -17,31 +21,44 @@ export NBINFER_CACHE_DIR=${NBINFER_CACHE_DIR:-$PWD/.nbinfer-cache}
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 bytecode_ready
-before=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
-t0=$(date +%s)
-run() { python3 -m pytest -q -m gpu -p no:cacheprovider "$@"; }
-pids=()
-# Seven processes (the H200 host has 16 cores): each compiles the specs its tests need; two that
-# need one spec at once compile it once (the cache's lock), the other waits and loads it.
-run tests/test_gpu_decode.py tests/test_api_state.py tests/test_api_append.py >"$OUT/gpu_a.log" 2>&1 &
-pids+=($!)
-run tests/test_gpu_prefill.py -k paged_prefill >"$OUT/gpu_b.log" 2>&1 &
-pids+=($!)
-run tests/test_gpu_prefill.py -k "not paged_prefill" >"$OUT/gpu_b2.log" 2>&1 &
-pids+=($!)
-run tests/test_gpu_scheduler.py tests/test_gpu_fp8.py >"$OUT/gpu_b3.log" 2>&1 &
-pids+=($!)
-run tests/test_gpu_trust.py tests/test_gpu_layers.py >"$OUT/gpu_c.log" 2>&1 &
-pids+=($!)
-run tests/test_gpu_cache.py >"$OUT/gpu_d.log" 2>&1 &  # cold by design: fresh cache folders
-pids+=($!)
-run tests/test_engine_gpu.py >"$OUT/gpu_e.log" 2>&1 &
-pids+=($!)
+# One pass of every gpu test. With pytest-xdist importable (bench/gpu_wheels.sh carries it in
+# .whl/), one pytest over tests/ with WORKERS processes (default 14 of the host's 16 cores)
+# stealing work from each other: a cold cache compiles on all of them until the last spec. Else
+# (or WORKERS=0) seven processes by file group. Either way two processes that need one spec
+# compile it once (the cache's lock); the other waits and loads it. $1 names the pass's logs.
+suite() {
+  local name=$1 limit=() t0 t1 before after rc=0
+  [ -n "${SUITE_S:-}" ] && limit=(timeout "$SUITE_S")
+  before=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
+  t0=$(date +%s)
+  if [ "${WORKERS:-14}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+    "${limit[@]}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 \
+      -n "${WORKERS:-14}" --dist worksteal tests >"$OUT/${name}-all.log" 2>&1 || rc=1
+  else
+    local pids=() p
+    run() { "${limit[@]}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@"; }
+    run tests/test_gpu_decode.py tests/test_api_state.py tests/test_api_append.py \
+      >"$OUT/${name}-a.log" 2>&1 & pids+=($!)
+    run tests/test_gpu_prefill.py -k paged_prefill >"$OUT/${name}-b.log" 2>&1 & pids+=($!)
+    run tests/test_gpu_prefill.py -k "not paged_prefill" >"$OUT/${name}-b2.log" 2>&1 & pids+=($!)
+    run tests/test_gpu_scheduler.py tests/test_gpu_fp8.py tests/test_wgmma.py \
+      >"$OUT/${name}-b3.log" 2>&1 & pids+=($!)
+    run tests/test_gpu_trust.py tests/test_gpu_layers.py >"$OUT/${name}-c.log" 2>&1 & pids+=($!)
+    # cold by design: fresh cache folders
+    run tests/test_gpu_cache.py >"$OUT/${name}-d.log" 2>&1 & pids+=($!)
+    run tests/test_engine_gpu.py >"$OUT/${name}-e.log" 2>&1 & pids+=($!)
+    for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  fi
+  t1=$(date +%s)
+  after=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
+  for f in "$OUT/${name}"-*.log; do echo "$(basename "$f" .log): $(tail -n 1 "$f")"; done
+  echo "$name: $((t1 - t0)) s wall, cache entries $before -> $after" | tee -a "$OUT/gpu_time.log"
+  return $rc
+}
 status=0
-for p in "${pids[@]}"; do wait "$p" || status=1; done
-t1=$(date +%s)
-after=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
-echo "gpu tests: $((t1 - t0)) s wall, cache entries $before -> $after" | tee "$OUT/gpu_time.log"
+suite gpu || status=1
+# REPEAT=1: the same pass again on the cache the first one left (a cold start's warm twin)
+if [ -n "${REPEAT:-}" ]; then suite gpu_warm || status=1; fi
 if [ -z "${SKIP_DECODE:-}" ]; then
   python3 bench/decode.py --out "$OUT/decode_h200.json" >"$OUT/decode.log" 2>&1 || status=1
 fi
@@ -57,7 +74,6 @@ for extra in "$@"; do
     *) echo "unknown benchmark: $extra (prefill, grid, order, sched, host, fp8)"; status=1 ;;
   esac
 done
-for f in gpu_a gpu_b gpu_b2 gpu_b3 gpu_c gpu_d gpu_e; do echo "$f: $(tail -1 "$OUT/$f.log")"; done
 cat "$OUT/gpu_time.log"
 for f in "$@"; do
   case $f in sched) tail -4 "$OUT/scheduler.log" ;; host) tail -32 "$OUT/host.log" ;;
