@@ -29,13 +29,13 @@ bytecode_ready
 # processes that need one spec compile it once (the cache's lock); the other waits and loads
 # it. $1 names the pass's logs.
 suite() {
-  local name=$1 limit=() t0 t1 before after rc=0
+  local name=$1 workers=${WORKERS:-12} limit=() t0 t1 before after rc=0
   [ -n "${SUITE_S:-}" ] && limit=(timeout "$SUITE_S")
   before=$(ls "$NBINFER_CACHE_DIR/kernels" 2>/dev/null | grep -c '\.nbk$')
   t0=$(date +%s)
-  if [ "${WORKERS:-12}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
+  if [ "$workers" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
     "${limit[@]}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 \
-      -n "${WORKERS:-12}" --dist worksteal tests >"$OUT/${name}-all.log" 2>&1 || rc=1
+      -n "$workers" --dist worksteal tests >"$OUT/${name}-all.log" 2>&1 || rc=1
   else
     local pids=() p
     run() { "${limit[@]}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 "$@"; }

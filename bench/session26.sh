@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 26's last device call: on any GPU, run()'s host cost (bench/launch_cost.py,
 # bench/host.py: issue 14 req 5-6 on another host), then the shared-prefix case of issue 13
-# req 2 at D 128 (bench/prefill.py --shared 64,8192,256,128: the one launch at both KV tiles, level by level,
-# plain decode over shared pages and over unshared copies); on an H200 also the FP8 decode rows
-# (issue 13 req 5) and the engine's shared-prefix rows (issue 12).
+# req 2 at D 128 (bench/prefill.py --shared 64,8192,256,128: the one launch at both KV tiles,
+# level by level, plain decode over shared pages and over unshared copies); on an H200 also
+# the FP8 decode rows (issue 13 req 5).
 #   CACHE_BACK=1 KEEP_R=1 bash bench/session26.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
