@@ -32,6 +32,13 @@ LSE_TOLERANCE = {
 
 SIMULATOR = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
+if SIMULATOR and os.environ.get("NBINFER_SIM_POLL") != "1":
+    # the simulator's block scheduler without its busy poll (tests/sim_barrier.py says why);
+    # NBINFER_SIM_POLL=1 keeps Numba's own, for an A/B
+    import sim_barrier
+
+    sim_barrier.install()
+
 
 def rel_err(out, ref) -> float:
     """||out - ref|| / ||ref|| in float64 (0 when both are zero); NaN never passes."""
