@@ -1,7 +1,7 @@
 """The one-launch cascade's schedule: KV chunk size x a per-item cost in LPT (diagnostic).
 
     python bench/cascade_sweep.py [--tiles 64m] [--splits 0,512,1024] [--overheads -,0,128,256]
-        [--out $OUT/cascade_sweep.json]
+        [--pdl 0,1] [--rounds 1] [--out $OUT/cascade_sweep.json]
 
 The shared-prefix case of bench/prefill.py (64 requests x (8192 shared + 256 own) tokens, Hq 32,
 Hkv 8, D 128, fp16, pages of 16). LPT weighs an item as ``alpha * rows + beta * kv tokens``, a
@@ -11,7 +11,9 @@ byte count misses, so the 512 own items pile onto the CTAs the 192 prefix chunks
 The planner's ``item_overhead`` (KV tokens of cost per item; '-' is the wrapper's default of four
 KV tiles, 0 the byte model) and the chunk size (0: the adaptive split) are swept; each point is
 checked against plain decode and timed as CUDA-graph replay and as one call. The modelled
-per-CTA load (KV tiles + 3 tiles of start and end per item) is printed beside it.
+per-CTA load (KV tiles + 3 tiles of start and end per item) is printed beside it. ``--pdl``
+sweeps ``PREFILL_PDL`` (the merge of split rows as a programmatic dependent launch), and
+``--rounds`` repeats the whole sweep (an A/B alternated within one process).
 
 (Session 10's calls 3-5 ran an earlier version whose overhead column was *added* to the
 wrapper's default, 4 KV tiles: its 0 was the default; call 2 predates that default, so its 0 was
@@ -47,6 +49,8 @@ def main():
     ap.add_argument("--splits", default="0,512,1024")
     ap.add_argument("--overheads", default="-,128,256,512",
                     help="per-item cost in KV tokens; '-' is the wrapper's default")
+    ap.add_argument("--pdl", default="0", help="PREFILL_PDL values to sweep (0,1)")
+    ap.add_argument("--rounds", type=int, default=1, help="times the whole sweep runs")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     case = shared_prefix_case()
@@ -56,29 +60,34 @@ def main():
     ref = plain.run(q, cache).float()
     rows = []
     print(f"plain decode: graph {plain_graph * 1e3:.1f} us, one call {plain_call * 1e3:.1f} us")
-    print(f"{'tiles':>6} {'split':>6} {'ovh':>5} {'items':>6} {'model max/mean':>15} "
+    print(f"{'tiles':>6} {'split':>6} {'ovh':>5} {'pdl':>3} {'items':>6} {'model max/mean':>15} "
           f"{'graph us':>9} {'call us':>8} {'x graph':>8} {'x call':>7} {'err':>8}")
-    for token in args.tiles.split(","):
-        for split in (int(s) for s in args.splits.split(",")):
-            for ovh in (None if o == "-" else int(o) for o in args.overheads.split(",")):
-                # None: the wrapper's default item cost (four KV tiles)
-                with tile_config(token), api_overrides(MMA_ITEM_OVERHEAD=ovh):
-                    casc.plan(*case["levels"], *case["heads"], q_data_type="float16",
-                              fixed_split_size=split or None)
-                sched = casc.fused_wrapper.schedule
-                kv_tile = casc.fused_wrapper.step_plan.spec.kv_tile
-                mx, mean = modelled_tiles(sched, kv_tile)
-                err = float((casc.run(q, cache).float() - ref).abs().max())
-                g = graph_ms(lambda: casc.run(q, cache))
-                c = median_ms(lambda: casc.run(q, cache))
-                used = sched.item_overhead  # what the plan took
-                row = dict(tiles=token, split=split, overhead=used, items=int(sched.num_work),
-                           model_max_tiles=mx, model_mean_tiles=mean, graph_ms=g, call_ms=c,
-                           x_graph=plain_graph / g, x_call=plain_call / c, max_abs_diff=err)
-                rows.append(row)
-                print(f"{token:>6} {split:>6} {used:>5} {row['items']:>6} {mx:7.1f}/{mean:<7.1f} "
-                      f"{g * 1e3:9.1f} {c * 1e3:8.1f} {row['x_graph']:8.2f} {row['x_call']:7.2f} "
-                      f"{err:8.1e}")
+    points = [(token, int(split), None if o == "-" else int(o), bool(int(pdl)))
+              for token in args.tiles.split(",") for split in args.splits.split(",")
+              for o in args.overheads.split(",") for pdl in args.pdl.split(",")]
+    for rnd in range(args.rounds):
+        for token, split, ovh, pdl in points:
+            # None: the wrapper's default item cost (four KV tiles)
+            with tile_config(token), api_overrides(MMA_ITEM_OVERHEAD=ovh,
+                                                   PREFILL_PDL=pdl):
+                casc.plan(*case["levels"], *case["heads"], q_data_type="float16",
+                          fixed_split_size=split or None)
+            sched = casc.fused_wrapper.schedule
+            kv_tile = casc.fused_wrapper.step_plan.spec.kv_tile
+            mx, mean = modelled_tiles(sched, kv_tile)
+            err = float((casc.run(q, cache).float() - ref).abs().max())
+            g = graph_ms(lambda: casc.run(q, cache))
+            c = median_ms(lambda: casc.run(q, cache))
+            used = sched.item_overhead  # what the plan took
+            row = dict(tiles=token, split=split, overhead=used, pdl=pdl, round=rnd,
+                       items=int(sched.num_work),
+                       model_max_tiles=mx, model_mean_tiles=mean, graph_ms=g, call_ms=c,
+                       x_graph=plain_graph / g, x_call=plain_call / c, max_abs_diff=err)
+            rows.append(row)
+            print(f"{token:>6} {split:>6} {used:>5} {pdl:>3d} {row['items']:>6} "
+                  f"{mx:7.1f}/{mean:<7.1f} "
+                  f"{g * 1e3:9.1f} {c * 1e3:8.1f} {row['x_graph']:8.2f} {row['x_call']:7.2f} "
+                  f"{err:8.1e}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(plain_graph_ms=plain_graph, plain_call_ms=plain_call, rows=rows), f,

@@ -124,6 +124,9 @@ def main():
     ap.add_argument("--lazy", action="store_true",
                     help="prefill, with --lean: MmaPrefillSpec(lazy_rescale=True), the online "
                          "softmax's rescale only when a row's maximum grows by more than 2^8")
+    ap.add_argument("--qk-ahead", action="store_true",
+                    help="prefill, with --lean: MmaPrefillSpec(qk_ahead=True), each tile's "
+                         "S = Q K^T issued before the ring's refill")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -160,7 +163,7 @@ def main():
                               stages=args.stages, num_warps=args.warps,
                               q_shared=args.q_shared, kv_split=args.kv_split,
                               wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
-                              lazy_rescale=args.lazy,
+                              lazy_rescale=args.lazy, qk_ahead=args.qk_ahead,
                               defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,

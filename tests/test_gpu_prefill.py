@@ -131,7 +131,13 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
                dict(sm_scale=-0.05, fixed_split_size=256))]
 
 
-@pytest.mark.parametrize("form", ["plain", "prefetch", "lazy"])
+# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD) per form of the lean kernel
+LEAN_FORMS = {"plain": (False, False, False), "prefetch": (True, False, False),
+              "lazy": (False, True, False), "ahead": (False, False, True),
+              "prefetch_ahead": (True, False, True)}
+
+
+@pytest.mark.parametrize("form", list(LEAN_FORMS))
 @pytest.mark.parametrize("case", range(len(LEAN_PAGED)))
 def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
     # The lean warpgroup kernel (kernels/prefill_wgmma.py) on paged KV: causal and not, GQA 1-8,
@@ -139,27 +145,32 @@ def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
     # negative scale (each score scaled before the maximum; with the per-item overlap, Q through
     # the stager: cp.async cannot negate). "prefetch": LEAN_PREFETCH, the per-item overlap (Q by
     # cp.async, the next item's first KV tile and Q requested during the last tile); "lazy":
-    # LEAN_LAZY_RESCALE, the rescale only when a row's maximum grows by more than 2^8.
+    # LEAN_LAZY_RESCALE, the rescale only when a row's maximum grows by more than 2^8;
+    # "ahead": LEAN_QK_AHEAD, each tile's S = Q K^T issued before the ring's refill.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", form == "prefetch")
-    monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", form == "lazy")
+    for knob, on in zip(("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD"),
+                        LEAN_FORMS[form], strict=True):
+        monkeypatch.setattr(prefill_api, knob, on)
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
-    assert (spec.prefetch, spec.lazy_rescale) == (form == "prefetch", form == "lazy")
+    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead) == LEAN_FORMS[form]
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 
-@pytest.mark.parametrize("aligned, lazy", [(True, False), (False, False), (True, True)])
-def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy):
+@pytest.mark.parametrize("aligned, lazy, ahead", [(True, False, False), (False, False, False),
+                                                   (True, True, False), (True, False, True),
+                                                   (False, False, True)])
+def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy, ahead):
     # Ragged causal G 4 with tails against the 128-row tile; q 16-byte aligned (Q by
-    # cp.async) or a view one element in (the stager); with the lazy rescale too. Items
-    # without a tile among the others: a request with no KV, and one with more queries than
-    # keys (bottom-right causal: its first 200 rows see no key).
+    # cp.async) or a view one element in (the stager); with the lazy rescale or S = Q K^T
+    # ahead of the refill too. Items without a tile among the others: a request with no KV,
+    # and one with more queries than keys (bottom-right causal: its first 200 rows see no key).
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
     monkeypatch.setattr(prefill_api, "LEAN_PREFETCH", True)
     monkeypatch.setattr(prefill_api, "LEAN_LAZY_RESCALE", lazy)
+    monkeypatch.setattr(prefill_api, "LEAN_QK_AHEAD", ahead)
     qo_lens, kv_lens = [1, 129, 300, 64, 40, 300], [1, 700, 300, 2000, 0, 100]
     hq, hkv, d = 32, 8, 128
     qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
@@ -172,6 +183,7 @@ def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy)
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo, kv, hq, hkv, d, causal=True, q_data_type="float16")
     assert w.step_plan.spec.lean and w.step_plan.spec.prefetch
+    assert w.step_plan.spec.qk_ahead == ahead
     out, lse = w.run(tq, tk, tv, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
         _np(tq), _np(tk), _np(tv), qo, kv, causal=True, return_lse=True)
@@ -180,21 +192,25 @@ def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy)
     np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, atol=5e-3)
 
 
-@pytest.mark.parametrize("causal, dtype, d, hkv", [(True, "float16", 128, 32),
-                                                   (False, "bfloat16", 128, 4),
-                                                   (True, "bfloat16", 64, 8),
-                                                   (False, "float16", 64, 32)])
-def test_ragged_prefill_gpu_wgmma_lean(rng, monkeypatch, causal, dtype, d, hkv):
+@pytest.mark.parametrize("causal, dtype, d, hkv, ahead", [(True, "float16", 128, 32, False),
+                                                          (False, "bfloat16", 128, 4, False),
+                                                          (True, "bfloat16", 64, 8, False),
+                                                          (False, "float16", 64, 32, False),
+                                                          (True, "float16", 128, 32, True),
+                                                          (False, "bfloat16", 128, 4, True)])
+def test_ragged_prefill_gpu_wgmma_lean(rng, monkeypatch, causal, dtype, d, hkv, ahead):
     # Ragged KV, the benchmark's path: tails of every length against 128-row tiles, a request
-    # whose KV is longer than its queries (bottom-right causal), and the LSE.
+    # whose KV is longer than its queries (bottom-right causal), and the LSE; ahead:
+    # LEAN_QK_AHEAD.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+    monkeypatch.setattr(prefill_api, "LEAN_QK_AHEAD", ahead)
     qo_lens, kv_lens, hq = [1, 129, 300, 64], [1, 700, 300, 2000], 32
     qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
     q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)
     k, v = (rng.standard_normal((int(kv[-1]), hkv, d)).astype(np.float32) for _ in range(2))
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo, kv, hq, hkv, d, causal=causal, q_data_type=dtype)
-    assert w.step_plan.spec.lean
+    assert w.step_plan.spec.lean and w.step_plan.spec.qk_ahead == ahead
     tq, tk, tv = (_t(x, dtype) for x in (q, k, v))
     out, lse = w.run(tq, tk, tv, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
@@ -351,6 +367,65 @@ def test_cascade_gpu(rng, monkeypatch, kv_split, d):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("kind", ["cascade", "lean-split"])
+def test_dependent_merge_launch_equals_the_serial_one(rng, monkeypatch, kind):
+    # PREFILL_PDL: the merge of split rows as a programmatic dependent launch, its CTAs
+    # started before the prefill (or its guarded twin, lean-split: causal) has finished and
+    # waiting for it in griddepcontrol.wait. The result is bit for bit the serial launch's
+    # (the same reduction map), eagerly and replayed from a CUDA graph.
+    import torch
+
+    batch, ps, hq, hkv, d = 16, 16, 32, 8, 128
+    if kind == "cascade":
+        prefix_pages, own_pages = 64, 4
+        pool = rng.permutation(prefix_pages + batch * own_pages)
+        lv = ([np.array([0, batch]), np.arange(batch + 1)],
+              [np.array([0, prefix_pages]), np.arange(batch + 1) * own_pages],
+              [pool[:prefix_pages], pool[prefix_pages:]],
+              [np.array([ps]), rng.integers(1, ps + 1, size=batch)])
+        cache = _t(rng.standard_normal((pool.size, 2, ps, hkv, d)).astype(np.float32),
+                   "float16")
+        q = _t(rng.standard_normal((batch, hq, d)).astype(np.float32), "float16")
+        ref = reference.multi_level_cascade_attention(_np(q), lv[0], _np(cache), *lv[1:])
+
+        def make():  # (the wrapper that plans the one launch, and the call)
+            w = MultiLevelCascadeAttentionWrapper(2, _ws())
+            w.plan(*lv, hq, hkv, d, ps, q_data_type="float16")
+            return w._fused, (lambda: w.run(q, cache))
+    else:
+        monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
+        qo_lens, kv_lens = [130, 1], [2500, 7]
+        pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
+        qo = np.concatenate([[0], np.cumsum(qo_lens)])
+        cache = _t(rng.standard_normal((pt.num_pages, 2, ps, hkv, d)).astype(np.float32),
+                   "float16")
+        q = _t(rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32), "float16")
+        ref = reference.batch_prefill_with_paged_kv_cache(
+            _np(q), qo, _np(cache), pt.indptr, pt.indices, pt.last_page_len, causal=True)
+
+        def make():
+            w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD")
+            w.plan(qo, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps, causal=True,
+                   q_data_type="float16", fixed_split_size=512)
+            return w, (lambda: w.run(q, cache))
+
+    monkeypatch.setattr(prefill_api, "PREFILL_PDL", False)
+    _, serial = make()
+    want = serial().clone()
+    monkeypatch.setattr(prefill_api, "PREFILL_PDL", None)  # the default: on for sm_90
+    w, run = make()
+    assert w.step_plan.spec.defer_merge and w.schedule.num_merge_rows > 0
+    assert (kind == "lean-split") == w.step_plan.spec.lean
+    assert w.step_plan.launch._after[-1].dependent
+    out = run()
+    assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+    assert torch.equal(out, want)
+    graph, replayed = _capture(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replayed, want)
 
 
 def _capture(fn):

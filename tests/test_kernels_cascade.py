@@ -213,10 +213,13 @@ def test_cascade_with_the_merge_as_its_own_launch(rng, monkeypatch, causal):
     # workspace of NaN (a row it failed to merge would come out NaN or stale). Chunks of 4 keys
     # give every row 4-5 partials from both levels. A causal spec adds the value scan and the
     # guarded twin before the merge launch: an inf in the V of request 0's own key must poison
-    # exactly the rows that keep it (request 0's heads of kv head 0).
+    # exactly the rows that keep it (request 0's heads of kv head 0). PREFILL_PDL asks for the
+    # merge as a programmatic dependent launch, which the simulator launches as a plain one
+    # (its griddepcontrol wait is a no-op there; tests/test_gpu_prefill.py runs it on the GPU).
     from nbinfer.api import prefill as prefill_api
 
     monkeypatch.setattr(prefill_api, "MMA_DEFER_MERGE", True)
+    monkeypatch.setattr(prefill_api, "PREFILL_PDL", True)
     ps, hq, hkv, d = 4, 4, 2, 64
     lv = _two_levels(rng, ps)
     cache = rng.standard_normal((8, 2, ps, hkv, d)).astype(np.float16)
@@ -229,6 +232,7 @@ def test_cascade_with_the_merge_as_its_own_launch(rng, monkeypatch, causal):
            q_data_type="float16", fixed_split_size=4, causal=causal)
     step = w.fused_wrapper.step_plan
     assert step.spec.defer_merge and np.diff(step.schedule.merge_indptr).min() >= 4
+    assert not step.launch._after[-1].dependent
     ws.view(np.float32)[step.launch.layout.float_offsets()[0]:] = np.nan
     out, lse = w.run(q, cache, return_lse=True)
     ref, ref_lse = reference.multi_level_cascade_attention(

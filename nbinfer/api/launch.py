@@ -193,7 +193,9 @@ class AttentionLaunch:
     before, after : sequences of ``(compiled kernel, grid or None)``, optional
         Kernels of the same signature launched, in order, before and after it on the same
         arguments (and on its grid where ``None``): the tensor-core prefill's value scan (its own
-        grid), guarded twin (this grid) and deferred merge of split rows (its own grid).
+        grid), guarded twin (this grid) and deferred merge of split rows (its own grid). An
+        entry of ``after`` may add a third field, ``True`` for a programmatic dependent launch
+        (:mod:`nbinfer.kernels.dependent`: the merge, with ``PREFILL_PDL``).
     """
 
     def __init__(self, spec, workspace, layout: WorkspaceLayout, backend: str, num_ctas: int,
@@ -227,7 +229,7 @@ class AttentionLaunch:
         self.fast = None  # run()'s fast path for torch tensors (the wrapper attaches it)
         self.bind(layout, sm_scale)
         self._before = tuple(self.launch.sharing(k, grid) for k, grid in before)
-        self._after = tuple(self.launch.sharing(k, grid) for k, grid in after)
+        self._after = tuple(self.launch.sharing(*entry) for entry in after)
 
     def bind(self, layout: WorkspaceLayout, sm_scale: float) -> None:
         """Point the plan-side arguments at ``layout``'s sections (a no-op when they already

@@ -117,6 +117,17 @@ LEAN_PREFETCH = None
 # rescales per tile only when a row's maximum grows by more than 2^8). None: off, until timed
 # (bench/prefill.py's ``glz`` token).
 LEAN_LAZY_RESCALE = None
+# The deferred merge of split rows as a programmatic dependent launch (kernels/dependent.py):
+# its CTAs start on the SMs the prefill's last CTAs free and wait there for it to complete,
+# so its launch gap and start hide under the prefill's tail. The one-launch cascade 64 x
+# (8192 + 256), H100, two alternated rounds: 90.5 / 89.5 -> 88.9 / 88.7 us under graph replay,
+# 118.6 / 116.3 -> 114.4 / 114.0 us per call (bench/NOTES.md, session 29). None: on sm_90 and
+# newer (griddepcontrol is Hopper's), True / False: always / never on the CUDA backend.
+PREFILL_PDL = None
+# The lean kernel's S = Q K^T ahead of the ring's refill (MmaPrefillSpec's ``qk_ahead``): on an
+# H100, +1.5-4.8 % at 8 of req 1's 10 prefill rows, -0.8 % (D 64 causal) and -0.2 % (L 1024
+# non-causal) at the other two (bench/NOTES.md, session 29; bench/prefill.py's ``q`` token).
+LEAN_QK_AHEAD = True
 # The tensor-core kernels' work in L2 order (scheduler.plan's ``l2_section_kv``): LPT takes the
 # (request, kv head) pairs in sections of about this many MiB of KV, so the items running at
 # once read ~2 sections' KV (B4 L4096 H32 causal: ~32 MiB at 16, against 190 MiB for plain
@@ -180,6 +191,16 @@ def wgmma_choice(sim: bool, split: bool, lean_ok: bool, rows: float) -> tuple[bo
     if cuda.get_current_device().compute_capability[0] != 9:
         return False, False
     return True, lean
+
+
+def dependent_merge() -> bool:
+    """Whether the merge of split rows is a programmatic dependent launch
+    (:data:`PREFILL_PDL`; by default on a GPU of compute capability 9.0 or newer)."""
+    if PREFILL_PDL is not None:
+        return bool(PREFILL_PDL)
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) >= (9, 0)
 
 
 def mma_item_overhead(spec) -> int:
@@ -301,7 +322,8 @@ class PrefillWrapperBase(WrapperBase):
                 tiles.update(lean=True, stages=LEAN_STAGES, defer_merge=True,
                              max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS,
                              prefetch=bool(LEAN_PREFETCH),
-                             lazy_rescale=bool(LEAN_LAZY_RESCALE))
+                             lazy_rescale=bool(LEAN_LAZY_RESCALE),
+                             qk_ahead=bool(LEAN_QK_AHEAD))
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM
@@ -338,12 +360,16 @@ class PrefillWrapperBase(WrapperBase):
                 # as fit, so that a cascade's 512 pairs run in one round instead of two on the
                 # main kernel's 396 CTAs.
                 grids[-1] = _merge_grid(self._backend, after[-1], threads)
+            # the merge (last) as a programmatic dependent launch (PREFILL_PDL)
+            dep = self._backend == "cuda" and getattr(spec, "defer_merge", False) and \
+                dependent_merge()
+            pdl = [dep and i == len(after) - 1 for i in range(len(after))]
             launch = AttentionLaunch(spec, self._workspace, layout, self._backend,
                                      sched.num_ctas, step.sm_scale, self._memory,
                                      kernel=(kernel, prefill_signature(spec),
                                              PREFILL_PLAN_SECTIONS),
                                      num_threads=threads, before=before,
-                                     after=tuple(zip(after, grids, strict=True)))
+                                     after=tuple(zip(after, grids, pdl, strict=True)))
             if keep is not None:
                 keep["launch"] = launch
         staged = layout.stage(sched, item_merge_lists(sched), table, qo_indptr=qo_start,

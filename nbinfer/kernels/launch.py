@@ -42,6 +42,7 @@ class PreparedLaunch:
     def __init__(self, kernel, signature, grid: int, block: int, *, sim: bool):
         self.kernel, self.sim = kernel, sim
         self.grid, self.block = _dim3(grid), _dim3(block)
+        self.dependent = False  # a programmatic dependent launch (sharing(dependent=True))
         self.shared = dynamic_shared(kernel)
         self._types = tuple(signature.args)
         self._slot = []
@@ -96,15 +97,18 @@ class PreparedLaunch:
         self._stream = None
         self._bound = None
 
-    def sharing(self, kernel, grid=None) -> PreparedLaunch:
+    def sharing(self, kernel, grid=None, dependent: bool = False) -> PreparedLaunch:
         """A launch of ``kernel`` (same signature and block; this grid unless ``grid`` is given)
         that shares this one's argument block: every later ``set_*`` on either binds both.
         Kernels that run around another over the same arguments (the value scan and guarded
-        twin of the tensor-core prefill) use it."""
+        twin of the tensor-core prefill) use it. ``dependent``: a programmatic dependent
+        launch (:mod:`.dependent`; the kernel must wait with ``griddepcontrol.wait`` before it
+        reads what the kernel before it writes), where the driver has ``cuLaunchKernelEx``."""
         twin = object.__new__(PreparedLaunch)
         twin.__dict__.update(self.__dict__)  # the same _vals / _args objects, not copies
         twin.kernel = kernel
         twin.shared = dynamic_shared(kernel)
+        twin.dependent = bool(dependent)
         if grid is not None:
             twin.grid = _dim3(grid)
         if not self.sim:
@@ -165,7 +169,7 @@ class PreparedLaunch:
             return
         if stream != self._stream:
             self._bound = _driver().bind_launch(self._func, self.grid, self.block, stream,
-                                                self._params, self.shared)
+                                                self._params, self.shared, self.dependent)
             self._stream = stream
         fn, args, _ = self._bound
         err = fn(*args)
@@ -291,12 +295,7 @@ class _Driver:
         if self.launch_ex is not None:
             self.launch_ex.argtypes, self.launch_ex.restype = [ptr, ptr, ptr, ptr], ctypes.c_int
 
-            class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-                _fields_ = [(n, u32) for n in ("grid_x", "grid_y", "grid_z", "block_x",
-                                                "block_y", "block_z", "shared_bytes")] + [
-                    ("stream", ptr), ("attrs", ptr), ("num_attrs", u32)]
-
-            self._config = LaunchConfig
+            self._config, self._attribute = launch_structs()
         self.memcpy_htod_async = lib.cuMemcpyHtoDAsync_v2
         self.memcpy_dtoh_async = lib.cuMemcpyDtoHAsync_v2
         self.stream_synchronize = lib.cuStreamSynchronize
@@ -305,15 +304,24 @@ class _Driver:
         self._occupancy = lib.cuOccupancyMaxActiveBlocksPerMultiprocessor
         self._set_attribute = lib.cuKernelSetAttribute
 
-    def bind_launch(self, func: int, grid, block, stream: int, params: int, shared: int = 0):
+    def bind_launch(self, func: int, grid, block, stream: int, params: int, shared: int = 0,
+                    dependent: bool = False):
         """``(fn, args, keep)``: ``fn(*args)`` launches ``func`` (grid and block as 3-tuples)
         on ``stream`` with the kernel-parameter pointer array at address ``params`` and
         ``shared`` bytes of dynamic shared memory; ``keep`` is what must stay alive while the
-        tuple is used (the launch configuration)."""
+        tuple is used (the launch configuration). ``dependent``: with the attribute
+        CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION set, a programmatic dependent
+        launch (:mod:`.dependent`); ignored without ``cuLaunchKernelEx``."""
         if self.launch_ex is None:
             return self.launch, (func, *grid, *block, shared, stream, params, None), None
-        cfg = self._config(*grid, *block, shared, stream or None, None, 0)
-        return self.launch_ex, (self.ctypes.addressof(cfg), func, params, None), cfg
+        attrs = None
+        if dependent:
+            attrs = self._attribute(PROGRAMMATIC_STREAM_SERIALIZATION, 0)
+            attrs.value[0] = 1  # programmaticStreamSerializationAllowed
+        cfg = self._config(*grid, *block, shared, stream or None,
+                           None if attrs is None else self.ctypes.addressof(attrs),
+                           0 if attrs is None else 1)
+        return self.launch_ex, (self.ctypes.addressof(cfg), func, params, None), (cfg, attrs)
 
     def resident_blocks(self, func: int, threads: int, dynamic_shared: int = 0) -> int:
         """How many blocks of ``threads`` threads of ``func`` one SM holds at once (the driver's
@@ -343,6 +351,30 @@ class _Driver:
         handle = self.ctypes.c_void_p()
         check(self._event_create(self.ctypes.byref(handle), 2), "cuEventCreate")
         return handle.value
+
+
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (cuda.h's CUlaunchAttributeID)
+PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+@functools.cache
+def launch_structs():
+    """``(CUlaunchConfig, CUlaunchAttribute)`` as ctypes structures (cuda.h's layouts: the
+    config's six dims and shared bytes, then the stream, the attribute array and its length;
+    an attribute's 4-byte id, 4 bytes of padding and a 64-byte value union)."""
+    import ctypes
+
+    u32, ptr = ctypes.c_uint, ctypes.c_void_p
+
+    class LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+        _fields_ = [(n, u32) for n in ("grid_x", "grid_y", "grid_z", "block_x", "block_y",
+                                        "block_z", "shared_bytes")] + [
+            ("stream", ptr), ("attrs", ptr), ("num_attrs", u32)]
+
+    class LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute
+        _fields_ = [("id", u32), ("pad", u32), ("value", ctypes.c_int32 * 16)]
+
+    return LaunchConfig, LaunchAttribute
 
 
 def check(err: int, what: str) -> None:

@@ -70,6 +70,7 @@ from numba import cuda, float32, int32, int64, types
 
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, VALUE_SCAN_SPLITS, compile_kernel, state_finalize
+from .dependent import dependent_launch
 from .fused_merge import build_merge_list
 from .hooks import device_hooks
 from .loading import loading_module
@@ -128,6 +129,9 @@ class MmaPrefillSpec(PrefillSpec):
     # With ``lean``: the online softmax's rescale only when a row's maximum grows by more than
     # 2^8 (the rest of the tiles skip it; exact: O and its sum share the stale reference).
     lazy_rescale: bool = False
+    # With ``lean``: each tile's S = Q K^T chain issued before the ring's refill (the next
+    # tile's cp.async copies then queue behind the tensor cores' work, not ahead of it).
+    qk_ahead: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -165,9 +169,9 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        if (self.prefetch or self.lazy_rescale) and not self.lean:
-            raise ValueError("prefetch=True and lazy_rescale=True are the lean kernel's "
-                             "(lean=True)")
+        if (self.prefetch or self.lazy_rescale or self.qk_ahead) and not self.lean:
+            raise ValueError("prefetch=True, lazy_rescale=True and qk_ahead=True are the lean "
+                             "kernel's (lean=True)")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -179,7 +183,7 @@ class MmaPrefillSpec(PrefillSpec):
         ``lean`` and the lean kernel's rungs): the form of a companion that runs on
         ``mma.sync`` whatever the main kernel (the guarded twin, the value scan, the merge)."""
         return dataclasses.replace(self, wgmma=False, lean=False, prefetch=False,
-                                   lazy_rescale=False, **changes)
+                                   lazy_rescale=False, qk_ahead=False, **changes)
 
     @property
     def tile_q(self) -> int:
@@ -417,6 +421,7 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     TQ = spec.tile_q
     BC = spec.tile_kv
     WGMMA = spec.wgmma
+    let_dependents = dependent_launch(sim).trigger  # (:mod:`.dependent`)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW) if WGMMA else tile_ops(D, BC, spec.q_dtype,
                                                                           NW, sim)
     ELEM, RS = ops.ELEM, ops.RS
@@ -636,6 +641,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         acc = cuda.local.array(NA, float32)
         mnum = cuda.local.array(OUTS, float32)
 
+        if DEFER_MERGE:  # the merge launch after this one may start as this kernel's CTAs end
+            let_dependents()
         tid = cuda.threadIdx.x
         lane = tid % 32
         warp = tid // 32

@@ -24,11 +24,11 @@ nbinfer's work items, and nothing more:
 - no hooks: the variant is causal or nothing (:func:`lean_eligible`), 16-bit q and KV of one
   type, D 64 / 128, no custom mask, no block positions; ptxas's cap of 128 registers lets two
   CTAs (2 x 256 threads) share an SM;
-- two rungs, each off unless its spec flag asks (built against the fixed cost of a work item
-  and the rescales of the tile loop, not yet timed): ``prefetch`` (Q by ``cp.async``; the next
-  item's first K / V tile, and on ragged KV its Q, requested during this item's last tile) and
+- three rungs, each off unless its spec flag asks: ``prefetch`` (Q by ``cp.async``; the next
+  item's first K / V tile, and on ragged KV its Q, requested during this item's last tile),
   ``lazy_rescale`` (the accumulators rescaled only when a row's maximum grows by more than
-  2^8).
+  2^8), both measured in session 21 (+2 % and -8 %), and ``qk_ahead`` (each tile's ``S = Q
+  K^T`` issued before the ring's refill, session 29).
 
 Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
 tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
@@ -57,6 +57,7 @@ from numba import cuda, float32, int64, types
 
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
+from .dependent import dependent_launch
 from .fused_merge import build_merge_list
 from .mma import FULL_MASK, _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
@@ -85,9 +86,11 @@ def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
 
 def _target(spec, sim: bool):
     """The kernel's target-specific pieces, as a namespace: ``ops``, ``p_times_v(smem, vbase,
-    tid, lane, s, pw, acc, scratch)``, ``warp_any(pred, tid, scratch)`` (whether ``pred``
-    holds in any lane of the calling warp), ``opaque(x)``, ``addr_low(arr)``, ``store_u32`` and
-    ``pack`` (two floats -> one b32 of the operand type; :func:`.wgmma.wgmma_intrinsics`).
+    tid, lane, s, pw, acc, scratch)``, ``qk_issue`` / ``qk_wait`` (``ops.qk_smem``'s two
+    halves; in the simulator the whole product and nothing), ``warp_any(pred, tid, scratch)``
+    (whether ``pred`` holds in any lane of the calling warp), ``opaque(x)``,
+    ``addr_low(arr)``, ``store_u32`` and ``pack`` (two floats -> one b32 of the operand type;
+    :func:`.wgmma.wgmma_intrinsics`).
     On the GPU: the warpgroup tile ops, ``O += P V`` from P packed into its A words. In the
     simulator (which has no warpgroup MMA and no warp votes): the ``mma.sync`` twins of
     :func:`.mma.tile_ops`, whose fragments are the same - warp ``w`` of the CTA holds packed
@@ -122,8 +125,15 @@ def _target(spec, sim: bool):
         def addr_low(arr):
             return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
 
-        return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
-                               opaque=lambda x: x, addr_low=addr_low, store_u32=None, pack=None)
+        qk_smem = ops.qk_smem
+
+        @device_jit(True)
+        def qk_wait(s):
+            pass  # the twin's product is done when it returns
+
+        return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any, qk_issue=qk_smem,
+                               qk_wait=qk_wait, opaque=lambda x: x, addr_low=addr_low,
+                               store_u32=None, pack=None)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW)
     pv_words = ops.pv_words
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
@@ -141,6 +151,7 @@ def _target(spec, sim: bool):
         return cuda.any_sync(FULL_MASK, pred)
 
     return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
+                           qk_issue=ops.qk_issue, qk_wait=ops.qk_wait,
                            opaque=intr.opaque_u32, addr_low=intr.addr_low,
                            store_u32=intr.store_u32, pack=pack)
 
@@ -154,7 +165,7 @@ def prefill_wgmma_kernel_source(spec):
     D, G, NT, BC = spec.head_dim, spec.group_size, spec.num_threads, spec.tile_kv
     tgt = _target(spec, sim)
     ops, p_times_v, opaque = tgt.ops, tgt.p_times_v, tgt.opaque  # (opaque: Q's address)
-    warp_any = tgt.warp_any
+    warp_any, qk_issue, qk_wait = tgt.warp_any, tgt.qk_issue, tgt.qk_wait
     qk_smem, publish = ops.qk_smem, ops.publish
     quad_reduce = ops.quad_reduce  # over the four lanes that hold a row (two shuffles)
     NS, NO = ops.NS, ops.NO  # a thread's scores (two rows) and output accumulators per tile
@@ -195,6 +206,12 @@ def prefill_wgmma_kernel_source(spec):
     # than a factor 2^LAZY_LOG2 (FlashAttention-4's threshold): 64 FMUL of ~565 instructions
     # per tile, skipped on most tiles of a long row.
     LAZY, LAZY_LOG2 = spec.lazy_rescale, float32(8.0)
+    # spec.qk_ahead: S = Q K^T issued right after the tile's barrier, the refill's copies
+    # while it runs. Without it the refill's 16 cp.async per thread queue first, and the
+    # chain's Q address (ptxas keeps it spilled under the cap) is reloaded behind them: that
+    # reload and the add waiting on it were 17 % of the warps' samples (causal B4 L4096,
+    # bench/NOTES.md, session 17, call 5).
+    QK_AHEAD = spec.qk_ahead
     O_WORDS = PREFETCH and not sim  # pairs of outputs as one 32-bit store
     addr_low, store_u32, pack_o = tgt.addr_low, tgt.store_u32, tgt.pack  # (o: q's type)
     cp16 = prims.cp_async16_to
@@ -205,6 +222,7 @@ def prefill_wgmma_kernel_source(spec):
     # matrices on the GPU, padded rows of 4-byte slots in the simulator
     Q_DST_STEP = Q_STEP * ops.RS if sim else Q_STEP // 8 * (D // 8 * 128)
     q_offset = ops.q_offset
+    let_dependents = dependent_launch(sim).trigger  # (defer_merge: always, on this kernel)
 
     @cuda.jit(device=True)
     def copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid):
@@ -234,6 +252,11 @@ def prefill_wgmma_kernel_source(spec):
         wait_tile()
         publish()  # cp.async's stores, visible to the tensor cores (the async proxy)
         cuda.syncthreads()  # tile it is in for every thread; every warp is done with it - 1
+        kb = base + ((phase + U32(it)) % U32(NSTG)) * U32(STAGE_BYTES)
+        # (Q's address through an opaque move: hoisted out of the loop, its 8 descriptors
+        # held 16 registers, 153 instead of 128 with the rest of the tile)
+        if QK_AHEAD:  # (the refill below writes the other stage, which no chain reads now)
+            qk_issue(smem, kb, opaque(base + U32(Q_BASE)), warp, tid % 32, s)
         nxt = it + NSTG - 1
         # (stages by unsigned arithmetic: a signed % costs sign fix-ups)
         nb = base + ((phase + U32(nxt)) % U32(NSTG)) * U32(STAGE_BYTES)
@@ -253,10 +276,10 @@ def prefill_wgmma_kernel_source(spec):
                 commit()
         else:
             commit()  # an empty group keeps group i meaning tile i
-        kb = base + ((phase + U32(it)) % U32(NSTG)) * U32(STAGE_BYTES)
-        # (Q's address through an opaque move: hoisted out of the loop, its 8 descriptors
-        # held 16 registers, 153 instead of 128 with the rest of the tile)
-        qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, tid % 32, s)
+        if QK_AHEAD:
+            qk_wait(s)
+        else:
+            qk_smem(smem, kb, opaque(base + U32(Q_BASE)), warp, tid % 32, s)
         tk = start + it * BC + t2  # the key of this lane's first column
         # s[4 j + 2 h + c]: row h (qp0 / qp1), key tk + 8 j + c
         if masked:
@@ -367,6 +390,7 @@ def prefill_wgmma_kernel_source(spec):
                              mask_words_off, q_pos0_off, qo_end_off, value_flags_off):
         # [stage 0 K|V, stage 1 K|V, Q]: 96 KiB at D 128, allocated at launch
         smem = cuda.shared.array(SMEM_DECL, float32, alignment=SMEM_ALIGN)
+        let_dependents()  # the merge launch after this one may start as this kernel's CTAs end
         s = cuda.local.array(NS, float32)
         acc = cuda.local.array(NO, float32)
         pw = cuda.local.array(A_WORDS, U32)

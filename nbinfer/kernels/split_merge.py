@@ -14,7 +14,9 @@ list ``u // Hkv`` for the G query heads of kv head ``u % Hkv`` with
 :func:`~.fused_merge.build_merge_list`'s ``merge_list`` (the map's order, so the result is
 bitwise reproducible, whichever CTA takes a pair). The number of lists is read from the
 packed plan's header, so a CUDA graph that replays the two launches follows every re-planned
-step.
+step. The launch may be a programmatic dependent one (:mod:`.dependent`,
+``nbinfer.api.prefill.PREFILL_PDL``): its CTAs then start on the SMs the prefill's last CTAs
+free and wait there for the prefill to complete.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from numba import cuda, float32
 
 from ..scheduler.layout import HEADER_FIELDS
 from .common import compile_kernel
+from .dependent import dependent_launch
 from .fused_merge import build_merge_list
 
 # Shared floats of a merge block: ``merge_list`` takes (4096 - 3 GP) // (G + 1) partials per
@@ -63,6 +66,7 @@ def split_merge_source(spec):
     merge = build_merge_list(G, spec.head_dim, spec.num_threads, MERGE_FLOATS, spec.variant,
                              spec.q_dtype, spec.sim)
     merge_list, OUTS = merge.merge_list, merge.OUTS
+    wait_for_previous = dependent_launch(spec.sim).wait
 
     def split_merge(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o, tmp_lse,
                     counters, hkv, page_stride, kv_stride_n, kv_stride_h, q_stride_n,
@@ -70,6 +74,9 @@ def split_merge_source(spec):
                     merge_rows_off, merge_indptr_off, merge_indices_off, item_merge_off,
                     qo_indptr_off, mask_indptr_off, mask_words_off, q_pos0_off, qo_end_off,
                     value_flags_off):
+        # Launched as a dependent (PREFILL_PDL), this kernel may start while the prefill
+        # before it still runs: nothing it reads, the plan included, is read before the wait.
+        wait_for_previous()
         msmem = cuda.shared.array(MERGE_FLOATS, float32)
         num = cuda.local.array(OUTS, float32)
         tid = cuda.threadIdx.x

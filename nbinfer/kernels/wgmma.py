@@ -161,28 +161,45 @@ def wgmma_intrinsics():
         fnty = ir.FunctionType(ir.LiteralStructType([f32] * m), in_types + [f32] * m)
         return ir.InlineAsm(fnty, text, constraints, side_effect=True)
 
-    def make_mma(n: int, kind: str, a_regs: bool):
+    def make_mma(n: int, kind: str, a_regs: bool, fresh: bool = False):
         # In place on a float32 array (a local array: SROA keeps it in registers) of at least
         # m = n / 2 elements, D = A B + D. a_regs False: A and B from shared memory through
         # descriptors, both K-major. a_regs True: A from four registers (this lane's m16k16
         # fragment of its warp's 16 rows, as mma.m16n8k16 takes it), B MN-major (transpose
-        # flag 1). scale-d, scale-a, scale-b 1.
+        # flag 1). scale-a, scale-b 1; scale-d 1, or with ``fresh`` 0: D = A B, the array's
+        # old values neither read nor zeroed first (a chain's first k-step; ptxas found the
+        # zeros itself only while nothing else was issued between them and the chain).
         m = n // 2
         outs = ", ".join(f"${i}" for i in range(m))
+        scale_d = 0 if fresh else 1
         if a_regs:
-            operands = f"{{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, 1, 1, 1, 1"
+            operands = f"{{${m}, ${m + 1}, ${m + 2}, ${m + 3}}}, ${m + 4}, {scale_d}, 1, 1, 1"
             in_cons, in_types = ["r"] * 4 + ["l"], [ir.IntType(32)] * 4 + [i64]
         else:
-            operands = f"${m}, ${m + 1}, 1, 1, 1, 0, 0"
+            operands = f"${m}, ${m + 1}, {scale_d}, 1, 1, 0, 0"
             in_cons, in_types = ["l", "l"], [i64, i64]
-        asm = tied_asm(m, f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} "
-                          f"{{{outs}}}, {operands};", in_cons, in_types)
+        text = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{kind}.{kind} {{{outs}}}, {operands};"
+        if fresh:  # outputs only: the asm returns the m floats, nothing tied
+            asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([f32] * m), in_types), text,
+                               ",".join(["=f"] * m + in_cons), side_effect=True)
+        else:
+            asm = tied_asm(m, text, in_cons, in_types)
         n_in = len(in_types)
 
         def codegen(context, builder, sig, args):
             ins = [context.cast(builder, args[i], sig.args[i], U32 if a_regs and i < 4 else U64)
                    for i in range(n_in)]
-            return in_place(context, builder, sig.args[n_in], args[n_in], m, asm, ins)
+            if not fresh:
+                return in_place(context, builder, sig.args[n_in], args[n_in], m, asm, ins)
+            arrty = sig.args[n_in]
+            arr = context.make_array(arrty)(context, builder, value=args[n_in])
+            res = builder.call(asm, ins)
+            for i in range(m):
+                ptr = cgutils.get_item_pointer(context, builder, arrty, arr,
+                                               [context.get_constant(types.intp, i)],
+                                               wraparound=False)
+                builder.store(builder.extract_value(res, i), ptr)
+            return context.get_dummy_value()
 
         if a_regs:
             @intrinsic
@@ -264,6 +281,7 @@ def wgmma_intrinsics():
         addr_low=addr_low,
         store_u32=store_u32,
         mma={nk: make_mma(*nk, a_regs=False) for nk in kinds},
+        mma_fresh={nk: make_mma(*nk, a_regs=False, fresh=True) for nk in kinds},
         mma_rs={nk: make_mma(*nk, a_regs=True) for nk in kinds},
         fence=make_void("wgmma.fence.sync.aligned;"),
         commit=make_void("wgmma.commit_group.sync.aligned;"),
@@ -425,6 +443,8 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     - ``qk_smem``: ``S = Q K^T`` of the calling warp's *warpgroup* (its 64 rows of the Q tile:
       warps ``4 w .. 4 w + 3`` call it together, as every warp of a warpgroup must), ``D / 16``
       ``wgmma.m64n{BC}k16``; each warp gets its 16 rows' scores in the ``mma.m16n8`` layout;
+      ``qk_issue`` (same arguments) and ``qk_wait(s)`` are its two halves, so that a caller
+      can issue other work while the chain runs;
     - ``pv`` / ``pv_sums``: ``O += P V`` by ``BC / 16`` ``wgmma.m64n{D}k16`` with P from the
       warp's registers and V through the transpose flag; the row sums (``pv_sums``) still by
       ``mma.sync`` against a fragment of ones; ``pv_words(pw, vbase, o)`` the same product for
@@ -452,6 +472,7 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     kind = WGMMA_KINDS[dtype]
     intr, mintr = wgmma_intrinsics(), _gpu_mma_intrinsics()
     mma_qk, mma_pv = intr.mma[(BC, kind)], intr.mma_rs[(D, kind)]
+    mma_qk0 = intr.mma_fresh[(BC, kind)]
     hold_s, hold_o = intr.hold[BC // 2], intr.hold[D // 2]
     fence, commit, wait0, proxy_fence = intr.fence, intr.commit, intr.wait0, intr.proxy_fence
     mma, pack, sts_u32 = mintr.mma[kind], mintr.pack[kind], mintr.sts_u32
@@ -497,19 +518,27 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     HI_K, HI_V = U64((SBO_K >> 4) << 32), U64((SBO_V >> 4) << 32)
 
     @jit_dev
-    def qk_smem(smem, kbase, qbase, warp, lane, s):
+    def qk_issue(smem, kbase, qbase, warp, lane, s):
+        # S = Q K^T's chain, committed and not waited for: ``s`` belongs to the tensor cores
+        # until ``qk_wait``, and the caller may issue other work (the ring's refill) meanwhile
         qa = U32(qbase) + U32((warp // 4) * QWG_BYTES)
-        for i in range(NS):
-            s[i] = float32(0.0)
-        hold_s(s)  # registers a wgmma reads are written before its fence
-        fence()
+        fence()  # (the first k-step reads no accumulator: nothing to hold before the fence)
         lb = (U32(kbase) >> U32(4)) | LO_LBO
-        for ks in range(KSTEPS):
+        mma_qk0(U64(descriptor(qa, LBO, SBO_K)), HI_K | U64(lb), s)
+        for ks in range(1, KSTEPS):
             mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_K)),
                    HI_K | U64(lb + U32(ks * STEP)), s)
         commit()
+
+    @jit_dev
+    def qk_wait(s):
         wait0()
-        hold_s(s)  # and its results are read only after its wait
+        hold_s(s)  # S's registers are read only after the chain's wait
+
+    @jit_dev
+    def qk_smem(smem, kbase, qbase, warp, lane, s):
+        qk_issue(smem, kbase, qbase, warp, lane, s)
+        qk_wait(s)
 
     @jit_dev
     def pv_words(pw, vbase, o):
@@ -548,6 +577,7 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     return SimpleNamespace(ELEM=2, RS=0, QF=1, QF_T=U32, SCRATCH=0, NS=NS, NO=NO,
                            TILE_BYTES=BC * D * 2, store_pair=store_pair, q_offset=q_offset,
                            copy_map=copy_map, publish=publish, qk_smem=qk_smem,
+                           qk_issue=qk_issue, qk_wait=qk_wait,
                            pv=make_pv(False), pv_sums=make_pv(True), pv_words=pv_words,
                            quad_reduce=tile_ops(D, BC, dtype, num_warps, False).quad_reduce,
                            qk=unavailable, load_q=unavailable, scrub_pair=unavailable)
