@@ -8,10 +8,7 @@
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
-gpu=$(nvidia-smi -L | head -1)
-echo "$gpu"
-tag=h100
-case "$gpu" in *H200*) tag=h200 ;; esac
+session_gpu
 timeout 120 python3 bench/launch_cost.py --out "$OUT/r/launch_cost_$tag.json" \
   >"$OUT/r/launch_cost.log" 2>&1 || status=1
 grep -v -i warn "$OUT/r/launch_cost.log" | tail -26

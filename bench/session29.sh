@@ -11,10 +11,7 @@
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
-gpu=$(nvidia-smi -L | head -1)
-echo "$gpu"
-tag=h100
-case "$gpu" in *H200*) tag=h200 ;; esac
+session_gpu
 timeout "${TESTS_S:-300}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=5 -n 12 \
   --dist worksteal tests/test_gpu_prefill.py -k "wgmma or dependent" tests/test_wgmma.py \
   >"$OUT/r/tests.log" 2>&1 || status=1
@@ -43,13 +40,5 @@ if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   python3 bench/ncu_stalls.py --top 12 "$OUT/r/ncu_qk_ahead_sass.csv.gz" 2>&1 | cut -c1-160
   echo "ncu: $((SECONDS - t0)) s"
 fi
-if [ "$tag" = h200 ]; then
-  timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" \
-    2>&1 || status=1
-  tail -6 "$OUT/r/decode.log" | cut -c1-200
-  timeout 150 python3 bench/decode.py --fp8 --out "$OUT/r/decode_fp8_h200.json" \
-    >"$OUT/r/fp8.log" 2>&1 || status=1
-  tail -8 "$OUT/r/fp8.log" | cut -c1-200
-  echo "decode: $((SECONDS - t0)) s"
-fi
+session_h200_decode
 session_end

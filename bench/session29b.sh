@@ -9,10 +9,7 @@
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
-gpu=$(nvidia-smi -L | head -1)
-echo "$gpu"
-tag=h100
-case "$gpu" in *H200*) tag=h200 ;; esac
+session_gpu
 timeout "${SUITE_S:-330}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 -n 12 \
   --dist worksteal --ignore=tests/test_lessons.py tests >"$OUT/r/suite.log" 2>&1 || status=1
 grep -E "passed|failed|error" "$OUT/r/suite.log" | tail -12 | cut -c1-250
@@ -33,13 +30,5 @@ if [ -n "${GRID:-}" ]; then
   grep "TFLOP" "$OUT/r/grid.log" | cut -c1-250
   echo "grid: $((SECONDS - t0)) s"
 fi
-if [ "$tag" = h200 ]; then
-  timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" \
-    2>&1 || status=1
-  tail -6 "$OUT/r/decode.log" | cut -c1-200
-  timeout 150 python3 bench/decode.py --fp8 --out "$OUT/r/decode_fp8_h200.json" \
-    >"$OUT/r/fp8.log" 2>&1 || status=1
-  tail -8 "$OUT/r/fp8.log" | cut -c1-200
-  echo "decode: $((SECONDS - t0)) s"
-fi
+session_h200_decode
 session_end

@@ -42,6 +42,27 @@ session_start() {
   t0=$SECONDS
 }
 
+# Prints the GPU and sets tag (h200 or h100), which the scripts' file names carry.
+session_gpu() {
+  gpu=$(nvidia-smi -L | head -1)
+  echo "$gpu"
+  tag=h100
+  case "$gpu" in *H200*) tag=h200 ;; esac
+}
+
+# On an H200 only: decode against cuDNN (bench/decode.py) and FP8 decode (--fp8), issue 13 reqs
+# 3 and 5, into $OUT/r; a failure sets status.
+session_h200_decode() {
+  [ "$tag" = h200 ] || return 0
+  timeout 150 python3 bench/decode.py --out "$OUT/r/decode_h200.json" >"$OUT/r/decode.log" \
+    2>&1 || status=1
+  tail -6 "$OUT/r/decode.log" | cut -c1-200
+  timeout 150 python3 bench/decode.py --fp8 --out "$OUT/r/decode_fp8_h200.json" \
+    >"$OUT/r/fp8.log" 2>&1 || status=1
+  tail -8 "$OUT/r/fp8.log" | cut -c1-200
+  echo "decode: $((SECONDS - t0)) s"
+}
+
 # Packs $OUT/r into $OUT/results.tgz (KEEP_R=1 also leaves the files themselves), the kernel
 # cache into $OUT/cache.tgz when CACHE_BACK is set, and exits with $status.
 session_end() {
