@@ -259,9 +259,7 @@ def jobs_from(folder: Path, lean_rungs: bool, extra=()) -> tuple[list, collectio
         if lean_rungs and meta["kind"] == "prefill_wgmma":
             changes += [dict(prefetch=True), dict(lazy_rescale=True),
                         dict(prefetch=True, lazy_rescale=True), dict(qk_ahead=True),
-                        dict(prefetch=True, qk_ahead=True),
-                        dict(qk_ahead=True, row_copies=True),
-                        dict(prefetch=True, qk_ahead=True, row_copies=True)]
+                        dict(prefetch=True, qk_ahead=True)]
         for change in changes:
             add(meta["kind"], spec, meta["spec"], change)
     for kind, spec in extra:
@@ -514,7 +512,7 @@ def main(argv=None) -> int:
                     help="a cache folder the device wrote: its versions must be this one's")
     ap.add_argument("--lean-rungs", action="store_true",
                     help="each lean spec also with prefetch / lazy_rescale / both / qk_ahead / "
-                         "prefetch + qk_ahead / either with row_copies")
+                         "prefetch + qk_ahead")
     ap.add_argument("--engine", action="store_true",
                     help="also the decode kernels of the engine's configs (ENGINE_DECODE)")
     ap.add_argument("--plans", action="store_true",

@@ -127,9 +127,6 @@ def main():
     ap.add_argument("--qk-ahead", action="store_true",
                     help="prefill, with --lean: MmaPrefillSpec(qk_ahead=True), each tile's "
                          "S = Q K^T issued before the ring's refill")
-    ap.add_argument("--row-copies", action="store_true",
-                    help="prefill, with --lean: MmaPrefillSpec(row_copies=True), the lean "
-                         "kernel's own KV loader")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -167,7 +164,6 @@ def main():
                               q_shared=args.q_shared, kv_split=args.kv_split,
                               wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
                               lazy_rescale=args.lazy, qk_ahead=args.qk_ahead,
-                              row_copies=args.row_copies,
                               defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,

@@ -131,12 +131,10 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
                dict(sm_scale=-0.05, fixed_split_size=256))]
 
 
-# the lean kernel's rungs per form, as LEAN_KNOBS set them
-LEAN_KNOBS = ("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD", "LEAN_ROW_COPIES")
-LEAN_FORMS = {"plain": (False, False, False, False), "prefetch": (True, False, False, False),
-              "lazy": (False, True, False, False), "ahead": (False, False, True, False),
-              "prefetch_ahead": (True, False, True, False), "rows": (False, False, True, True),
-              "prefetch_rows": (True, False, True, True)}
+# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD) per form of the lean kernel
+LEAN_FORMS = {"plain": (False, False, False), "prefetch": (True, False, False),
+              "lazy": (False, True, False), "ahead": (False, False, True),
+              "prefetch_ahead": (True, False, True)}
 
 
 @pytest.mark.parametrize("form", list(LEAN_FORMS))
@@ -148,17 +146,16 @@ def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
     # the stager: cp.async cannot negate). "prefetch": LEAN_PREFETCH, the per-item overlap (Q by
     # cp.async, the next item's first KV tile and Q requested during the last tile); "lazy":
     # LEAN_LAZY_RESCALE, the rescale only when a row's maximum grows by more than 2^8;
-    # "ahead": LEAN_QK_AHEAD, each tile's S = Q K^T issued before the ring's refill; "rows":
-    # LEAN_ROW_COPIES, the kernel's own KV loader (a thread's copies are one token row).
+    # "ahead": LEAN_QK_AHEAD, each tile's S = Q K^T issued before the ring's refill.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    for knob, on in zip(LEAN_KNOBS, LEAN_FORMS[form], strict=True):
+    for knob, on in zip(("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD"),
+                        LEAN_FORMS[form], strict=True):
         monkeypatch.setattr(prefill_api, knob, on)
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
-    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead, spec.row_copies) == \
-        LEAN_FORMS[form]
+    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead) == LEAN_FORMS[form]
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 
@@ -200,24 +197,20 @@ def test_ragged_prefill_gpu_wgmma_lean_prefetch(rng, monkeypatch, aligned, lazy,
                                                           (True, "bfloat16", 64, 8, False),
                                                           (False, "float16", 64, 32, False),
                                                           (True, "float16", 128, 32, True),
-                                                          (False, "bfloat16", 128, 4, True),
-                                                          (True, "float16", 128, 32, "rows"),
-                                                          (False, "bfloat16", 64, 4, "rows")])
+                                                          (False, "bfloat16", 128, 4, True)])
 def test_ragged_prefill_gpu_wgmma_lean(rng, monkeypatch, causal, dtype, d, hkv, ahead):
     # Ragged KV, the benchmark's path: tails of every length against 128-row tiles, a request
     # whose KV is longer than its queries (bottom-right causal), and the LSE; ahead:
-    # LEAN_QK_AHEAD ("rows": with LEAN_ROW_COPIES too).
+    # LEAN_QK_AHEAD.
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    monkeypatch.setattr(prefill_api, "LEAN_QK_AHEAD", bool(ahead))
-    monkeypatch.setattr(prefill_api, "LEAN_ROW_COPIES", ahead == "rows")
+    monkeypatch.setattr(prefill_api, "LEAN_QK_AHEAD", ahead)
     qo_lens, kv_lens, hq = [1, 129, 300, 64], [1, 700, 300, 2000], 32
     qo, kv = (np.concatenate([[0], np.cumsum(x)]) for x in (qo_lens, kv_lens))
     q = rng.standard_normal((int(qo[-1]), hq, d)).astype(np.float32)
     k, v = (rng.standard_normal((int(kv[-1]), hkv, d)).astype(np.float32) for _ in range(2))
     w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
     w.plan(qo, kv, hq, hkv, d, causal=causal, q_data_type=dtype)
-    spec = w.step_plan.spec
-    assert spec.lean and spec.qk_ahead == bool(ahead) and spec.row_copies == (ahead == "rows")
+    assert w.step_plan.spec.lean and w.step_plan.spec.qk_ahead == ahead
     tq, tk, tv = (_t(x, dtype) for x in (q, k, v))
     out, lse = w.run(tq, tk, tv, return_lse=True)
     ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(

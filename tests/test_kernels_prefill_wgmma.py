@@ -28,18 +28,17 @@ def _ws():
     return np.zeros(1 << 22, np.uint8)
 
 
-# the lean kernel's rungs per form, as KNOBS set them; "ahead" is S = Q K^T issued before the
-# ring's refill, with the per-item overlap (whose last tile refills from the next item);
-# "rows" the kernel's own KV loader (a thread's copies are one token row) with S = Q K^T ahead
-KNOBS = ("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD", "LEAN_ROW_COPIES")
-FORMS = {"plain": (False, False, False, False), "prefetch": (True, False, False, False),
-         "lazy": (False, True, False, False), "ahead": (True, False, True, False),
-         "rows": (False, False, True, True)}
+# the lean kernel's rungs per form: (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD); "ahead"
+# is S = Q K^T issued before the ring's refill, with the per-item overlap (whose last tile
+# refills from the next item)
+FORMS = {"plain": (False, False, False), "prefetch": (True, False, False),
+         "lazy": (False, True, False), "ahead": (True, False, True)}
 
 
 def _form(monkeypatch, form):
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    for knob, on in zip(KNOBS, FORMS[form], strict=True):
+    for knob, on in zip(("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD"), FORMS[form],
+                        strict=True):
         monkeypatch.setattr(prefill_api, knob, on)
 
 
@@ -47,8 +46,9 @@ def _lean(w, form=None):
     # (form None: the rungs the api's knobs choose by default)
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.sim and spec.num_warps == 8
-    want = FORMS[form] if form else tuple(bool(getattr(prefill_api, k)) for k in KNOBS)
-    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead, spec.row_copies) == want
+    want = FORMS[form] if form else tuple(bool(getattr(prefill_api, k)) for k in (
+        "LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD"))
+    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead) == want
     return spec
 
 
@@ -89,8 +89,7 @@ def test_lean_ragged_causal_gqa_and_the_nonfinite_rule(rng, monkeypatch, form):
 
 
 @pytest.mark.parametrize("form, scale", [("plain", -0.07), ("prefetch", -0.07),
-                                         ("prefetch", 0.07), ("lazy", -0.07), ("ahead", 0.07),
-                                         ("rows", -0.07)])
+                                         ("prefetch", 0.07), ("lazy", -0.07), ("ahead", 0.07)])
 def test_lean_paged_non_causal_split_rows_scale_sign_and_an_empty_kv(rng, monkeypatch, form,
                                                                      scale):
     # D 128, HND pages of 5 (a tile's 64 keys cross 13 pages), G 1, requests 0 and 2 in chunks

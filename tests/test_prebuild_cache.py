@@ -93,8 +93,7 @@ def test_jobs_from_a_folder_add_the_lean_rungs_and_drop_repeats(tmp_path):
     assert kinds == [("decode", ()), ("prefill_wgmma", ()), ("prefill_wgmma", ("lazy_rescale",)),
                      ("prefill_wgmma", ("lazy_rescale", "prefetch")),
                      ("prefill_wgmma", ("prefetch",)), ("prefill_wgmma", ("prefetch", "qk_ahead")),
-                     ("prefill_wgmma", ("prefetch", "qk_ahead", "row_copies")),
-                     ("prefill_wgmma", ("qk_ahead",)), ("prefill_wgmma", ("qk_ahead", "row_copies"))]
+                     ("prefill_wgmma", ("qk_ahead",))]
 
 
 def _toolkit() -> bool:

@@ -128,10 +128,6 @@ PREFILL_PDL = None
 # H100, +1.5-4.8 % at 8 of req 1's 10 prefill rows, -0.8 % (D 64 causal) and -0.2 % (L 1024
 # non-causal) at the other two (bench/NOTES.md, session 29; bench/prefill.py's ``q`` token).
 LEAN_QK_AHEAD = True
-# The lean kernel's own KV loader (MmaPrefillSpec's ``row_copies``: a thread's copies of a tile
-# are one token row, one address plus immediates). None: off, until timed (bench/prefill.py's
-# ``c`` token).
-LEAN_ROW_COPIES = None
 # The tensor-core kernels' work in L2 order (scheduler.plan's ``l2_section_kv``): LPT takes the
 # (request, kv head) pairs in sections of about this many MiB of KV, so the items running at
 # once read ~2 sections' KV (B4 L4096 H32 causal: ~32 MiB at 16, against 190 MiB for plain
@@ -327,8 +323,7 @@ class PrefillWrapperBase(WrapperBase):
                              max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS,
                              prefetch=bool(LEAN_PREFETCH),
                              lazy_rescale=bool(LEAN_LAZY_RESCALE),
-                             qk_ahead=bool(LEAN_QK_AHEAD),
-                             row_copies=bool(LEAN_ROW_COPIES))
+                             qk_ahead=bool(LEAN_QK_AHEAD))
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM

@@ -132,9 +132,6 @@ class MmaPrefillSpec(PrefillSpec):
     # With ``lean``: each tile's S = Q K^T chain issued before the ring's refill (the next
     # tile's cp.async copies then queue behind the tensor cores' work, not ahead of it).
     qk_ahead: bool = False
-    # With ``lean``: the lean kernel's own KV loader (a thread copies D / 32 chunks of one token
-    # row, one address per tile plus immediates) instead of the shared one.
-    row_copies: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -172,10 +169,9 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        if (self.prefetch or self.lazy_rescale or self.qk_ahead or self.row_copies) \
-                and not self.lean:
-            raise ValueError("prefetch=True, lazy_rescale=True, qk_ahead=True and "
-                             "row_copies=True are the lean kernel's (lean=True)")
+        if (self.prefetch or self.lazy_rescale or self.qk_ahead) and not self.lean:
+            raise ValueError("prefetch=True, lazy_rescale=True and qk_ahead=True are the lean "
+                             "kernel's (lean=True)")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -187,8 +183,7 @@ class MmaPrefillSpec(PrefillSpec):
         ``lean`` and the lean kernel's rungs): the form of a companion that runs on
         ``mma.sync`` whatever the main kernel (the guarded twin, the value scan, the merge)."""
         return dataclasses.replace(self, wgmma=False, lean=False, prefetch=False,
-                                   lazy_rescale=False, qk_ahead=False, row_copies=False,
-                                   **changes)
+                                   lazy_rescale=False, qk_ahead=False, **changes)
 
     @property
     def tile_q(self) -> int:

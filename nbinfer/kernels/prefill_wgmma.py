@@ -59,7 +59,6 @@ from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
 from .dependent import dependent_launch
 from .fused_merge import build_merge_list
-from .loading import loading_module
 from .mma import FULL_MASK, _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
 from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
@@ -83,106 +82,6 @@ def lean_eligible(variant, custom_mask: bool, block_positions: bool) -> bool:
     if not variant.use_softmax or custom_mask or block_positions:
         return False
     return all(is_causal_mask(f) for f in variant.logits_mask)
-
-
-U32 = types.uint32
-
-# Threads per token row in the lean kernel's own KV loader (``row_copies``): 256 threads over a
-# 64-key tile, each with D / 32 chunks of one row
-ROW_THREADS = 4
-
-
-def _row_copies(sim: bool, n: int, s_step: int, g_step: int):
-    """``copy(smem, saddr, src, idx)``: ``n`` 16-byte ``cp.async`` copies, the i-th from element
-    ``idx + i g_step`` of ``src`` to shared byte ``saddr + i s_step`` (no commit). On the GPU
-    one asm block with the steps as immediate offsets: the copies share one pair of address
-    registers, so none waits for the copy before it to read an address register it would
-    overwrite (bench/NOTES.md, session 29). In the simulator, ``n`` copies of the twin."""
-    if sim:
-        cp16 = primitives(True).cp_async16_to
-
-        @cuda.jit(device=True)
-        def copy(smem, saddr, src, idx):
-            for i in range(n):
-                cp16(smem, saddr + U32(i * s_step), src, idx + i * g_step)
-
-        return copy
-    from llvmlite import ir
-    from numba.cuda import cgutils
-    from numba.cuda.extending import intrinsic
-
-    gb = 2 * g_step  # bytes (16-bit elements)
-    text = "{.reg .u64 g; cvta.to.global.u64 g, $1; " + " ".join(
-        f"cp.async.cg.shared.global [$0+{i * s_step}], [g+{i * gb}], 16;" for i in range(n)) + "}"
-
-    @intrinsic
-    def copy(typingctx, sarr, saddr, src, idx):
-        sig = types.void(sarr, saddr, src, idx)
-
-        def codegen(context, builder, sig, args):
-            addr32 = context.cast(builder, args[1], sig.args[1], types.uint32)
-            arr = context.make_array(sig.args[2])(context, builder, value=args[2])
-            ptr = cgutils.get_item_pointer(context, builder, sig.args[2], arr, [args[3]],
-                                           wraparound=False)
-            i64 = ir.IntType(64)
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), i64])
-            asm = ir.InlineAsm(fnty, text, "r,l", side_effect=True)
-            builder.call(asm, [addr32, builder.ptrtoint(ptr, i64)])
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return copy
-
-
-def lean_kv_loader(spec, ops):
-    """The lean kernel's own ``load_kv_tile`` (``spec.row_copies``; the arguments of
-    :func:`.prefill_mma.kv_tile_loader`'s): thread ``t`` copies chunks ``t % 4 + 4 i`` of token
-    row ``t // 4`` of K and of V (a row past the range re-reads the last token), so a thread
-    computes one token offset per tile, whatever the layout (ragged, single or paged: a row
-    lies in one page), and its ``D / 32`` copies of each are one address plus immediates. Four
-    consecutive lanes read 64 contiguous bytes of a row (whole sectors); a warp's copies of one
-    step land in four core matrices (128 contiguous bytes each), as the shared map's did."""
-    sim = spec.sim
-    prims = primitives(sim)
-    D, BC, NT = spec.head_dim, spec.tile_kv, spec.num_threads
-    if NT != ROW_THREADS * BC:
-        raise ValueError(f"the row loader needs {ROW_THREADS} threads per key of a tile, got "
-                         f"{NT} threads for {BC} keys")
-    per = D // 8 // ROW_THREADS  # copies per thread of K (and of V)
-    g_step = 8 * ROW_THREADS  # elements between a thread's chunks in a row
-    if sim:  # the twins' padded rows of ELEM-byte slots: row r, chunk c at r RS + 8 ELEM c
-        RS, CB = ops.RS, 8 * ops.ELEM
-        k_step = v_step = CB * ROW_THREADS
-        k_row, k_mat, k_chunk = RS, 0, CB
-        v_row, v_mat, v_chunk = RS, 0, CB
-    else:  # wgmma's canonical layouts: K K-major, V MN-major (wgmma.core_offset, _mn)
-        LBO, SBO_K, SBO_V = 128, D // 8 * 128, BC // 8 * 128
-        k_step, v_step = ROW_THREADS * LBO, ROW_THREADS * SBO_V
-        k_row, k_mat, k_chunk = 16, SBO_K, LBO  # within a core matrix, per 8 rows, per chunk
-        v_row, v_mat, v_chunk = 16, LBO, SBO_V
-    copy_k = _row_copies(sim, per, k_step, g_step)
-    copy_v = _row_copies(sim, per, v_step, g_step)
-    token_offset = loading_module(spec.sparse, spec.page_size, sim).token_offset
-    commit, TILE_BYTES = prims.commit, ops.TILE_BYTES
-
-    @device_jit(sim)
-    def load_kv_tile(smem, kb, k, v, kv_indices, kv_indptr, b, ib, row_stride, head_off,
-                     page_stride, t0, end, hk, tid):
-        row = U32(tid) // U32(ROW_THREADS)
-        c0 = U32(tid) % U32(ROW_THREADS)
-        pos = min(t0 + int64(row), end - 1)
-        off = token_offset(kv_indices, ib, U32(pos), row_stride, head_off, page_stride) \
-            + int64(8 * c0)
-        r8, rm = row // U32(8), row % U32(8)
-        if sim:  # (padded rows: the row's own offset, no core matrices)
-            r8, rm = U32(0), row
-        copy_k(smem, kb + r8 * U32(k_mat) + rm * U32(k_row) + c0 * U32(k_chunk), k, off)
-        copy_v(smem, kb + U32(TILE_BYTES) + r8 * U32(v_mat) + rm * U32(v_row)
-               + c0 * U32(v_chunk), v, off)
-        commit()
-
-    return load_kv_tile
 
 
 def _target(spec, sim: bool):
@@ -273,7 +172,7 @@ def prefill_wgmma_kernel_source(spec):
     A_WORDS = BC // 4  # P as the P V product's A fragments
     SCRATCH = max(ops.SCRATCH, 1)  # the simulator twins' exchange; unused on the GPU
     TILE_BYTES = ops.TILE_BYTES
-    load_kv_tile = lean_kv_loader(spec, ops) if spec.row_copies else kv_tile_loader(spec, ops)
+    load_kv_tile = kv_tile_loader(spec, ops)
     stage_q = q_tile_stager(spec, ops)
     read_item = prefill_item_reader(spec.sparse, spec.page_size, False, sim)
     shared = shared_layout(spec)
