@@ -6,6 +6,8 @@
 # two processes, the second in reverse order); GRID=1 adds the rest of req 1's rows with both
 # tokens; on an H200 also decode against cuDNN and FP8 decode (issue 13 reqs 3 and 5).
 #   KEEP_R=1 [SUITE_S=330] [GRID=1] bash bench/session29b.sh
+# (The loader was measured slower and taken back: the A/B's token c needs
+# `git apply bench/results/issue13/session29/call2/row_copies.patch` first.)
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
