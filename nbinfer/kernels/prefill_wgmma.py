@@ -28,7 +28,8 @@ nbinfer's work items, and nothing more:
   item's first K / V tile, and on ragged KV its Q, requested during this item's last tile),
   ``lazy_rescale`` (the accumulators rescaled only when a row's maximum grows by more than
   2^8), both measured in session 21 (+2 % and -8 %), and ``qk_ahead`` (each tile's ``S = Q
-  K^T`` issued before the ring's refill, session 29).
+  K^T`` issued before the ring's refill: +1.5 to +4.8 % at most of req 1's rows in session 29,
+  which the api turns on, ``LEAN_QK_AHEAD``).
 
 Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
 tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
