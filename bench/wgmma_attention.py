@@ -47,6 +47,7 @@ BM = BN = 64  # query rows per CTA (one warpgroup's wgmma M) and keys per tile
 # relative error allowed against SDPA in float32 (the test suite's table, tests/conftest.py)
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 NT = 128  # one warpgroup
+WS_MAX_REGISTERS = 168  # build_ws: 65536 / 384 threads, rounded down to a multiple of 8
 
 
 @functools.cache
@@ -148,7 +149,7 @@ def _parts(d: int, bn: int, dtype: str, nt: int):
     ops = wgmma_tile_ops(d, bn, dtype, nt // 32)
     return SimpleNamespace(stage=stage, softmax=softmax, reset=reset, store=store, LBO=LBO,
                            qk=ops.qk_smem, pv=ops.pv_words, proxy_fence=ops.publish,
-                           commit=prims.commit, shared_addr=prims.shared_addr,
+                           commit=prims.commit, shared_addr=prims.shared_addr, pack=pack,
                            SBO_QK=CH * 128, SBO_V=bn // 8 * 128, A_WORDS=A_WORDS)
 
 
@@ -345,6 +346,224 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     return attn, types.void(int16[::1], int16[::1], int16[::1], int32[::1], int32, float32)
 
 
+@functools.cache
+def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = False,
+             ablate: str = ""):
+    """``(attn, signature)``: the warp-specialised kernel (session 30), launched as
+    ``attn[(L / 128, B H), 384, stream, ws_smem_bytes(d, stages)](q, k, v, o32, L,
+    scale_log2)``, the arguments of :func:`build`'s.
+
+    Three warpgroups per CTA: warpgroup 0 only copies, warpgroups 1 and 2 only compute (64
+    query rows each, :func:`build_pipe`'s tile). The producer's 128 threads copy Q, then K / V
+    tile t into stage ``t % stages`` of a ring, each thread arriving on the stage's *full*
+    mbarrier once its own copies have landed (``cp.async.mbarrier.arrive.noinc``: 16 copies
+    of 16 bytes and one arrival per thread and 32 KiB tile at D 128); before refilling a
+    stage it waits for the stage's *empty* mbarrier, on which each consumer warp arrives when
+    its products have read the stage. There is no CTA barrier after the prologue, so the two
+    consumer warpgroups drift apart and one's softmax can overlap the other's products, and
+    no copy instruction is issued by a warp that multiplies (session 16's ablation: those
+    copies cost 274 -> 362 TFLOP/s causal, 306 -> 509 non-causal). One CTA of 384 threads per
+    SM (ptxas's cap: 168 registers), a ring of ``stages`` 32 KiB stages (4: 160 KiB with Q).
+
+    ``overlap``: FlashAttention-3's pipelining inside a warpgroup: tile t's ``S = Q K^T`` and
+    tile t - 1's ``O += P V`` are issued together, the softmax of tile t runs on S while the
+    tensor cores still multiply P V, and only the rescale of O and the packing of P wait for
+    that product (one more S in registers: 32 per thread).
+
+    ``ablate`` (timing only, the result is wrong): ``"copy"``: the producer copies only the
+    first ``stages`` tiles and then re-arms each stage's full barrier without copying."""
+    from numba import cuda, float32, int16, int32, types
+
+    from nbinfer.kernels.mbarrier import mbarrier_intrinsics
+    from nbinfer.kernels.primitives import primitives
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, wgmma_intrinsics, wgmma_tile_ops
+
+    if stages < 2:
+        raise ValueError(f"build_ws: stages >= 2, got {stages}")
+    U32, U64 = types.uint32, types.uint64
+    bn = 64
+    p = _parts(d, bn, dtype, 128)  # the producer's copies: 128 threads
+    stage, softmax, reset, store = p.stage, p.softmax, p.reset, p.store
+    qk, pv, proxy_fence = p.qk, p.pv, p.proxy_fence
+    shared_addr = p.shared_addr
+    mb = mbarrier_intrinsics()
+    intr = wgmma_intrinsics()
+    ops = wgmma_tile_ops(d, bn, dtype, 4)
+    qk_issue = ops.qk_issue
+    kind = WGMMA_KINDS[dtype]
+    mma_pv, hold_s, hold_o = intr.mma_rs[(d, kind)], intr.hold[bn // 2], intr.hold[d // 2]
+    wgmma_fence, wgmma_commit, wgmma_wait0 = intr.fence, intr.commit, intr.wait0
+    wait1 = mb.wgmma_wait1
+    init, fence_init, arrive = mb.init, mb.fence_init, mb.arrive
+    cp_arrive, wait_parity = mb.cp_arrive_noinc, mb.wait_parity
+    wait_copies = primitives(False).wait(0)
+    exp2 = primitives(False).exp2
+    pack = p.pack
+    SBO_QK, SBO_V, LBO = p.SBO_QK, p.SBO_V, p.LBO
+    # V's descriptors as wgmma_tile_ops' pv_words builds them (K-steps 2 LBO bytes apart)
+    STEP, LO_LBO, HI_V = 2 * LBO >> 4, U32((LBO >> 4) << 16), U64((SBO_V >> 4) << 32)
+    Q_BYTES = 128 * d * 2
+    KV_BYTES = bn * d * 2
+    STAGE_BYTES = 2 * KV_BYTES
+    BAR0 = Q_BYTES + stages * STAGE_BYTES  # full[s] at BAR0 + 8 s, empty[s] + 8 stages, Q's
+    SACC, OACC = bn // 2, d // 2
+    A_WORDS = p.A_WORDS
+    CAUSAL, S, OVERLAP = causal, stages, overlap
+    NO_COPY = "copy" in ablate
+    NEG_INF = float32(-np.inf)
+
+    @cuda.jit(device=True)
+    def scores_to_p(sacc, m, den, alpha, key0, rq, t2, diagonal, scale_log2):
+        # the online softmax's first half (overlap): S -> P in place, the rows' maxima and
+        # sums; the rescale of O by alpha and P's packing wait for the P V product in flight
+        if diagonal:
+            lim = rq - key0 - t2
+            for h in range(2):
+                for j in range(SACC // 4):
+                    for c in range(2):
+                        if 8 * j + c > lim + 8 * h:
+                            sacc[4 * j + 2 * h + c] = NEG_INF
+        for h in range(2):
+            mx = NEG_INF
+            for j in range(SACC // 4):
+                for c in range(2):
+                    mx = max(mx, sacc[4 * j + 2 * h + c])
+            mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 1))
+            mx = max(mx, cuda.shfl_xor_sync(0xFFFFFFFF, mx, 2))
+            m_new = max(m[h], mx * scale_log2)  # a row always keeps a key of its tile 0
+            alpha[h] = exp2(m[h] - m_new)
+            m[h] = m_new
+            rs = float32(0.0)
+            for j in range(SACC // 4):
+                for c in range(2):
+                    x = exp2(sacc[4 * j + 2 * h + c] * scale_log2 - m_new)
+                    sacc[4 * j + 2 * h + c] = x
+                    rs += x
+            den[h] = den[h] * alpha[h] + rs
+
+    @cuda.jit(device=True)
+    def rescale_pack(sacc, oacc, pw, alpha):
+        # the second half: O *= alpha per row, P packed as the P V product's A words
+        for h in range(2):
+            for j in range(OACC // 4):
+                for c in range(2):
+                    oacc[4 * j + 2 * h + c] *= alpha[h]
+        for w in range(A_WORDS):
+            pw[w] = pack(sacc[2 * w], sacc[2 * w + 1])
+
+    @cuda.jit(device=True)
+    def pv_issue(pw, vbase, o):
+        # O += P V issued and committed, not waited for (the caller fenced before it)
+        lv = (U32(vbase) >> U32(4)) | LO_LBO
+        for kk in range(bn // 16):
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
+                   HI_V | U64(lv + U32(kk * STEP)), o)
+        wgmma_commit()
+
+    @cuda.jit(device=True)
+    def producer(smem, q, k, v, row0, q0, ntiles, sq, ring, bars, tid):
+        stage(smem, sq, q, row0 + q0, 128, tid, False, SBO_QK)
+        cp_arrive(bars + U32(16 * S))
+        for t in range(ntiles):
+            s = t % S
+            if t >= S:  # the consumers' release of this stage's previous fill
+                wait_parity(bars + U32(8 * (S + s)), U32((t // S - 1) & 1))
+            if not (NO_COPY and t >= S):
+                buf = ring + U32(s * STAGE_BYTES)
+                stage(smem, buf, k, row0 + t * bn, bn, tid, False, SBO_QK)
+                stage(smem, buf + U32(KV_BYTES), v, row0 + t * bn, bn, tid, True, SBO_V)
+            cp_arrive(bars + U32(8 * s))
+        wait_copies()  # (no thread leaves with copies in flight)
+
+    @cuda.jit(device=True)
+    def consumer(smem, o32, row0, q0, ntiles, clear, sq, ring, bars, ctid, scale_log2):
+        cwg, warp, lane = ctid // 128, (ctid // 32) % 4, ctid % 32
+        sqw = sq + U32(cwg * 64 * d * 2)
+        sacc = cuda.local.array(SACC, float32)
+        oacc = cuda.local.array(OACC, float32)
+        pw = cuda.local.array(A_WORDS, U32)
+        m = cuda.local.array(2, float32)
+        den = cuda.local.array(2, float32)
+        alpha = cuda.local.array(2, float32)
+        reset(oacc, m, den)
+        t2 = 2 * (lane % 4)
+        rq = q0 + 64 * cwg + 16 * warp + lane // 4
+        wait_parity(bars + U32(16 * S), U32(0))  # Q
+        if not OVERLAP:
+            for t in range(ntiles):
+                s = t % S
+                wait_parity(bars + U32(8 * s), U32((t // S) & 1))
+                proxy_fence()  # cp.async wrote through the generic proxy; wgmma reads async
+                sk = ring + U32(s * STAGE_BYTES)
+                qk(smem, sk, sqw, 0, 0, sacc)
+                softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, t >= clear, scale_log2, False)
+                pv(pw, sk + U32(KV_BYTES), oacc)
+                if lane == 0:
+                    arrive(bars + U32(8 * (S + s)))
+        else:
+            # tile 0 alone: S, then P (O is zero: its rescale by alpha = 0 is harmless)
+            wait_parity(bars, U32(0))
+            proxy_fence()
+            qk(smem, ring, sqw, 0, 0, sacc)
+            scores_to_p(sacc, m, den, alpha, 0, rq, t2, 0 >= clear, scale_log2)
+            rescale_pack(sacc, oacc, pw, alpha)
+            for t in range(1, ntiles):
+                s = t % S
+                sp = (t - 1) % S
+                wait_parity(bars + U32(8 * s), U32((t // S) & 1))
+                proxy_fence()
+                hold_o(oacc)  # rescaled and P packed before the fence in qk_issue
+                qk_issue(smem, ring + U32(s * STAGE_BYTES), sqw, 0, 0, sacc)
+                pv_issue(pw, ring + U32(sp * STAGE_BYTES + KV_BYTES), oacc)
+                wait1()  # S = Q K^T of tile t done; P V of tile t - 1 may still run
+                hold_s(sacc)
+                scores_to_p(sacc, m, den, alpha, t * bn, rq, t2, t >= clear, scale_log2)
+                wgmma_wait0()
+                hold_o(oacc)
+                if lane == 0:
+                    arrive(bars + U32(8 * (S + sp)))
+                rescale_pack(sacc, oacc, pw, alpha)
+            last = (ntiles - 1) % S
+            hold_o(oacc)
+            wgmma_fence()
+            pv_issue(pw, ring + U32(last * STAGE_BYTES + KV_BYTES), oacc)
+            wgmma_wait0()
+            hold_o(oacc)
+        store(o32, oacc, den, row0 + rq, t2)
+
+    def attn(q, k, v, o32, seq_len, scale_log2):
+        smem = cuda.shared.array(0, int16)  # Q, the ring, the barriers: ws_smem_bytes(d, S)
+        tid = cuda.threadIdx.x
+        qt = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x  # long first
+        row0 = cuda.blockIdx.y * seq_len
+        q0 = qt * 128
+        ntiles = (q0 + 128 + bn - 1) // bn if CAUSAL else seq_len // bn
+        clear = q0 // bn if CAUSAL else ntiles
+        sq = shared_addr(smem, 0)
+        ring = sq + U32(Q_BYTES)
+        bars = sq + U32(BAR0)
+        if tid == 0:
+            for s in range(S):
+                init(bars + U32(8 * s), U32(128))  # full: the producer's threads
+                init(bars + U32(8 * (S + s)), U32(8))  # empty: the consumers' warps
+            init(bars + U32(16 * S), U32(128))  # Q
+            fence_init()
+        cuda.syncthreads()
+        if tid < 128:
+            producer(smem, q, k, v, row0, q0, ntiles, sq, ring, bars, tid)
+        else:
+            consumer(smem, o32, row0, q0, ntiles, clear, sq, ring, bars, tid - 128,
+                     scale_log2)
+
+    return attn, types.void(int16[::1], int16[::1], int16[::1], int32[::1], int32, float32)
+
+
+def ws_smem_bytes(d: int, stages: int) -> int:
+    """Dynamic shared memory of :func:`build_ws`'s kernel: Q's 128 rows, the K / V ring, and
+    ``2 stages + 1`` mbarriers of 8 bytes."""
+    return 128 * d * 2 + stages * 2 * 64 * d * 2 + 8 * (2 * stages + 1)
+
+
 def smem_bytes(d: int, bn: int, stages: int, wgs: int) -> int:
     """Dynamic shared memory of :func:`build_pipe`'s kernel: Q's rows and the K / V ring."""
     return 64 * wgs * d * 2 + stages * 2 * bn * d * 2
@@ -359,6 +578,11 @@ VARIANTS = {
     "2wg-n128-s2": dict(pipe=dict(wgs=2, bn=128, stages=2)),
     "1wg-n64-s3": dict(pipe=dict(wgs=1, bn=64, stages=3)),
     "2wg-n64-s2 r128": dict(pipe=dict(wgs=2, bn=64, stages=2, maxreg=128)),
+    # warp-specialised (build_ws): a producer warpgroup, two consumers, mbarriers
+    "ws-s4": dict(ws=dict(stages=4)),
+    "ws-s4-ov": dict(ws=dict(stages=4, overlap=True)),
+    "ws-s2": dict(ws=dict(stages=2)),
+    "ws-s2-ov": dict(ws=dict(stages=2, overlap=True)),
 }
 # ablations of one pipelined variant (timing only: their output is not attention)
 ABLATIONS = {
@@ -366,6 +590,8 @@ ABLATIONS = {
     "2wg-n64-s2 no-softmax": dict(pipe=dict(wgs=2, bn=64, stages=2, ablate="softmax")),
     "2wg-n64-s2 no-copy no-softmax": dict(pipe=dict(wgs=2, bn=64, stages=2,
                                                      ablate="copy softmax")),
+    "ws-s4 no-copy": dict(ws=dict(stages=4, ablate="copy")),
+    "ws-s4-ov no-copy": dict(ws=dict(stages=4, overlap=True, ablate="copy")),
 }
 
 
@@ -378,8 +604,8 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
 
     B, H, L, D = q.shape
     opts = {**VARIANTS, **ABLATIONS}[variant]
-    pipe = opts.get("pipe")
-    rows, keys = (64 * pipe["wgs"], pipe["bn"]) if pipe else (BM, BN)
+    pipe, ws = opts.get("pipe"), opts.get("ws")
+    rows, keys = (64 * pipe["wgs"], pipe["bn"]) if pipe else (128, 64) if ws else (BM, BN)
     if L % rows or L % keys or D not in (64, 128) or not all(
             t.is_contiguous() for t in (q, k, v)):
         raise ValueError(f"wgmma_attention {variant}: contiguous [B, H, L, D], L % {rows} == 0 "
@@ -396,6 +622,9 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
         kern = pipe_kernel(D, causal, dtype, **pipe)
         nbytes = smem_bytes(D, pipe["bn"], pipe["stages"], pipe["wgs"])
         kern[(L // rows, B * H), 128 * pipe["wgs"], stream, nbytes](*args)
+    elif ws:
+        kern = ws_kernel(D, causal, dtype, **ws)
+        kern[(L // rows, B * H), 384, stream, ws_smem_bytes(D, ws["stages"])](*args)
     else:
         build(D, causal, dtype, opts["overlap"])[(L // BM, B * H), NT, stream](*args)
     return out
@@ -408,24 +637,43 @@ def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None):
     CTAs of 256 threads share an SM)."""
     from numba import cuda
 
+    fn, sig = build_pipe(d, causal, dtype, bn, stages, wgs, ablate)
+    return _opted_in(cuda.jit(sig, lineinfo=False,
+                              **({"max_registers": maxreg} if maxreg else {}))(fn),
+                     smem_bytes(d, bn, stages, wgs))
+
+
+@functools.cache
+def ws_kernel(d, causal, dtype, stages, overlap=False, ablate=""):
+    """:func:`build_ws`'s kernel under ptxas's cap for one CTA of 384 threads per SM (168
+    registers), opted in to its dynamic shared memory."""
+    from numba import cuda
+
+    fn, sig = build_ws(d, causal, dtype, stages, overlap, ablate)
+    return _opted_in(cuda.jit(sig, lineinfo=False, max_registers=WS_MAX_REGISTERS)(fn),
+                     ws_smem_bytes(d, stages))
+
+
+def _opted_in(kern, nbytes):
+    # a kernel past 48 KiB of dynamic shared memory must ask the driver for it
+    from numba import cuda
+
     from nbinfer.kernels.launch import _driver
 
-    fn, sig = build_pipe(d, causal, dtype, bn, stages, wgs, ablate)
-    kern = cuda.jit(sig, lineinfo=False, **({"max_registers": maxreg} if maxreg else {}))(fn)
     (overload,) = kern.overloads.values()
     fn = overload._codelibrary.get_cufunc()
     handle = int(getattr(fn.handle, "value", None) or int(fn.handle))
-    _driver().allow_dynamic_shared(handle, smem_bytes(d, bn, stages, wgs),
-                                   cuda.get_current_device().id)
+    _driver().allow_dynamic_shared(handle, nbytes, cuda.get_current_device().id)
     return kern
 
 
 def kernel_regs(variant, d, causal, dtype="float16"):
     """Registers per thread of a variant's kernel (compiled by an earlier :func:`run`)."""
     opts = {**VARIANTS, **ABLATIONS}[variant]
-    pipe = opts.get("pipe")
-    kern = pipe_kernel(d, causal, dtype, **pipe) if pipe else build(d, causal, dtype,
-                                                                     opts["overlap"])
+    pipe, ws = opts.get("pipe"), opts.get("ws")
+    kern = (pipe_kernel(d, causal, dtype, **pipe) if pipe else
+            ws_kernel(d, causal, dtype, **ws) if ws else
+            build(d, causal, dtype, opts["overlap"]))
     return kern.get_regs_per_thread()
 
 
@@ -497,7 +745,8 @@ def main():
                     help="B,H,L,D of the timed cases, several separated by ';'")
     ap.add_argument("--dtypes", default="float16", help="float16 and/or bfloat16, comma-separated")
     ap.add_argument("--variants", default=",".join(VARIANTS),
-                    help=f"comma-separated, of {list(VARIANTS)}")
+                    help=f"comma-separated, of {list(VARIANTS)} (checked, then timed) or "
+                         f"{list(ABLATIONS)} (timed only)")
     ap.add_argument("--ablations", action="store_true",
                     help=f"also time {list(ABLATIONS)} (not checked: not attention)")
     args = ap.parse_args()
@@ -505,16 +754,16 @@ def main():
     import torch.nn.functional as F
 
     variants = args.variants.split(",")
-    bad = [v for v in variants if v not in VARIANTS]
+    bad = [v for v in variants if v not in VARIANTS and v not in ABLATIONS]
     if bad:
         ap.error(f"--variants: unknown {bad}")
-    checks = check(torch, F, variants)
+    checks = check(torch, F, [v for v in variants if v in VARIANTS])
     failed = sorted({r["variant"] for r in checks if not r["rel_err"] <= r["tolerance"]})
     if failed:
         print(f"wgmma_attention: the check failed for {failed}; not timing them")
-    timed_variants = [v for v in variants if v not in failed]
+    timed_variants = [v for v in variants if v not in failed]  # (named ablations unchecked)
     if args.ablations:
-        timed_variants += list(ABLATIONS)
+        timed_variants += [v for v in ABLATIONS if v not in timed_variants]
     timed = []
     for shape in args.shapes.split(";"):
         B, H, L, D = (int(x) for x in shape.split(","))

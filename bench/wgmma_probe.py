@@ -29,15 +29,19 @@ def main():
     ap.add_argument("--n", type=int, default=64, help="keys per tile (wgmma's N: 64 or 128)")
     ap.add_argument("--d", type=int, default=128, help="head dim (k-steps of 16)")
     ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-    ap.add_argument("--product", default="qk", choices=("qk", "pv", "attention", "pipe"),
+    ap.add_argument("--product", default="qk",
+                    choices=("qk", "pv", "attention", "pipe", "ws"),
                     help="qk: S = A B^T, both K-major in shared memory; pv: O = P V, P in "
                          "registers, V MN-major (--d is then the keys per step, kdim); "
                          "attention: bench/wgmma_attention.py's kernel at head dim --d; "
-                         "pipe: its pipelined kernel (--n keys per tile, --stages, --wgs)")
+                         "pipe: its pipelined kernel (--n keys per tile, --stages, --wgs); "
+                         "ws: its warp-specialised kernel (--stages, --overlap), under its "
+                         "register cap")
     ap.add_argument("--stages", type=int, default=2, help="pipe: K / V buffers in the ring")
     ap.add_argument("--wgs", type=int, default=2, help="pipe: warpgroups (64 rows each) per CTA")
     ap.add_argument("--causal", action="store_true", help="attention: the causal kernel")
-    ap.add_argument("--overlap", action="store_true", help="attention: the overlapped kernel")
+    ap.add_argument("--overlap", action="store_true",
+                    help="attention, ws: the overlapped kernel")
     ap.add_argument("--nvdisasm", default=None)
     args = ap.parse_args()
 
@@ -59,6 +63,13 @@ def main():
         kernel, sig = wgmma_attention.build_pipe(args.d, args.causal, args.dtype, args.n,
                                                  args.stages, args.wgs)
         kernel = SimpleNamespace(py_func=kernel)
+    elif args.product == "ws":
+        import wgmma_attention
+
+        kernel, sig = wgmma_attention.build_ws(args.d, args.causal, args.dtype, args.stages,
+                                               args.overlap)
+        kernel = SimpleNamespace(py_func=kernel)
+        cap = [f"-maxrregcount={wgmma_attention.WS_MAX_REGISTERS}"]
     elif args.product == "attention":
         import wgmma_attention  # beside this file
 
@@ -68,6 +79,7 @@ def main():
         build = build_tile_product if args.product == "qk" else build_pv_product
         kernel = build(args.n, args.d, args.dtype)
         sig = (types.uint16[::1], types.uint16[::1], types.float32[::1])
+    cap = cap if args.product == "ws" else []
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print("PTX:", *[ln.strip() for ln in ptx.splitlines() if ln.startswith(".target")])
     asm = [ln.strip() for ln in ptx.splitlines() if ln.strip().startswith(("wgmma.", "fence."))]
@@ -78,10 +90,10 @@ def main():
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        info = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", src, "-o", cubin],
+        info = subprocess.run(["ptxas", "-arch=sm_90a", "-O3", "-v", *cap, src, "-o", cubin],
                               capture_output=True, text=True, check=True).stderr
         print("ptxas:", " ".join(line.split("info    : ")[-1] for line in info.splitlines()
-                                 if "Used" in line or "spill" in line))
+                                 if "Used" in line or "spill" in line or "arning" in line))
         if args.nvdisasm:
             sass = subprocess.run([args.nvdisasm, "-c", cubin], capture_output=True, text=True,
                                   check=True).stdout
