@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 30's device call: the warp-specialised standalone attention kernel (a producer
 # warpgroup copying K / V into a ring guarded by mbarriers, two consumer warpgroups with no CTA
-# barrier; bench/wgmma_attention.py's build_ws) against session 16's best standalone form
+# barrier; bench/wgmma_attention.py's build_ws; K / V by cp.async or by TMA) against session 16's best standalone form
 # (2wg-n64-s2 r128) and SDPA flash / cuDNN, B4 L4096 H32 D128 fp16, causal and not; each
 # variant checked against SDPA's math backend first. Then, on an H200 only, decode against cuDNN
 # and FP8 decode (issue 13 reqs 3 and 5).
@@ -11,10 +11,11 @@ source "$(dirname "$0")/session_lib.sh"
 session_start
 session_gpu
 timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mbarrier.py \
-  tests/test_wgmma.py >"$OUT/r/tests.log" 2>&1 || status=1
+  tests/test_tma.py tests/test_wgmma.py >"$OUT/r/tests.log" 2>&1 || status=1
 tail -3 "$OUT/r/tests.log" | cut -c1-250
 echo "tests: $((SECONDS - t0)) s"
-variants=${WS_VARIANTS:-"2wg-n64-s2 r128,ws-s2,ws-s4,ws-s2-ov,ws-s4-ov,ws-s4 no-copy,ws-s4-ov no-copy"}
+# (call 1 timed "2wg-n64-s2 r128,ws-s2,ws-s4,ws-s2-ov,ws-s4-ov,ws-s4 no-copy,ws-s4-ov no-copy")
+variants=${WS_VARIANTS:-"2wg-n64-s2 r128,ws-s4-ov,ws-tma-s4,ws-tma-s4-ov,ws-tma-s2-ov,ws-tma-s4-ov no-copy"}
 timeout 420 python3 bench/wgmma_attention.py --variants "$variants" \
   --out "$OUT/r/ws_$tag.json" >"$OUT/r/ws.log" 2>&1 || status=1
 grep -E "rel err|TFLOP|failed|Error" "$OUT/r/ws.log" | cut -c1-200

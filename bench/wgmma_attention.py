@@ -48,6 +48,7 @@ BM = BN = 64  # query rows per CTA (one warpgroup's wgmma M) and keys per tile
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 NT = 128  # one warpgroup
 WS_MAX_REGISTERS = 168  # build_ws: 65536 / 384 threads, rounded down to a multiple of 8
+_MAPS = {}  # run(): the tensor maps of each (K, V) pair it was given
 
 
 @functools.cache
@@ -348,10 +349,11 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
 
 @functools.cache
 def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = False,
-             ablate: str = ""):
+             ablate: str = "", tma: bool = False):
     """``(attn, signature)``: the warp-specialised kernel (session 30), launched as
     ``attn[(L / 128, B H), 384, stream, ws_smem_bytes(d, stages)](q, k, v, o32, L,
-    scale_log2)``, the arguments of :func:`build`'s.
+    scale_log2, maps)``, the arguments of :func:`build`'s and the tensor maps of K and V
+    (:func:`tile_maps`; read only with ``tma``).
 
     Three warpgroups per CTA: warpgroup 0 only copies, warpgroups 1 and 2 only compute (64
     query rows each, :func:`build_pipe`'s tile). The producer's 128 threads copy Q, then K / V
@@ -370,13 +372,25 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     tensor cores still multiply P V, and only the rescale of O and the packing of P wait for
     that product (one more S in registers: 32 per thread).
 
+    ``tma``: the producer's thread 0 copies each K and V tile by one TMA copy
+    (:mod:`nbinfer.kernels.tma`: boxes of 64 rows in the core-matrix layout, K then K-major with
+    LBO 1024 and SBO 128), arming the stage's full barrier (count 1) with the tile's 32 KiB,
+    instead of 128 threads issuing 16 ``cp.async`` each (measured first: the ``cp.async``
+    producer fed the consumers no faster than ``r128``'s own copies did).
+
     ``ablate`` (timing only, the result is wrong): ``"copy"``: the producer copies only the
     first ``stages`` tiles and then re-arms each stage's full barrier without copying."""
-    from numba import cuda, float32, int16, int32, types
+    from numba import cuda, float32, int16, int32, int64, types
 
     from nbinfer.kernels.mbarrier import mbarrier_intrinsics
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, wgmma_intrinsics, wgmma_tile_ops
+    from nbinfer.kernels.tma import tma_intrinsics
+    from nbinfer.kernels.wgmma import (
+        WGMMA_KINDS,
+        smem_descriptor,
+        wgmma_intrinsics,
+        wgmma_tile_ops,
+    )
 
     if stages < 2:
         raise ValueError(f"build_ws: stages >= 2, got {stages}")
@@ -396,6 +410,10 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     wait1 = mb.wgmma_wait1
     init, fence_init, arrive = mb.init, mb.fence_init, mb.arrive
     cp_arrive, wait_parity = mb.cp_arrive_noinc, mb.wait_parity
+    tmi = tma_intrinsics()
+    expect_tx, tma_load, tma_prefetch = tmi.expect_tx, tmi.load, tmi.prefetch
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+    mma_qk0, mma_qk = intr.mma_fresh[(bn, kind)], intr.mma[(bn, kind)]
     wait_copies = primitives(False).wait(0)
     exp2 = primitives(False).exp2
     pack = p.pack
@@ -410,6 +428,11 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     A_WORDS = p.A_WORDS
     CAUSAL, S, OVERLAP = causal, stages, overlap
     NO_COPY = "copy" in ablate
+    TMA = tma
+    # K as the TMA box lands it: chunk-major, so the K-neighbour core matrix is a whole
+    # column of 64 rows (1024 bytes) on and the next 8 rows 128 bytes on
+    K_LBO, K_SBO = bn * 16, 128
+    FULL_COUNT = 1 if TMA else 128
     NEG_INF = float32(-np.inf)
 
     @cuda.jit(device=True)
@@ -461,9 +484,53 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         wgmma_commit()
 
     @cuda.jit(device=True)
-    def producer(smem, q, k, v, row0, q0, ntiles, sq, ring, bars, tid):
+    def qk_issue_tma(kbase, qa, sacc):
+        # S = Q K^T issued and committed, K in the TMA box's layout (Q as build_pipe stages it)
+        wgmma_fence()
+        mma_qk0(U64(descriptor(qa, LBO, SBO_QK)), U64(descriptor(kbase, K_LBO, K_SBO)), sacc)
+        for ks in range(1, d // 16):
+            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_QK)),
+                   U64(descriptor(kbase + U32(ks * 2 * K_LBO), K_LBO, K_SBO)), sacc)
+        wgmma_commit()
+
+    @cuda.jit(device=True)
+    def qk_tile(smem, kbase, sqw, sacc):
+        if TMA:
+            qk_issue_tma(kbase, sqw, sacc)
+            wgmma_wait0()
+            hold_s(sacc)
+        else:
+            qk(smem, kbase, sqw, 0, 0, sacc)
+
+    @cuda.jit(device=True)
+    def qk_start(smem, kbase, sqw, sacc):
+        if TMA:
+            qk_issue_tma(kbase, sqw, sacc)
+        else:
+            qk_issue(smem, kbase, sqw, 0, 0, sacc)
+
+    @cuda.jit(device=True)
+    def producer(smem, q, k, v, maps, row0, q0, ntiles, sq, ring, bars, tid):
         stage(smem, sq, q, row0 + q0, 128, tid, False, SBO_QK)
         cp_arrive(bars + U32(16 * S))
+        if TMA:
+            if tid == 0:
+                tma_prefetch(maps, 0)
+                tma_prefetch(maps, 1)
+                for t in range(ntiles):
+                    s = t % S
+                    full = bars + U32(8 * s)
+                    if t >= S:
+                        wait_parity(bars + U32(8 * (S + s)), U32((t // S - 1) & 1))
+                    if NO_COPY and t >= S:
+                        arrive(full)
+                    else:
+                        buf = ring + U32(s * STAGE_BYTES)
+                        expect_tx(full, U32(STAGE_BYTES))
+                        tma_load(buf, maps, 0, row0 + t * bn, full)
+                        tma_load(buf + U32(KV_BYTES), maps, 1, row0 + t * bn, full)
+            wait_copies()
+            return
         for t in range(ntiles):
             s = t % S
             if t >= S:  # the consumers' release of this stage's previous fill
@@ -489,13 +556,15 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         t2 = 2 * (lane % 4)
         rq = q0 + 64 * cwg + 16 * warp + lane // 4
         wait_parity(bars + U32(16 * S), U32(0))  # Q
+        proxy_fence()  # cp.async wrote through the generic proxy; wgmma reads async
         if not OVERLAP:
             for t in range(ntiles):
                 s = t % S
                 wait_parity(bars + U32(8 * s), U32((t // S) & 1))
-                proxy_fence()  # cp.async wrote through the generic proxy; wgmma reads async
+                if not TMA:
+                    proxy_fence()  # (TMA writes through the async proxy itself)
                 sk = ring + U32(s * STAGE_BYTES)
-                qk(smem, sk, sqw, 0, 0, sacc)
+                qk_tile(smem, sk, sqw, sacc)
                 softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, t >= clear, scale_log2, False)
                 pv(pw, sk + U32(KV_BYTES), oacc)
                 if lane == 0:
@@ -503,17 +572,19 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         else:
             # tile 0 alone: S, then P (O is zero: its rescale by alpha = 0 is harmless)
             wait_parity(bars, U32(0))
-            proxy_fence()
-            qk(smem, ring, sqw, 0, 0, sacc)
+            if not TMA:
+                proxy_fence()
+            qk_tile(smem, ring, sqw, sacc)
             scores_to_p(sacc, m, den, alpha, 0, rq, t2, 0 >= clear, scale_log2)
             rescale_pack(sacc, oacc, pw, alpha)
             for t in range(1, ntiles):
                 s = t % S
                 sp = (t - 1) % S
                 wait_parity(bars + U32(8 * s), U32((t // S) & 1))
-                proxy_fence()
+                if not TMA:
+                    proxy_fence()
                 hold_o(oacc)  # rescaled and P packed before the fence in qk_issue
-                qk_issue(smem, ring + U32(s * STAGE_BYTES), sqw, 0, 0, sacc)
+                qk_start(smem, ring + U32(s * STAGE_BYTES), sqw, sacc)
                 pv_issue(pw, ring + U32(sp * STAGE_BYTES + KV_BYTES), oacc)
                 wait1()  # S = Q K^T of tile t done; P V of tile t - 1 may still run
                 hold_s(sacc)
@@ -531,7 +602,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
             hold_o(oacc)
         store(o32, oacc, den, row0 + rq, t2)
 
-    def attn(q, k, v, o32, seq_len, scale_log2):
+    def attn(q, k, v, o32, seq_len, scale_log2, maps):
         smem = cuda.shared.array(0, int16)  # Q, the ring, the barriers: ws_smem_bytes(d, S)
         tid = cuda.threadIdx.x
         qt = cuda.gridDim.x - 1 - cuda.blockIdx.x if CAUSAL else cuda.blockIdx.x  # long first
@@ -544,18 +615,31 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         bars = sq + U32(BAR0)
         if tid == 0:
             for s in range(S):
-                init(bars + U32(8 * s), U32(128))  # full: the producer's threads
+                init(bars + U32(8 * s), U32(FULL_COUNT))  # full: producer threads (or TMA)
                 init(bars + U32(8 * (S + s)), U32(8))  # empty: the consumers' warps
             init(bars + U32(16 * S), U32(128))  # Q
             fence_init()
         cuda.syncthreads()
         if tid < 128:
-            producer(smem, q, k, v, row0, q0, ntiles, sq, ring, bars, tid)
+            producer(smem, q, k, v, maps, row0, q0, ntiles, sq, ring, bars, tid)
         else:
             consumer(smem, o32, row0, q0, ntiles, clear, sq, ring, bars, tid - 128,
                      scale_log2)
 
-    return attn, types.void(int16[::1], int16[::1], int16[::1], int32[::1], int32, float32)
+    return attn, types.void(int16[::1], int16[::1], int16[::1], int32[::1], int32, float32,
+                            int64[::1])
+
+
+def tile_maps(k, v):
+    """The device array of :func:`build_ws`'s two tensor maps (K's, then V's) for contiguous
+    ``[B, H, L, D]`` torch tensors: 64-row boxes of the ``[B H L, D]`` rows."""
+    import torch
+
+    from nbinfer.kernels.tma import core_tile_map
+
+    B, H, L, D = k.shape
+    maps = [core_tile_map(t.data_ptr(), B * H * L, D * 2, D, 64) for t in (k, v)]
+    return torch.from_numpy(np.concatenate(maps)).to(k.device)
 
 
 def ws_smem_bytes(d: int, stages: int) -> int:
@@ -583,6 +667,9 @@ VARIANTS = {
     "ws-s4-ov": dict(ws=dict(stages=4, overlap=True)),
     "ws-s2": dict(ws=dict(stages=2)),
     "ws-s2-ov": dict(ws=dict(stages=2, overlap=True)),
+    "ws-tma-s4": dict(ws=dict(stages=4, tma=True)),
+    "ws-tma-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True)),
+    "ws-tma-s2-ov": dict(ws=dict(stages=2, overlap=True, tma=True)),
 }
 # ablations of one pipelined variant (timing only: their output is not attention)
 ABLATIONS = {
@@ -592,6 +679,7 @@ ABLATIONS = {
                                                      ablate="copy softmax")),
     "ws-s4 no-copy": dict(ws=dict(stages=4, ablate="copy")),
     "ws-s4-ov no-copy": dict(ws=dict(stages=4, overlap=True, ablate="copy")),
+    "ws-tma-s4-ov no-copy": dict(ws=dict(stages=4, overlap=True, tma=True, ablate="copy")),
 }
 
 
@@ -624,7 +712,11 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
         kern[(L // rows, B * H), 128 * pipe["wgs"], stream, nbytes](*args)
     elif ws:
         kern = ws_kernel(D, causal, dtype, **ws)
-        kern[(L // rows, B * H), 384, stream, ws_smem_bytes(D, ws["stages"])](*args)
+        key = (k.data_ptr(), v.data_ptr(), tuple(k.shape))
+        if key not in _MAPS:  # (built once per pair of tensors: the timing loops reuse them)
+            _MAPS[key] = tile_maps(k, v)
+        maps = cuda.as_cuda_array(_MAPS[key])
+        kern[(L // rows, B * H), 384, stream, ws_smem_bytes(D, ws["stages"])](*args, maps)
     else:
         build(D, causal, dtype, opts["overlap"])[(L // BM, B * H), NT, stream](*args)
     return out
@@ -644,12 +736,12 @@ def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None):
 
 
 @functools.cache
-def ws_kernel(d, causal, dtype, stages, overlap=False, ablate=""):
+def ws_kernel(d, causal, dtype, stages, overlap=False, ablate="", tma=False):
     """:func:`build_ws`'s kernel under ptxas's cap for one CTA of 384 threads per SM (168
     registers), opted in to its dynamic shared memory."""
     from numba import cuda
 
-    fn, sig = build_ws(d, causal, dtype, stages, overlap, ablate)
+    fn, sig = build_ws(d, causal, dtype, stages, overlap, ablate, tma)
     return _opted_in(cuda.jit(sig, lineinfo=False, max_registers=WS_MAX_REGISTERS)(fn),
                      ws_smem_bytes(d, stages))
 

@@ -42,6 +42,7 @@ def main():
     ap.add_argument("--causal", action="store_true", help="attention: the causal kernel")
     ap.add_argument("--overlap", action="store_true",
                     help="attention, ws: the overlapped kernel")
+    ap.add_argument("--tma", action="store_true", help="ws: K and V by TMA copies")
     ap.add_argument("--nvdisasm", default=None)
     args = ap.parse_args()
 
@@ -67,7 +68,7 @@ def main():
         import wgmma_attention
 
         kernel, sig = wgmma_attention.build_ws(args.d, args.causal, args.dtype, args.stages,
-                                               args.overlap)
+                                               args.overlap, tma=args.tma)
         kernel = SimpleNamespace(py_func=kernel)
         cap = [f"-maxrregcount={wgmma_attention.WS_MAX_REGISTERS}"]
     elif args.product == "attention":

@@ -1,0 +1,159 @@
+"""Hopper's Tensor Memory Accelerator (TMA) for 16-bit row tiles: one thread copies a whole K or
+V tile into shared memory, already in the canonical no-swizzle layout of the warpgroup MMA.
+
+``cp.async`` copies cost the warps that issue them one instruction per 16 bytes, and measured
+on the H100 they stop feeding the tensor cores well before the L2 does: the warp-specialised
+standalone tile ran at 249 TFLOP/s causal with a producer warpgroup on ``cp.async`` and at 399
+without any copies (bench/NOTES.md, session 30). A TMA copy is one instruction per tile, moved
+by the SM's copy engine and signalled on an mbarrier (:mod:`.mbarrier`): the thread arms the
+stage's barrier with the tile's byte count (``expect_tx``) and each copy completes part of it.
+
+**The layout trick.** A tiled tensor map copies a box whose first dimension is contiguous in
+shared memory. Viewing a ``[rows, D]`` tensor (rows ``row_stride`` bytes apart) as three
+dimensions ``(8 elements, rows, D / 8 chunks)`` with strides ``(2, row_stride, 16)`` bytes, a
+box ``(8, R, D / 8)`` lands as ``[chunk][row][8 elements]``: every 8-row x 16-byte core matrix
+is 128 contiguous bytes, the core matrix of row block ``rb`` and chunk ``c`` at ``c R 16 + rb
+128``. That is the MN-major V layout the P V product already reads (LBO 128 between key
+blocks, SBO ``R / 8 x 128`` between column chunks), and a K-major layout for K with LBO ``R x
+16`` (K-neighbours: the next chunk) and SBO 128 (the next 8 rows). No swizzle, so the
+descriptors stay the ones :mod:`.wgmma` documents; the price is a 16-byte first box dimension
+(the TMA unit moves the box in 16-byte rows).
+
+The tensor map is 128 bytes built on the host (``cuTensorMapEncodeTiled`` through ctypes) and
+read by the copies from global memory (Numba cannot declare a ``__grid_constant__`` kernel
+parameter): a device array of maps, 64-byte aligned, passed to the kernel like any array.
+
+GPU only (sm_90); tests/test_tma.py (gpu) checks the layout against NumPy.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+
+MAP_BYTES = 128  # sizeof(CUtensorMap)
+MAP_WORDS = MAP_BYTES // 8  # one map as int64 words of a device array
+_UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy moves bits, fp16 or bf16 alike
+_L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B: a row's 16-byte pieces share lines
+
+
+def core_tile_map(address: int, rows: int, row_stride: int, head_dim: int,
+                  box_rows: int) -> np.ndarray:
+    """The tensor map (128 bytes, as 16 int64) of a ``[rows, head_dim]`` 16-bit tensor at device
+    ``address`` whose rows are ``row_stride`` bytes apart, for boxes of ``box_rows`` rows that
+    land in the canonical no-swizzle core-matrix layout (module docstring); a copy's
+    coordinates are ``(0, first row, 0)``.
+
+    Parameters
+    ----------
+    address : int
+        Device address of element ``[0, 0]``; 16-byte aligned.
+    rows : int
+        Rows of the tensor (a box past the last row is zero-filled by the copy).
+    row_stride : int
+        Bytes between consecutive rows; a multiple of 16.
+    head_dim : int
+        Elements per row copied: a multiple of 8, at most 2048.
+    box_rows : int
+        Rows per copy, 1-256.
+    """
+    import ctypes
+
+    if address % 16 or row_stride % 16 or row_stride <= 0:
+        raise ValueError(f"core_tile_map: address and row_stride must be multiples of 16, got "
+                         f"{address:#x} and {row_stride}")
+    if head_dim % 8 or not 8 <= head_dim <= 2048:
+        raise ValueError(f"core_tile_map: head_dim must be a multiple of 8 in 8..2048, got "
+                         f"{head_dim}")
+    if not 1 <= box_rows <= 256 or rows < 1:
+        raise ValueError(f"core_tile_map: box_rows must be 1..256 and rows >= 1, got "
+                         f"{box_rows} and {rows}")
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    out = np.zeros(MAP_WORDS, np.int64)
+    res = fn(out.ctypes.data_as(ctypes.c_void_p), _UINT16, u32(3), ctypes.c_void_p(address),
+             (u64 * 3)(8, rows, head_dim // 8), (u64 * 2)(row_stride, 16),
+             (u32 * 3)(8, box_rows, head_dim // 8), (u32 * 3)(1, 1, 1),
+             0, 0, _L2_256B, 0)  # no interleave, no swizzle, zero fill out of bounds
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} (rows {rows}, "
+                           f"row_stride {row_stride}, head_dim {head_dim}, box {box_rows})")
+    return out
+
+
+@functools.cache
+def tma_intrinsics() -> SimpleNamespace:
+    """The device side, as a namespace:
+
+    - ``expect_tx(bar, nbytes)``: one arrival on the mbarrier at shared address ``bar`` that
+      also expects ``nbytes`` more bytes of copies in its current phase;
+    - ``load(dst, maps, i, row, bar)``: the box of map ``i`` of the int64 device array
+      ``maps`` (:func:`core_tile_map`'s words, map ``i`` at ``maps[16 i]``) starting at ``row``
+      into shared address ``dst``, completing its bytes on ``bar``;
+    - ``prefetch(maps, i)``: map ``i`` fetched into the SM's descriptor cache."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    U32 = types.uint32
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+
+    def map_address(context, builder, aryty, ary, idx):
+        arr = context.make_array(aryty)(context, builder, value=ary)
+        i = builder.mul(context.cast(builder, idx, types.intp, types.intp),
+                        context.get_constant(types.intp, MAP_WORDS))
+        ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
+        return builder.ptrtoint(ptr, i64)
+
+    @intrinsic
+    def expect_tx(typingctx, bar, nbytes):
+        def codegen(context, builder, sig, args):
+            b = context.cast(builder, args[0], sig.args[0], U32)
+            n = context.cast(builder, args[1], sig.args[1], U32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i32, i32]),
+                "{.reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;}",
+                "r,r,~{memory}", side_effect=True)
+            builder.call(asm, [b, n])
+            return context.get_dummy_value()
+
+        return types.void(bar, nbytes), codegen
+
+    @intrinsic
+    def load(typingctx, dst, maps, i, row, bar):
+        def codegen(context, builder, sig, args):
+            d = context.cast(builder, args[0], sig.args[0], U32)
+            m = map_address(context, builder, sig.args[1], args[1],
+                            context.cast(builder, args[2], sig.args[2], types.intp))
+            r = context.cast(builder, args[3], sig.args[3], types.int32)
+            b = context.cast(builder, args[4], sig.args[4], U32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32]),
+                "{.reg .b32 z; mov.b32 z, 0; "
+                "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {z, $2, z}], [$3];}", "r,l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [d, m, r, b])
+            return context.get_dummy_value()
+
+        return types.void(dst, maps, i, row, bar), codegen
+
+    @intrinsic
+    def prefetch(typingctx, maps, i):
+        def codegen(context, builder, sig, args):
+            m = map_address(context, builder, sig.args[0], args[0],
+                            context.cast(builder, args[1], sig.args[1], types.intp))
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i64]), "prefetch.tensormap [$0];",
+                               "l,~{memory}", side_effect=True)
+            builder.call(asm, [m])
+            return context.get_dummy_value()
+
+        return types.void(maps, i), codegen
+
+    return SimpleNamespace(expect_tx=expect_tx, load=load, prefetch=prefetch)
+
+
+__all__ = ["MAP_BYTES", "MAP_WORDS", "core_tile_map", "tma_intrinsics"]
