@@ -349,7 +349,7 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
 
 @functools.cache
 def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = False,
-             ablate: str = "", tma: bool = False):
+             ablate: str = "", tma: bool = False, swizzle: str = ""):
     """``(attn, signature)``: the warp-specialised kernel (session 30), launched as
     ``attn[(L / 128, B H), 384, stream, ws_smem_bytes(d, stages)](q, k, v, o32, L,
     scale_log2, maps)``, the arguments of :func:`build`'s and the tensor maps of K and V
@@ -378,6 +378,13 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     instead of 128 threads issuing 16 ``cp.async`` each (measured first: the ``cp.async``
     producer fed the consumers no faster than ``r128``'s own copies did).
 
+    ``swizzle`` (with ``tma``; ``"kv"``, or ``"k"`` / ``"v"`` for that operand alone, which
+    tells a wrong descriptor from the other): K and V tiles in the 128-byte swizzled layout, each 64-column
+    half one copy of 64 rows x 128 bytes (:func:`nbinfer.kernels.tma.swizzled_tile_map`), read
+    by the products with swizzle mode 1: K K-major (SBO 1024, a k-step 32 bytes on inside a
+    half), V MN-major (SBO 1024 between 8-key groups, LBO 8 KiB between the halves). Measured
+    second: TMA copies of 16-byte box rows fed the consumers no faster than ``cp.async``.
+
     ``ablate`` (timing only, the result is wrong): ``"copy"``: the producer copies only the
     first ``stages`` tiles and then re-arms each stage's full barrier without copying."""
     from numba import cuda, float32, int16, int32, int64, types
@@ -392,8 +399,9 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         wgmma_tile_ops,
     )
 
-    if stages < 2:
-        raise ValueError(f"build_ws: stages >= 2, got {stages}")
+    if stages < 2 or (swizzle and not tma) or swizzle not in ("", "k", "v", "kv"):
+        raise ValueError(f"build_ws: stages >= 2, and swizzle only with tma; got {stages}, "
+                         f"swizzle={swizzle}, tma={tma}")
     U32, U64 = types.uint32, types.uint64
     bn = 64
     p = _parts(d, bn, dtype, 128)  # the producer's copies: 128 threads
@@ -411,7 +419,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     init, fence_init, arrive = mb.init, mb.fence_init, mb.arrive
     cp_arrive, wait_parity = mb.cp_arrive_noinc, mb.wait_parity
     tmi = tma_intrinsics()
-    expect_tx, tma_load, tma_prefetch = tmi.expect_tx, tmi.load, tmi.prefetch
+    expect_tx, tma_load, tma_load2d, tma_prefetch = tmi.expect_tx, tmi.load, tmi.load2d, tmi.prefetch
     descriptor = cuda.jit(device=True)(smem_descriptor)
     mma_qk0, mma_qk = intr.mma_fresh[(bn, kind)], intr.mma[(bn, kind)]
     wait_copies = primitives(False).wait(0)
@@ -433,6 +441,9 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     # column of 64 rows (1024 bytes) on and the next 8 rows 128 bytes on
     K_LBO, K_SBO = bn * 16, 128
     FULL_COUNT = 1 if TMA else 128
+    SW_K, SW_V = "k" in swizzle, "v" in swizzle
+    HALF = bn * 128  # swizzled: one 64-column half of a tile, 64 rows x 128 bytes
+    SW128 = U64(1 << 62)  # the descriptor's swizzle mode 1: 128 bytes
     NEG_INF = float32(-np.inf)
 
     @cuda.jit(device=True)
@@ -479,18 +490,41 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         # O += P V issued and committed, not waited for (the caller fenced before it)
         lv = (U32(vbase) >> U32(4)) | LO_LBO
         for kk in range(bn // 16):
-            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                   HI_V | U64(lv + U32(kk * STEP)), o)
+            if SW_V:  # 16 keys: two 8-key groups of 1024 bytes; the halves 8 KiB apart
+                dv = U64(descriptor(vbase + U32(kk * 2048), HALF, 1024)) | SW128
+            else:
+                dv = HI_V | U64(lv + U32(kk * STEP))
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3], dv, o)
         wgmma_commit()
+
+    @cuda.jit(device=True)
+    def pv_tile(pw, vbase, o):
+        # O += P V, waited for
+        if SW_V:
+            hold_o(o)
+            wgmma_fence()
+            pv_issue(pw, vbase, o)
+            wgmma_wait0()
+            hold_o(o)
+        else:
+            pv(pw, vbase, o)
+
+    @cuda.jit(device=True)
+    def k_desc(kbase, ks):
+        # K's descriptor for k-step ks (16 head-dim elements)
+        if SW_K:  # inside a 128-byte row: 32 bytes a step; the next half 8 KiB on
+            return U64(descriptor(kbase + U32((ks // 4) * HALF + (ks % 4) * 32), 16,
+                                  1024)) | SW128
+        return U64(descriptor(kbase + U32(ks * 2 * K_LBO), K_LBO, K_SBO))
 
     @cuda.jit(device=True)
     def qk_issue_tma(kbase, qa, sacc):
         # S = Q K^T issued and committed, K in the TMA box's layout (Q as build_pipe stages it)
         wgmma_fence()
-        mma_qk0(U64(descriptor(qa, LBO, SBO_QK)), U64(descriptor(kbase, K_LBO, K_SBO)), sacc)
+        mma_qk0(U64(descriptor(qa, LBO, SBO_QK)), k_desc(kbase, 0), sacc)
         for ks in range(1, d // 16):
-            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_QK)),
-                   U64(descriptor(kbase + U32(ks * 2 * K_LBO), K_LBO, K_SBO)), sacc)
+            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_QK)), k_desc(kbase, ks),
+                   sacc)
         wgmma_commit()
 
     @cuda.jit(device=True)
@@ -527,8 +561,18 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
                     else:
                         buf = ring + U32(s * STAGE_BYTES)
                         expect_tx(full, U32(STAGE_BYTES))
-                        tma_load(buf, maps, 0, row0 + t * bn, full)
-                        tma_load(buf + U32(KV_BYTES), maps, 1, row0 + t * bn, full)
+                        if SW_K:
+                            for h in range(d // 64):
+                                tma_load2d(buf + U32(h * HALF), maps, 0, 64 * h, row0 + t * bn,
+                                           full)
+                        else:
+                            tma_load(buf, maps, 0, row0 + t * bn, full)
+                        if SW_V:
+                            for h in range(d // 64):
+                                tma_load2d(buf + U32(KV_BYTES + h * HALF), maps, 1, 64 * h,
+                                           row0 + t * bn, full)
+                        else:
+                            tma_load(buf + U32(KV_BYTES), maps, 1, row0 + t * bn, full)
             wait_copies()
             return
         for t in range(ntiles):
@@ -566,7 +610,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
                 sk = ring + U32(s * STAGE_BYTES)
                 qk_tile(smem, sk, sqw, sacc)
                 softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, t >= clear, scale_log2, False)
-                pv(pw, sk + U32(KV_BYTES), oacc)
+                pv_tile(pw, sk + U32(KV_BYTES), oacc)
                 if lane == 0:
                     arrive(bars + U32(8 * (S + s)))
         else:
@@ -610,7 +654,8 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         q0 = qt * 128
         ntiles = (q0 + 128 + bn - 1) // bn if CAUSAL else seq_len // bn
         clear = q0 // bn if CAUSAL else ntiles
-        sq = shared_addr(smem, 0)
+        # (1024-byte aligned: the swizzle pattern follows the address bits)
+        sq = (shared_addr(smem, 0) + U32(1023)) & U32(0xFFFFFC00)
         ring = sq + U32(Q_BYTES)
         bars = sq + U32(BAR0)
         if tid == 0:
@@ -630,22 +675,24 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
                             int64[::1])
 
 
-def tile_maps(k, v):
+def tile_maps(k, v, swizzle=""):
     """The device array of :func:`build_ws`'s two tensor maps (K's, then V's) for contiguous
-    ``[B, H, L, D]`` torch tensors: 64-row boxes of the ``[B H L, D]`` rows."""
+    ``[B, H, L, D]`` torch tensors: 64-row boxes of the ``[B H L, D]`` rows, swizzled for the
+    operands ``swizzle`` names (``"k"``, ``"v"``)."""
     import torch
 
-    from nbinfer.kernels.tma import core_tile_map
+    from nbinfer.kernels.tma import core_tile_map, swizzled_tile_map
 
     B, H, L, D = k.shape
-    maps = [core_tile_map(t.data_ptr(), B * H * L, D * 2, D, 64) for t in (k, v)]
+    maps = [(swizzled_tile_map if name in swizzle else core_tile_map)(
+        t.data_ptr(), B * H * L, D * 2, D, 64) for name, t in (("k", k), ("v", v))]
     return torch.from_numpy(np.concatenate(maps)).to(k.device)
 
 
 def ws_smem_bytes(d: int, stages: int) -> int:
-    """Dynamic shared memory of :func:`build_ws`'s kernel: Q's 128 rows, the K / V ring, and
-    ``2 stages + 1`` mbarriers of 8 bytes."""
-    return 128 * d * 2 + stages * 2 * 64 * d * 2 + 8 * (2 * stages + 1)
+    """Dynamic shared memory of :func:`build_ws`'s kernel: Q's 128 rows, the K / V ring,
+    ``2 stages + 1`` mbarriers of 8 bytes, and 1 KiB to align the rest to 1024 bytes."""
+    return 128 * d * 2 + stages * 2 * 64 * d * 2 + 8 * (2 * stages + 1) + 1024
 
 
 def smem_bytes(d: int, bn: int, stages: int, wgs: int) -> int:
@@ -670,6 +717,11 @@ VARIANTS = {
     "ws-tma-s4": dict(ws=dict(stages=4, tma=True)),
     "ws-tma-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True)),
     "ws-tma-s2-ov": dict(ws=dict(stages=2, overlap=True, tma=True)),
+    "ws-sw-s4": dict(ws=dict(stages=4, tma=True, swizzle="kv")),
+    "ws-sw-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True, swizzle="kv")),
+    "ws-sw-s5-ov": dict(ws=dict(stages=5, overlap=True, tma=True, swizzle="kv")),
+    "ws-swk-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True, swizzle="k")),
+    "ws-swv-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True, swizzle="v")),
 }
 # ablations of one pipelined variant (timing only: their output is not attention)
 ABLATIONS = {
@@ -712,9 +764,10 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
         kern[(L // rows, B * H), 128 * pipe["wgs"], stream, nbytes](*args)
     elif ws:
         kern = ws_kernel(D, causal, dtype, **ws)
-        key = (k.data_ptr(), v.data_ptr(), tuple(k.shape))
+        sw = ws.get("swizzle", "")
+        key = (k.data_ptr(), v.data_ptr(), tuple(k.shape), sw)
         if key not in _MAPS:  # (built once per pair of tensors: the timing loops reuse them)
-            _MAPS[key] = tile_maps(k, v)
+            _MAPS[key] = tile_maps(k, v, sw)
         maps = cuda.as_cuda_array(_MAPS[key])
         kern[(L // rows, B * H), 384, stream, ws_smem_bytes(D, ws["stages"])](*args, maps)
     else:
@@ -736,12 +789,12 @@ def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None):
 
 
 @functools.cache
-def ws_kernel(d, causal, dtype, stages, overlap=False, ablate="", tma=False):
+def ws_kernel(d, causal, dtype, stages, overlap=False, ablate="", tma=False, swizzle=""):
     """:func:`build_ws`'s kernel under ptxas's cap for one CTA of 384 threads per SM (168
     registers), opted in to its dynamic shared memory."""
     from numba import cuda
 
-    fn, sig = build_ws(d, causal, dtype, stages, overlap, ablate, tma)
+    fn, sig = build_ws(d, causal, dtype, stages, overlap, ablate, tma, swizzle)
     return _opted_in(cuda.jit(sig, lineinfo=False, max_registers=WS_MAX_REGISTERS)(fn),
                      ws_smem_bytes(d, stages))
 

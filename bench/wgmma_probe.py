@@ -43,6 +43,8 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="attention, ws: the overlapped kernel")
     ap.add_argument("--tma", action="store_true", help="ws: K and V by TMA copies")
+    ap.add_argument("--swizzle", default="", choices=("", "k", "v", "kv"),
+                    help="ws: these operands by TMA copies in the 128-byte swizzled layout")
     ap.add_argument("--nvdisasm", default=None)
     args = ap.parse_args()
 
@@ -68,7 +70,8 @@ def main():
         import wgmma_attention
 
         kernel, sig = wgmma_attention.build_ws(args.d, args.causal, args.dtype, args.stages,
-                                               args.overlap, tma=args.tma)
+                                               args.overlap, tma=args.tma or bool(args.swizzle),
+                                               swizzle=args.swizzle)
         kernel = SimpleNamespace(py_func=kernel)
         cap = [f"-maxrregcount={wgmma_attention.WS_MAX_REGISTERS}"]
     elif args.product == "attention":

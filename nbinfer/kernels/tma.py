@@ -37,6 +37,36 @@ MAP_BYTES = 128  # sizeof(CUtensorMap)
 MAP_WORDS = MAP_BYTES // 8  # one map as int64 words of a device array
 _UINT16 = 1  # CU_TENSOR_MAP_DATA_TYPE_UINT16: the copy moves bits, fp16 or bf16 alike
 _L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B: a row's 16-byte pieces share lines
+_SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
+
+
+def _encode(address: int, dims, strides, box, swizzle: int) -> np.ndarray:
+    # cuTensorMapEncodeTiled through ctypes: dims / box innermost first, strides in bytes of
+    # every dimension but the first; 16-bit elements, no interleave, L2 promotion of 256 bytes,
+    # zero fill out of bounds. The map as 16 int64 words.
+    import ctypes
+
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    n = len(dims)
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    out = np.zeros(MAP_WORDS, np.int64)
+    res = fn(out.ctypes.data_as(ctypes.c_void_p), _UINT16, u32(n), ctypes.c_void_p(address),
+             (u64 * n)(*dims), (u64 * (n - 1))(*strides), (u32 * n)(*box), (u32 * n)(*[1] * n),
+             0, swizzle, _L2_256B, 0)
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} (dims {dims}, "
+                           f"strides {strides}, box {box}, swizzle {swizzle})")
+    return out
+
+
+def _check_rows(name, address, rows, row_stride, box_rows):
+    if address % 16 or row_stride % 16 or row_stride <= 0:
+        raise ValueError(f"{name}: address and row_stride must be multiples of 16, got "
+                         f"{address:#x} and {row_stride}")
+    if not 1 <= box_rows <= 256 or rows < 1:
+        raise ValueError(f"{name}: box_rows must be 1..256 and rows >= 1, got {box_rows} and "
+                         f"{rows}")
 
 
 def core_tile_map(address: int, rows: int, row_stride: int, head_dim: int,
@@ -44,7 +74,7 @@ def core_tile_map(address: int, rows: int, row_stride: int, head_dim: int,
     """The tensor map (128 bytes, as 16 int64) of a ``[rows, head_dim]`` 16-bit tensor at device
     ``address`` whose rows are ``row_stride`` bytes apart, for boxes of ``box_rows`` rows that
     land in the canonical no-swizzle core-matrix layout (module docstring); a copy's
-    coordinates are ``(0, first row, 0)``.
+    coordinates are ``(0, first row, 0)`` (``tma_intrinsics().load``).
 
     Parameters
     ----------
@@ -59,29 +89,27 @@ def core_tile_map(address: int, rows: int, row_stride: int, head_dim: int,
     box_rows : int
         Rows per copy, 1-256.
     """
-    import ctypes
-
-    if address % 16 or row_stride % 16 or row_stride <= 0:
-        raise ValueError(f"core_tile_map: address and row_stride must be multiples of 16, got "
-                         f"{address:#x} and {row_stride}")
+    _check_rows("core_tile_map", address, rows, row_stride, box_rows)
     if head_dim % 8 or not 8 <= head_dim <= 2048:
         raise ValueError(f"core_tile_map: head_dim must be a multiple of 8 in 8..2048, got "
                          f"{head_dim}")
-    if not 1 <= box_rows <= 256 or rows < 1:
-        raise ValueError(f"core_tile_map: box_rows must be 1..256 and rows >= 1, got "
-                         f"{box_rows} and {rows}")
-    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
-    out = np.zeros(MAP_WORDS, np.int64)
-    res = fn(out.ctypes.data_as(ctypes.c_void_p), _UINT16, u32(3), ctypes.c_void_p(address),
-             (u64 * 3)(8, rows, head_dim // 8), (u64 * 2)(row_stride, 16),
-             (u32 * 3)(8, box_rows, head_dim // 8), (u32 * 3)(1, 1, 1),
-             0, 0, _L2_256B, 0)  # no interleave, no swizzle, zero fill out of bounds
-    if res != 0:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} (rows {rows}, "
-                           f"row_stride {row_stride}, head_dim {head_dim}, box {box_rows})")
-    return out
+    return _encode(address, (8, rows, head_dim // 8), (row_stride, 16),
+                   (8, box_rows, head_dim // 8), 0)
+
+
+def swizzled_tile_map(address: int, rows: int, row_stride: int, head_dim: int,
+                      box_rows: int) -> np.ndarray:
+    """The tensor map of the same ``[rows, head_dim]`` tensor for boxes of ``box_rows`` rows x 64
+    elements (128 bytes) in the 128-byte swizzled layout (FlashAttention-3's): row ``r`` of a
+    box at ``128 r`` bytes, its 16-byte chunk ``c`` at chunk ``c ^ (r % 8)``. A copy's
+    coordinates are ``(first column, first row)`` (``tma_intrinsics().load2d``); a head dim of
+    128 takes two copies, columns 0 and 64. Arguments as :func:`core_tile_map`'s, with
+    ``head_dim`` a multiple of 64."""
+    _check_rows("swizzled_tile_map", address, rows, row_stride, box_rows)
+    if head_dim % 64 or not 64 <= head_dim <= 2048:
+        raise ValueError(f"swizzled_tile_map: head_dim must be a multiple of 64 in 64..2048, "
+                         f"got {head_dim}")
+    return _encode(address, (head_dim, rows), (row_stride,), (64, box_rows), _SWIZZLE_128B)
 
 
 @functools.cache
@@ -93,6 +121,9 @@ def tma_intrinsics() -> SimpleNamespace:
     - ``load(dst, maps, i, row, bar)``: the box of map ``i`` of the int64 device array
       ``maps`` (:func:`core_tile_map`'s words, map ``i`` at ``maps[16 i]``) starting at ``row``
       into shared address ``dst``, completing its bytes on ``bar``;
+    - ``load2d(dst, maps, i, col, row, bar)``: the same for a :func:`swizzled_tile_map` box
+      whose first element is ``[row, col]`` (``dst`` 1024-byte aligned: the swizzle pattern
+      follows the address bits, as the warpgroup MMA reads it);
     - ``prefetch(maps, i)``: map ``i`` fetched into the SM's descriptor cache."""
     from llvmlite import ir
     from numba import types
@@ -142,6 +173,24 @@ def tma_intrinsics() -> SimpleNamespace:
         return types.void(dst, maps, i, row, bar), codegen
 
     @intrinsic
+    def load2d(typingctx, dst, maps, i, col, row, bar):
+        def codegen(context, builder, sig, args):
+            d = context.cast(builder, args[0], sig.args[0], U32)
+            m = map_address(context, builder, sig.args[1], args[1],
+                            context.cast(builder, args[2], sig.args[2], types.intp))
+            c = context.cast(builder, args[3], sig.args[3], types.int32)
+            r = context.cast(builder, args[4], sig.args[4], types.int32)
+            b = context.cast(builder, args[5], sig.args[5], U32)
+            asm = ir.InlineAsm(
+                ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i32]),
+                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+                "[$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [d, m, c, r, b])
+            return context.get_dummy_value()
+
+        return types.void(dst, maps, i, col, row, bar), codegen
+
+    @intrinsic
     def prefetch(typingctx, maps, i):
         def codegen(context, builder, sig, args):
             m = map_address(context, builder, sig.args[0], args[0],
@@ -153,7 +202,7 @@ def tma_intrinsics() -> SimpleNamespace:
 
         return types.void(maps, i), codegen
 
-    return SimpleNamespace(expect_tx=expect_tx, load=load, prefetch=prefetch)
+    return SimpleNamespace(expect_tx=expect_tx, load=load, load2d=load2d, prefetch=prefetch)
 
 
-__all__ = ["MAP_BYTES", "MAP_WORDS", "core_tile_map", "tma_intrinsics"]
+__all__ = ["MAP_BYTES", "MAP_WORDS", "core_tile_map", "swizzled_tile_map", "tma_intrinsics"]
