@@ -16,7 +16,7 @@ tail -3 "$OUT/r/tests.log" | cut -c1-250
 echo "tests: $((SECONDS - t0)) s"
 # (call 1 timed "2wg-n64-s2 r128,ws-s2,ws-s4,ws-s2-ov,ws-s4-ov,ws-s4 no-copy,ws-s4-ov no-copy";
 # call 2 "2wg-n64-s2 r128,ws-s4-ov,ws-tma-s4,ws-tma-s4-ov,ws-tma-s2-ov,ws-tma-s4-ov no-copy")
-variants=${WS_VARIANTS:-"2wg-n64-s2 r128,ws-tma-s4-ov,ws-sw-s4,ws-sw-s4-ov,ws-sw-s5-ov,ws-swk-s4-ov,ws-swv-s4-ov"}
+variants=${WS_VARIANTS:-"2wg-n64-s2 r128,ws-tma-s4-ov,ws-sw-s4,ws-sw-s4-ov,ws-sw-s5-ov,ws-swk-s4-ov,ws-swv-s4-ov,ws-s4 no-math,ws-tma-s4 no-math,ws-sw-s4 no-math"}
 timeout 420 python3 bench/wgmma_attention.py --variants "$variants" \
   --out "$OUT/r/ws_$tag.json" >"$OUT/r/ws.log" 2>&1 || status=1
 grep -E "rel err|TFLOP|failed|Error" "$OUT/r/ws.log" | cut -c1-200

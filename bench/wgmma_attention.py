@@ -386,7 +386,9 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     second: TMA copies of 16-byte box rows fed the consumers no faster than ``cp.async``.
 
     ``ablate`` (timing only, the result is wrong): ``"copy"``: the producer copies only the
-    first ``stages`` tiles and then re-arms each stage's full barrier without copying."""
+    first ``stages`` tiles and then re-arms each stage's full barrier without copying;
+    ``"math"``: the consumers release each stage as soon as it has landed (the copies alone:
+    what the memory side can deliver in this order)."""
     from numba import cuda, float32, int16, int32, int64, types
 
     from nbinfer.kernels.mbarrier import mbarrier_intrinsics
@@ -435,7 +437,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     SACC, OACC = bn // 2, d // 2
     A_WORDS = p.A_WORDS
     CAUSAL, S, OVERLAP = causal, stages, overlap
-    NO_COPY = "copy" in ablate
+    NO_COPY, NO_MATH = "copy" in ablate, "math" in ablate
     TMA = tma
     # K as the TMA box lands it: chunk-major, so the K-neighbour core matrix is a whole
     # column of 64 rows (1024 bytes) on and the next 8 rows 128 bytes on
@@ -601,7 +603,13 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         rq = q0 + 64 * cwg + 16 * warp + lane // 4
         wait_parity(bars + U32(16 * S), U32(0))  # Q
         proxy_fence()  # cp.async wrote through the generic proxy; wgmma reads async
-        if not OVERLAP:
+        if NO_MATH:  # the ring alone: each stage released as soon as it has landed
+            for t in range(ntiles):
+                s = t % S
+                wait_parity(bars + U32(8 * s), U32((t // S) & 1))
+                if lane == 0:
+                    arrive(bars + U32(8 * (S + s)))
+        elif not OVERLAP:
             for t in range(ntiles):
                 s = t % S
                 wait_parity(bars + U32(8 * s), U32((t // S) & 1))
@@ -732,6 +740,9 @@ ABLATIONS = {
     "ws-s4 no-copy": dict(ws=dict(stages=4, ablate="copy")),
     "ws-s4-ov no-copy": dict(ws=dict(stages=4, overlap=True, ablate="copy")),
     "ws-tma-s4-ov no-copy": dict(ws=dict(stages=4, overlap=True, tma=True, ablate="copy")),
+    "ws-s4 no-math": dict(ws=dict(stages=4, ablate="math")),
+    "ws-tma-s4 no-math": dict(ws=dict(stages=4, tma=True, ablate="math")),
+    "ws-sw-s4 no-math": dict(ws=dict(stages=4, tma=True, swizzle="kv", ablate="math")),
 }
 
 
