@@ -15,11 +15,15 @@ timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_mbarrier.
 tail -3 "$OUT/r/tests.log" | cut -c1-250
 echo "tests: $((SECONDS - t0)) s"
 # (call 1 timed "2wg-n64-s2 r128,ws-s2,ws-s4,ws-s2-ov,ws-s4-ov,ws-s4 no-copy,ws-s4-ov no-copy";
-# call 2 "2wg-n64-s2 r128,ws-s4-ov,ws-tma-s4,ws-tma-s4-ov,ws-tma-s2-ov,ws-tma-s4-ov no-copy")
-variants=${WS_VARIANTS:-"2wg-n64-s2 r128,ws-tma-s4-ov,ws-sw-s4,ws-sw-s4-ov,ws-sw-s5-ov,ws-swk-s4-ov,ws-swv-s4-ov,ws-s4 no-math,ws-tma-s4 no-math,ws-sw-s4 no-math"}
-timeout 420 python3 bench/wgmma_attention.py --variants "$variants" \
+# call 2 "2wg-n64-s2 r128,ws-s4-ov,ws-tma-s4,ws-tma-s4-ov,ws-tma-s2-ov,ws-tma-s4-ov no-copy";
+# call 3 "2wg-n64-s2 r128,ws-tma-s4-ov,ws-sw-s4,ws-sw-s4-ov,ws-sw-s5-ov,ws-swk-s4-ov,ws-swv-s4-ov,
+# ws-s4 no-math,ws-tma-s4 no-math,ws-sw-s4 no-math")
+variants=${WS_VARIANTS:-"2wg-n64-s2 r128,2wg-n64-s2 r128 sw,ws-sw-s4-ov,ws-cpsw-s4-ov"}
+shapes=${WS_SHAPES:-"4,32,4096,128;4,32,4096,64;16,32,1024,128;1,32,16384,128"}
+timeout 520 python3 bench/wgmma_attention.py --variants "$variants" --shapes "$shapes" \
   --out "$OUT/r/ws_$tag.json" >"$OUT/r/ws.log" 2>&1 || status=1
-grep -E "rel err|TFLOP|failed|Error" "$OUT/r/ws.log" | cut -c1-200
+grep -E "TFLOP|failed|Error" "$OUT/r/ws.log" | cut -c1-200
+grep -c "rel err" "$OUT/r/ws.log"
 echo "ws: $((SECONDS - t0)) s"
 session_h200_decode
 session_end

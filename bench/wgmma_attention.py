@@ -243,8 +243,84 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
 
 
 @functools.cache
+def _swizzled(d: int, bn: int, dtype: str, nt: int):
+    """K and V tiles of ``bn`` rows in the 128-byte swizzled layout (session 30), for a CTA of
+    ``nt`` copying threads: each 64-column half of a tile is ``bn`` rows of 128 bytes, row r's
+    16-byte chunk c at chunk ``c ^ (r % 8)`` (what a ``SWIZZLE_128B`` TMA box writes).
+
+    - ``stage(smem, sbase, src, row0, tid)``: the tile's rows by ``cp.async``, eight
+      consecutive threads one 128-byte half row (whole L2 lines; the canonical layout's copies
+      read 16 bytes from each of 8 rows per 8 threads, which measured ~2.2 TB/s at most);
+    - ``k_desc(kbase, ks)``: K's K-major descriptor for k-step ``ks`` (SBO 1024; 32 bytes a
+      step inside a half, the next half ``bn x 128`` bytes on);
+    - ``v_desc(vbase, kk)``: V's MN-major descriptor for keys ``16 kk ..`` (SBO 1024 between
+      8-key groups, LBO ``bn x 128`` between the halves)."""
+    from numba import cuda, types
+
+    from nbinfer.kernels.primitives import primitives
+    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
+
+    U32, U64 = types.uint32, types.uint64
+    cp16 = primitives(False).cp_async16_to
+    intr = wgmma_intrinsics()
+    kind = WGMMA_KINDS[dtype]
+    mma_qk0, mma_qk = intr.mma_fresh[(bn, kind)], intr.mma[(bn, kind)]
+    mma_pv = intr.mma_rs[(d, kind)]
+    fence, commit, wait0 = intr.fence, intr.commit, intr.wait0
+    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
+    LBO_Q, SBO_Q = 128, d // 8 * 128  # Q in the canonical layout, as _parts stages it
+    descriptor = cuda.jit(device=True)(smem_descriptor)
+    CH = d // 8  # 16-byte chunks per row
+    RSTEP = nt // CH  # rows one pass of the CTA's copies covers (a multiple of 8)
+    HALF = bn * 128
+    SW128 = U64(1 << 62)  # the descriptor's swizzle mode 1: 128 bytes
+
+    @cuda.jit(device=True)
+    def stage(smem, sbase, src, row0, tid):
+        r, ch = tid // CH, tid % CH
+        # r % 8 is the same on every pass (RSTEP is a multiple of 8): one swizzled slot
+        dst = sbase + U32((ch // 8) * HALF + r * 128 + ((ch % 8) ^ (r % 8)) * 16)
+        for i in range(bn // RSTEP):
+            cp16(smem, dst + U32(i * RSTEP * 128), src, (row0 + r + i * RSTEP) * d + ch * 8)
+
+    @cuda.jit(device=True)
+    def k_desc(kbase, ks):
+        return U64(descriptor(kbase + U32((ks // 4) * HALF + (ks % 4) * 32), 16, 1024)) | SW128
+
+    @cuda.jit(device=True)
+    def v_desc(vbase, kk):
+        return U64(descriptor(vbase + U32(kk * 2048), HALF, 1024)) | SW128
+
+    @cuda.jit(device=True)
+    def qk(kbase, qa, sacc):
+        # S = Q K^T for the calling warpgroup's 64 rows of Q at qa, waited for
+        fence()
+        mma_qk0(U64(descriptor(qa, LBO_Q, SBO_Q)), k_desc(kbase, 0), sacc)
+        for ks in range(1, d // 16):
+            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO_Q), LBO_Q, SBO_Q)), k_desc(kbase, ks),
+                   sacc)
+        commit()
+        wait0()
+        hold_s(sacc)
+
+    @cuda.jit(device=True)
+    def pv(pw, vbase, o):
+        # O += P V for P packed as the A words pw, waited for
+        hold_o(o)
+        fence()
+        for kk in range(bn // 16):
+            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3], v_desc(vbase, kk),
+                   o)
+        commit()
+        wait0()
+        hold_o(o)
+
+    return SimpleNamespace(stage=stage, k_desc=k_desc, v_desc=v_desc, qk=qk, pv=pv, HALF=HALF)
+
+
+@functools.cache
 def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, wgs: int = 2,
-               ablate: str = ""):
+               ablate: str = "", swizzle: bool = False):
     """``(attn, signature)``: the Python source of the pipelined kernel, launched (once
     compiled for the signature, :func:`pipe_kernel`) as ``attn[(L / (64 wgs), B H), 128 wgs,
     stream, smem_bytes(...)](q, k, v, o32, L, scale_log2)``, the arguments of :func:`build`'s.
@@ -257,6 +333,9 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     tiles of compute to land in. ``bn`` keys per tile (64 or 128: wgmma's N of ``Q K^T``).
     Causal: the tiles wholly before the CTA's first row run in a loop of their own, with no
     mask (the non-causal kernel's loop); the tiles that cross the diagonal follow, masked.
+
+    ``swizzle`` (session 30): K and V in the 128-byte swizzled layout (:func:`_swizzled`),
+    copied a half row per eight threads, read with swizzle-mode descriptors; Q as before.
 
     ``ablate`` (timing only, the result is wrong): ``"copy"`` requests only the prologue's
     tiles and reuses their buffers (no K / V traffic after them); ``"softmax"`` packs S as P
@@ -273,6 +352,9 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     p = _parts(d, bn, dtype, nt)
     stage, softmax, reset, store = p.stage, p.softmax, p.reset, p.store
     qk, pv, proxy_fence = p.qk, p.pv, p.proxy_fence
+    sw = _swizzled(d, bn, dtype, nt)
+    stage_sw, qk_sw, pv_sw = sw.stage, sw.qk, sw.pv
+    SWIZZLE = swizzle
     commit, shared_addr = p.commit, p.shared_addr
     wait_ring = primitives(False).wait(stages - 2)
     SBO_QK, SBO_V = p.SBO_QK, p.SBO_V
@@ -286,6 +368,16 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
     NO_COPY, NO_SOFTMAX = "copy" in ablate, "softmax" in ablate
 
     @cuda.jit(device=True)
+    def stage_kv(smem, buf, k, v, row, tid):
+        # tile rows row .. row + bn - 1 of K and V into the stage at buf
+        if SWIZZLE:
+            stage_sw(smem, buf, k, row, tid)
+            stage_sw(smem, buf + U32(KV_BYTES), v, row, tid)
+        else:
+            stage(smem, buf, k, row, bn, tid, False, SBO_QK)
+            stage(smem, buf + U32(KV_BYTES), v, row, bn, tid, True, SBO_V)
+
+    @cuda.jit(device=True)
     def step(smem, k, v, t, ntiles, row0, ring, sqw, tid, masked, sacc, oacc, pw, m, den, rq,
              t2, scale_log2):
         # one tile: wait for it, refill the ring, S = Q K^T, the softmax (masked: the tile
@@ -296,13 +388,18 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
         nxt = t + S - 1
         if nxt < ntiles and not (NO_COPY and nxt >= S - 1):
             buf = ring + U32((nxt % S) * STAGE_BYTES)  # tile t - 1's buffer
-            stage(smem, buf, k, row0 + nxt * bn, bn, tid, False, SBO_QK)
-            stage(smem, buf + U32(KV_BYTES), v, row0 + nxt * bn, bn, tid, True, SBO_V)
+            stage_kv(smem, buf, k, v, row0 + nxt * bn, tid)
         commit()
         sk = ring + U32((t % S) * STAGE_BYTES)
-        qk(smem, sk, sqw, 0, 0, sacc)  # this warpgroup's 64 rows of Q at sqw
+        if SWIZZLE:
+            qk_sw(sk, sqw, sacc)
+        else:
+            qk(smem, sk, sqw, 0, 0, sacc)  # this warpgroup's 64 rows of Q at sqw
         softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, masked, scale_log2, NO_SOFTMAX)
-        pv(pw, sk + U32(KV_BYTES), oacc)
+        if SWIZZLE:
+            pv_sw(pw, sk + U32(KV_BYTES), oacc)
+        else:
+            pv(pw, sk + U32(KV_BYTES), oacc)
 
     def attn(q, k, v, o32, seq_len, scale_log2):
         smem = cuda.shared.array(0, int16)  # Q, then the ring: smem_bytes(d, bn, stages, wgs)
@@ -315,14 +412,14 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
         clear = q0 // bn if CAUSAL else ntiles  # tiles wholly before the CTA's first row
         qw = q0 + 64 * wg  # this warpgroup's first row
         sq = shared_addr(smem, 0)
+        if SWIZZLE:  # (1024-byte aligned: the swizzle pattern follows the address bits)
+            sq = (sq + U32(1023)) & U32(0xFFFFFC00)
         sqw = sq + U32(wg * 64 * d * 2)
         ring = sq + U32(Q_BYTES)
         stage(smem, sq, q, row0 + q0, BMP, tid, False, SBO_QK)  # in the first group
         for s in range(S - 1):
             if s < ntiles:
-                buf = ring + U32(s * STAGE_BYTES)
-                stage(smem, buf, k, row0 + s * bn, bn, tid, False, SBO_QK)
-                stage(smem, buf + U32(KV_BYTES), v, row0 + s * bn, bn, tid, True, SBO_V)
+                stage_kv(smem, ring + U32(s * STAGE_BYTES), k, v, row0 + s * bn, tid)
             commit()  # possibly empty: every thread counts S - 1 groups before the loop
         sacc = cuda.local.array(SACC, float32)
         oacc = cuda.local.array(OACC, float32)
@@ -401,9 +498,10 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         wgmma_tile_ops,
     )
 
-    if stages < 2 or (swizzle and not tma) or swizzle not in ("", "k", "v", "kv"):
-        raise ValueError(f"build_ws: stages >= 2, and swizzle only with tma; got {stages}, "
-                         f"swizzle={swizzle}, tma={tma}")
+    if stages < 2 or swizzle not in ("", "k", "v", "kv") or (swizzle not in ("", "kv")
+                                                               and not tma):
+        raise ValueError(f"build_ws: stages >= 2, and one operand swizzled only with tma; got "
+                         f"{stages}, swizzle={swizzle}, tma={tma}")
     U32, U64 = types.uint32, types.uint64
     bn = 64
     p = _parts(d, bn, dtype, 128)  # the producer's copies: 128 threads
@@ -444,8 +542,8 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     K_LBO, K_SBO = bn * 16, 128
     FULL_COUNT = 1 if TMA else 128
     SW_K, SW_V = "k" in swizzle, "v" in swizzle
-    HALF = bn * 128  # swizzled: one 64-column half of a tile, 64 rows x 128 bytes
-    SW128 = U64(1 << 62)  # the descriptor's swizzle mode 1: 128 bytes
+    sw = _swizzled(d, bn, dtype, 128)  # (the producer warpgroup's copies, without TMA)
+    sw_stage, sw_k_desc, sw_v_desc, HALF = sw.stage, sw.k_desc, sw.v_desc, sw.HALF
     NEG_INF = float32(-np.inf)
 
     @cuda.jit(device=True)
@@ -492,8 +590,8 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
         # O += P V issued and committed, not waited for (the caller fenced before it)
         lv = (U32(vbase) >> U32(4)) | LO_LBO
         for kk in range(bn // 16):
-            if SW_V:  # 16 keys: two 8-key groups of 1024 bytes; the halves 8 KiB apart
-                dv = U64(descriptor(vbase + U32(kk * 2048), HALF, 1024)) | SW128
+            if SW_V:
+                dv = sw_v_desc(vbase, kk)
             else:
                 dv = HI_V | U64(lv + U32(kk * STEP))
             mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3], dv, o)
@@ -514,9 +612,8 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     @cuda.jit(device=True)
     def k_desc(kbase, ks):
         # K's descriptor for k-step ks (16 head-dim elements)
-        if SW_K:  # inside a 128-byte row: 32 bytes a step; the next half 8 KiB on
-            return U64(descriptor(kbase + U32((ks // 4) * HALF + (ks % 4) * 32), 16,
-                                  1024)) | SW128
+        if SW_K:
+            return sw_k_desc(kbase, ks)
         return U64(descriptor(kbase + U32(ks * 2 * K_LBO), K_LBO, K_SBO))
 
     @cuda.jit(device=True)
@@ -531,7 +628,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
 
     @cuda.jit(device=True)
     def qk_tile(smem, kbase, sqw, sacc):
-        if TMA:
+        if TMA or SW_K:
             qk_issue_tma(kbase, sqw, sacc)
             wgmma_wait0()
             hold_s(sacc)
@@ -540,7 +637,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
 
     @cuda.jit(device=True)
     def qk_start(smem, kbase, sqw, sacc):
-        if TMA:
+        if TMA or SW_K:
             qk_issue_tma(kbase, sqw, sacc)
         else:
             qk_issue(smem, kbase, sqw, 0, 0, sacc)
@@ -583,8 +680,12 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
                 wait_parity(bars + U32(8 * (S + s)), U32((t // S - 1) & 1))
             if not (NO_COPY and t >= S):
                 buf = ring + U32(s * STAGE_BYTES)
-                stage(smem, buf, k, row0 + t * bn, bn, tid, False, SBO_QK)
-                stage(smem, buf + U32(KV_BYTES), v, row0 + t * bn, bn, tid, True, SBO_V)
+                if SW_K:  # (both: swizzle "kv" without TMA)
+                    sw_stage(smem, buf, k, row0 + t * bn, tid)
+                    sw_stage(smem, buf + U32(KV_BYTES), v, row0 + t * bn, tid)
+                else:
+                    stage(smem, buf, k, row0 + t * bn, bn, tid, False, SBO_QK)
+                    stage(smem, buf + U32(KV_BYTES), v, row0 + t * bn, bn, tid, True, SBO_V)
             cp_arrive(bars + U32(8 * s))
         wait_copies()  # (no thread leaves with copies in flight)
 
@@ -703,9 +804,10 @@ def ws_smem_bytes(d: int, stages: int) -> int:
     return 128 * d * 2 + stages * 2 * 64 * d * 2 + 8 * (2 * stages + 1) + 1024
 
 
-def smem_bytes(d: int, bn: int, stages: int, wgs: int) -> int:
-    """Dynamic shared memory of :func:`build_pipe`'s kernel: Q's rows and the K / V ring."""
-    return 64 * wgs * d * 2 + stages * 2 * bn * d * 2
+def smem_bytes(d: int, bn: int, stages: int, wgs: int, swizzle: bool = False) -> int:
+    """Dynamic shared memory of :func:`build_pipe`'s kernel: Q's rows and the K / V ring (and 1
+    KiB to align them to 1024 bytes when swizzled)."""
+    return 64 * wgs * d * 2 + stages * 2 * bn * d * 2 + (1024 if swizzle else 0)
 
 
 # The timed variants: name -> build options ("pipe": build_pipe's keywords; else build's)
@@ -717,6 +819,8 @@ VARIANTS = {
     "2wg-n128-s2": dict(pipe=dict(wgs=2, bn=128, stages=2)),
     "1wg-n64-s3": dict(pipe=dict(wgs=1, bn=64, stages=3)),
     "2wg-n64-s2 r128": dict(pipe=dict(wgs=2, bn=64, stages=2, maxreg=128)),
+    "2wg-n64-s2 r128 sw": dict(pipe=dict(wgs=2, bn=64, stages=2, maxreg=128, swizzle=True)),
+    "2wg-n64-s2 sw": dict(pipe=dict(wgs=2, bn=64, stages=2, swizzle=True)),
     # warp-specialised (build_ws): a producer warpgroup, two consumers, mbarriers
     "ws-s4": dict(ws=dict(stages=4)),
     "ws-s4-ov": dict(ws=dict(stages=4, overlap=True)),
@@ -730,6 +834,7 @@ VARIANTS = {
     "ws-sw-s5-ov": dict(ws=dict(stages=5, overlap=True, tma=True, swizzle="kv")),
     "ws-swk-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True, swizzle="k")),
     "ws-swv-s4-ov": dict(ws=dict(stages=4, overlap=True, tma=True, swizzle="v")),
+    "ws-cpsw-s4-ov": dict(ws=dict(stages=4, overlap=True, swizzle="kv")),
 }
 # ablations of one pipelined variant (timing only: their output is not attention)
 ABLATIONS = {
@@ -771,7 +876,8 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
             np.int32(L), np.float32(math.log2(math.e) / math.sqrt(D)))
     if pipe:
         kern = pipe_kernel(D, causal, dtype, **pipe)
-        nbytes = smem_bytes(D, pipe["bn"], pipe["stages"], pipe["wgs"])
+        nbytes = smem_bytes(D, pipe["bn"], pipe["stages"], pipe["wgs"],
+                            pipe.get("swizzle", False))
         kern[(L // rows, B * H), 128 * pipe["wgs"], stream, nbytes](*args)
     elif ws:
         kern = ws_kernel(D, causal, dtype, **ws)
@@ -787,16 +893,16 @@ def run(q, k, v, causal, out=None, variant="one-stage"):
 
 
 @functools.cache
-def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None):
+def pipe_kernel(d, causal, dtype, wgs, bn, stages, ablate="", maxreg=None, swizzle=False):
     """:func:`build_pipe`'s kernel, opted in to its dynamic shared memory (past 48 KiB a
     function must ask the driver for it); ``maxreg``: ptxas's register cap (128 lets two
     CTAs of 256 threads share an SM)."""
     from numba import cuda
 
-    fn, sig = build_pipe(d, causal, dtype, bn, stages, wgs, ablate)
+    fn, sig = build_pipe(d, causal, dtype, bn, stages, wgs, ablate, swizzle)
     return _opted_in(cuda.jit(sig, lineinfo=False,
                               **({"max_registers": maxreg} if maxreg else {}))(fn),
-                     smem_bytes(d, bn, stages, wgs))
+                     smem_bytes(d, bn, stages, wgs, swizzle))
 
 
 @functools.cache

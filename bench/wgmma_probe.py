@@ -43,8 +43,10 @@ def main():
     ap.add_argument("--overlap", action="store_true",
                     help="attention, ws: the overlapped kernel")
     ap.add_argument("--tma", action="store_true", help="ws: K and V by TMA copies")
+    ap.add_argument("--maxreg", type=int, default=0, help="pipe: ptxas's register cap")
     ap.add_argument("--swizzle", default="", choices=("", "k", "v", "kv"),
-                    help="ws: these operands by TMA copies in the 128-byte swizzled layout")
+                    help="ws, pipe: these operands in the 128-byte swizzled layout (ws: by TMA "
+                         "with --tma, else kv by cp.async; pipe: kv)")
     ap.add_argument("--nvdisasm", default=None)
     args = ap.parse_args()
 
@@ -64,13 +66,14 @@ def main():
         import wgmma_attention
 
         kernel, sig = wgmma_attention.build_pipe(args.d, args.causal, args.dtype, args.n,
-                                                 args.stages, args.wgs)
+                                                 args.stages, args.wgs,
+                                                 swizzle=bool(args.swizzle))
         kernel = SimpleNamespace(py_func=kernel)
     elif args.product == "ws":
         import wgmma_attention
 
         kernel, sig = wgmma_attention.build_ws(args.d, args.causal, args.dtype, args.stages,
-                                               args.overlap, tma=args.tma or bool(args.swizzle),
+                                               args.overlap, tma=args.tma,
                                                swizzle=args.swizzle)
         kernel = SimpleNamespace(py_func=kernel)
         cap = [f"-maxrregcount={wgmma_attention.WS_MAX_REGISTERS}"]
@@ -83,7 +86,7 @@ def main():
         build = build_tile_product if args.product == "qk" else build_pv_product
         kernel = build(args.n, args.d, args.dtype)
         sig = (types.uint16[::1], types.uint16[::1], types.float32[::1])
-    cap = cap if args.product == "ws" else []
+    cap = cap if args.product == "ws" else [f"-maxrregcount={args.maxreg}"] if args.maxreg else []
     ptx, _ = cuda.compile_ptx(kernel.py_func, sig, cc=(9, 0))
     print("PTX:", *[ln.strip() for ln in ptx.splitlines() if ln.startswith(".target")])
     asm = [ln.strip() for ln in ptx.splitlines() if ln.strip().startswith(("wgmma.", "fence."))]
