@@ -206,18 +206,20 @@ def tile_config(token: str):
     ``g`` for the products on warpgroup MMA, then ``l`` for the lean warpgroup kernel where
     the plan allows it, then ``p`` for its per-item overlap (``LEAN_PREFETCH``), then ``z``
     for its lazy rescale (``LEAN_LAZY_RESCALE``), then ``q`` for its S = Q K^T ahead of the
-    ring's refill (``LEAN_QK_AHEAD``), then ``o`` and MiB for the plan's L2 order
+    ring's refill (``LEAN_QK_AHEAD``), then ``y`` for its swizzled K / V tiles
+    (``LEAN_SWIZZLE``), then ``o`` and MiB for the plan's L2 order
     (``PREFILL_L2_SECTION_MIB``) (``"64"``, ``"32"``, ``"32s168"``, ``"32x4"``, ``"64m"``,
     ``"64mk"``, ``"64w8"``, ``"64w8g"``, ``"64w8gl"``, ``"64w8glp"``, ``"64w8glz"``,
-    ``"64w8glpz"``, ``"64w8glq"``, ``"64w8glo16"``; the lean kernel's own shape is fixed, ``s255`` lifts its
-    128-register cap). Every field is set, so a token names one kernel and order whatever the
-    wrapper (the cascade's rule included)."""
-    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?(l)?(p)?(z)?(q)?(o(\d+))?",
+    ``"64w8glpz"``, ``"64w8glq"``, ``"64w8glqy"``, ``"64w8glo16"``; the lean kernel's own shape
+    is fixed, ``s255`` lifts its 128-register cap). Every field is set, so a token names one
+    kernel and order whatever the wrapper (the cascade's rule included)."""
+    m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?(l)?(p)?(z)?(q)?(y)?(o(\d+))?",
                      str(token))
     if m is None or (m.group(11) and not m.group(10)) or (
-            (m.group(12) or m.group(13) or m.group(14)) and not m.group(11)):
+            (m.group(12) or m.group(13) or m.group(14) or m.group(15)) and not m.group(11)):
         raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk, 64w8, "
-                         f"64w8g, 64w8gl, 64w8glp, 64w8glz, 64w8glq or 64w8glo16, got {token!r}")
+                         f"64w8g, 64w8gl, 64w8glp, 64w8glz, 64w8glq, 64w8glqy or 64w8glo16, got "
+                         f"{token!r}")
     with api_overrides(MMA_KV_TILE=int(m.group(1)), MMA_Q_SHARED=bool(m.group(2)),
                        MMA_MAX_REGISTERS=int(m.group(3)) if m.group(3) else 0,
                        MMA_STAGES=int(m.group(5)) if m.group(5) else None,
@@ -225,8 +227,8 @@ def tile_config(token: str):
                        MMA_WARPS=int(m.group(9)) if m.group(9) else None,
                        MMA_WGMMA=bool(m.group(10)), MMA_WGMMA_LEAN=bool(m.group(11)),
                        LEAN_PREFETCH=bool(m.group(12)), LEAN_LAZY_RESCALE=bool(m.group(13)),
-                       LEAN_QK_AHEAD=bool(m.group(14)),
-                       PREFILL_L2_SECTION_MIB=int(m.group(16)) if m.group(16) else None):
+                       LEAN_QK_AHEAD=bool(m.group(14)), LEAN_SWIZZLE=bool(m.group(15)),
+                       PREFILL_L2_SECTION_MIB=int(m.group(17)) if m.group(17) else None):
         yield
 
 

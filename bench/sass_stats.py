@@ -127,6 +127,9 @@ def main():
     ap.add_argument("--qk-ahead", action="store_true",
                     help="prefill, with --lean: MmaPrefillSpec(qk_ahead=True), each tile's "
                          "S = Q K^T issued before the ring's refill")
+    ap.add_argument("--swizzle", action="store_true",
+                    help="prefill, with --lean: MmaPrefillSpec(swizzle=True), K and V tiles in "
+                         "the 128-byte swizzled layout")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -164,6 +167,7 @@ def main():
                               q_shared=args.q_shared, kv_split=args.kv_split,
                               wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
                               lazy_rescale=args.lazy, qk_ahead=args.qk_ahead,
+                              swizzle=args.swizzle,
                               defer_merge=args.lean, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,

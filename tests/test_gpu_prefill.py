@@ -132,9 +132,11 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
 
 
 # (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD) per form of the lean kernel
-LEAN_FORMS = {"plain": (False, False, False), "prefetch": (True, False, False),
-              "lazy": (False, True, False), "ahead": (False, False, True),
-              "prefetch_ahead": (True, False, True)}
+# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD, LEAN_SWIZZLE)
+LEAN_FORMS = {"plain": (False, False, False, True), "prefetch": (True, False, False, True),
+              "lazy": (False, True, False, True), "ahead": (False, False, True, True),
+              "prefetch_ahead": (True, False, True, True),
+              "canonical": (False, False, True, False)}
 
 
 @pytest.mark.parametrize("form", list(LEAN_FORMS))
@@ -146,16 +148,17 @@ def test_paged_prefill_gpu_wgmma_lean(rng, monkeypatch, case, form):
     # the stager: cp.async cannot negate). "prefetch": LEAN_PREFETCH, the per-item overlap (Q by
     # cp.async, the next item's first KV tile and Q requested during the last tile); "lazy":
     # LEAN_LAZY_RESCALE, the rescale only when a row's maximum grows by more than 2^8;
-    # "ahead": LEAN_QK_AHEAD, each tile's S = Q K^T issued before the ring's refill.
+    # "ahead": LEAN_QK_AHEAD, each tile's S = Q K^T issued before the ring's refill; all but
+    # "canonical" with K and V in the 128-byte swizzled layout (LEAN_SWIZZLE).
     monkeypatch.setattr(prefill_api, "MMA_WGMMA", True)
-    for knob, on in zip(("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD"),
+    for knob, on in zip(("LEAN_PREFETCH", "LEAN_LAZY_RESCALE", "LEAN_QK_AHEAD", "LEAN_SWIZZLE"),
                         LEAN_FORMS[form], strict=True):
         monkeypatch.setattr(prefill_api, knob, on)
     qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, kw = LEAN_PAGED[case]
     w = _paged_case(rng, qo_lens, kv_lens, hq, hkv, d, ps, dtype, layout, dict(kw))
     spec = w.step_plan.spec
     assert spec.lean and spec.wgmma and spec.defer_merge and spec.max_registers == 128
-    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead) == LEAN_FORMS[form]
+    assert (spec.prefetch, spec.lazy_rescale, spec.qk_ahead, spec.swizzle) == LEAN_FORMS[form]
     assert w.step_plan.launch.launch.kernel.regs <= 128
 
 

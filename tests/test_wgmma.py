@@ -13,6 +13,8 @@ from nbinfer.kernels.wgmma import (
     core_offset_mn,
     fragment_position,
     smem_descriptor,
+    swizzled_offset,
+    swizzled_slot,
 )
 
 
@@ -40,6 +42,39 @@ def test_mn_major_layout_places_every_element_once(kdim, n):
     assert np.array_equal(np.sort(offs.ravel()), np.arange(0, kdim * n * 2, 2))
     assert np.array_equal(offs[0, :8], 2 * np.arange(8))  # a core row: 8 columns, 16 bytes
     assert offs[8, 0] == 128 and offs[0, 8] == sbo
+
+
+@pytest.mark.parametrize("rows, d", [(64, 128), (64, 64), (128, 128)])
+def test_swizzled_layout_places_every_element_once(rows, d):
+    # The 128-byte swizzle (what a SWIZZLE_128B TMA box writes and the warpgroup MMA reads in
+    # mode 1): a bijection onto the tile's bytes; each 64-column block a run of 128-byte rows;
+    # a row's 16-byte chunk c at c ^ (row % 8), so the eight chunks of rows r and r + 1 fall
+    # on different 16-byte slots of their lines.
+    offs = np.array([[swizzled_offset(r, c, rows) for c in range(d)] for r in range(rows)])
+    assert np.array_equal(np.sort(offs.ravel()), np.arange(0, rows * d * 2, 2))
+    assert offs[0, 64 % d] == (rows * 128 if d > 64 else 0)  # the second column block
+    assert np.array_equal(offs[3, :64:8], 3 * 128 + 16 * (np.arange(8) ^ 3))
+    assert np.array_equal(offs[:, 0] // 128, np.arange(rows))
+
+
+@pytest.mark.parametrize("nt, rows, d", [(256, 64, 128), (256, 64, 64), (128, 64, 128)])
+def test_swizzled_slots_copy_whole_lines_once(nt, rows, d):
+    # The lean kernel's swizzled copies: every (row, chunk) of the tile once, each landing
+    # where swizzled_offset puts it, one add per copy; eight consecutive threads read one
+    # whole 128-byte half row (the request size that lifts the copies' ceiling).
+    seen = np.zeros((rows, d // 8), int)
+    for tid in range(nt):
+        row, chunk, dst, row_step, dst_step = swizzled_slot(tid, nt, d, rows)
+        for i in range(rows // row_step):
+            r = row + i * row_step
+            seen[r, chunk] += 1
+            assert dst + i * dst_step == swizzled_offset(r, 8 * chunk, rows)
+    assert (seen == 1).all()
+    for t0 in range(0, nt, 8):  # eight threads: one row, chunks 8 b .. 8 b + 7 of one block
+        slots = [swizzled_slot(t, nt, d, rows) for t in range(t0, t0 + 8)]
+        assert len({s[0] for s in slots}) == 1
+        assert sorted(s[1] for s in slots) == list(range(slots[0][1], slots[0][1] + 8))
+        assert slots[0][1] % 8 == 0
 
 
 @pytest.mark.parametrize("nt, rows, d", [(128, 64, 128), (256, 128, 128), (256, 64, 64),

@@ -128,6 +128,11 @@ PREFILL_PDL = None
 # H100, +1.5-4.8 % at 8 of req 1's 10 prefill rows, -0.8 % (D 64 causal) and -0.2 % (L 1024
 # non-causal) at the other two (bench/NOTES.md, session 29; bench/prefill.py's ``q`` token).
 LEAN_QK_AHEAD = True
+# The lean kernel's K and V tiles in the 128-byte swizzled layout (MmaPrefillSpec's
+# ``swizzle``; GPU only): every copy of eight threads one whole 128-byte line. Standalone, the
+# same change took session 16's tile from 248 to 437 TFLOP/s causal and 283 to 475 non-causal
+# at B4 L4096 D128 on an H100 (bench/NOTES.md, session 30; bench/prefill.py's ``y`` token).
+LEAN_SWIZZLE = True
 # The tensor-core kernels' work in L2 order (scheduler.plan's ``l2_section_kv``): LPT takes the
 # (request, kv head) pairs in sections of about this many MiB of KV, so the items running at
 # once read ~2 sections' KV (B4 L4096 H32 causal: ~32 MiB at 16, against 190 MiB for plain
@@ -323,7 +328,8 @@ class PrefillWrapperBase(WrapperBase):
                              max_registers=tiles["max_registers"] or LEAN_MAX_REGISTERS,
                              prefetch=bool(LEAN_PREFETCH),
                              lazy_rescale=bool(LEAN_LAZY_RESCALE),
-                             qk_ahead=bool(LEAN_QK_AHEAD))
+                             qk_ahead=bool(LEAN_QK_AHEAD),
+                             swizzle=bool(LEAN_SWIZZLE) and not sim)
             warps = MMA_WARPS or (8 if wg else 2 if sim else 4)
             spec = MmaPrefillSpec(*args, **flags, num_warps=warps, **tiles)
             most = MMA_CTAS_PER_SM_CAPPED if spec.max_registers else MMA_CTAS_PER_SM

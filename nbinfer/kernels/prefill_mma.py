@@ -132,6 +132,11 @@ class MmaPrefillSpec(PrefillSpec):
     # With ``lean``: each tile's S = Q K^T chain issued before the ring's refill (the next
     # tile's cp.async copies then queue behind the tensor cores' work, not ahead of it).
     qk_ahead: bool = False
+    # With ``lean`` on the GPU: K and V tiles in the 128-byte swizzled layout, each copy of
+    # eight threads one whole 128-byte line (kernels.wgmma.swizzled_slot), where the canonical
+    # layout's copies read 16-byte pieces of eight rows: those capped the SMs' intake of K and
+    # V at ~2.2 TB/s (bench/NOTES.md, session 30).
+    swizzle: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -169,9 +174,12 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        if (self.prefetch or self.lazy_rescale or self.qk_ahead) and not self.lean:
-            raise ValueError("prefetch=True, lazy_rescale=True and qk_ahead=True are the lean "
-                             "kernel's (lean=True)")
+        if (self.prefetch or self.lazy_rescale or self.qk_ahead or self.swizzle) and not self.lean:
+            raise ValueError("prefetch=True, lazy_rescale=True, qk_ahead=True and swizzle=True "
+                             "are the lean kernel's (lean=True)")
+        if self.swizzle and self.sim:
+            raise ValueError("swizzle=True is a layout of the GPU's warpgroup MMA; the "
+                             "simulator's lean kernel runs on the mma.sync twins")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -183,7 +191,7 @@ class MmaPrefillSpec(PrefillSpec):
         ``lean`` and the lean kernel's rungs): the form of a companion that runs on
         ``mma.sync`` whatever the main kernel (the guarded twin, the value scan, the merge)."""
         return dataclasses.replace(self, wgmma=False, lean=False, prefetch=False,
-                                   lazy_rescale=False, qk_ahead=False, **changes)
+                                   lazy_rescale=False, qk_ahead=False, swizzle=False, **changes)
 
     @property
     def tile_q(self) -> int:
@@ -259,6 +267,8 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
 
     gpu = sizes(row_bytes(False))
     stage, q_base, total = sizes(row_bytes(spec.sim))
+    if spec.swizzle:  # 1 KiB more, to start the stages on a 1024-byte boundary
+        gpu, total = (*gpu[:2], gpu[2] + 1024), total + 1024
     dynamic = total if gpu[2] > STATIC_SHARED_LIMIT - 1024 else 0
     return dict(stage=stage, q_base=q_base, total=total, dynamic=dynamic)
 

@@ -29,7 +29,8 @@ nbinfer's work items, and nothing more:
   ``lazy_rescale`` (the accumulators rescaled only when a row's maximum grows by more than
   2^8), both measured in session 21 (+2 % and -8 %), and ``qk_ahead`` (each tile's ``S = Q
   K^T`` issued before the ring's refill: +1.5 to +4.8 % at most of req 1's rows in session 29,
-  which the api turns on, ``LEAN_QK_AHEAD``).
+  which the api turns on, ``LEAN_QK_AHEAD``); and ``swizzle`` (K and V tiles in the 128-byte
+  swizzled layout, a whole line per eight threads' copies: bench/NOTES.md, session 30).
 
 Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
 tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
@@ -135,7 +136,7 @@ def _target(spec, sim: bool):
         return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any, qk_issue=qk_smem,
                                qk_wait=qk_wait, opaque=lambda x: x, addr_low=addr_low,
                                store_u32=None, pack=None)
-    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW)
+    ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW, spec.swizzle)
     pv_words = ops.pv_words
     pack = _gpu_mma_intrinsics().pack[WGMMA_KINDS[spec.q_dtype]]  # two floats -> one b32
     intr = wgmma_intrinsics()
@@ -213,6 +214,10 @@ def prefill_wgmma_kernel_source(spec):
     # reload and the add waiting on it were 17 % of the warps' samples (causal B4 L4096,
     # bench/NOTES.md, session 17, call 5).
     QK_AHEAD = spec.qk_ahead
+    # spec.swizzle: K and V in the 128-byte swizzled layout, copied a whole line per eight
+    # threads (the canonical layout's copies read 16-byte pieces of eight rows, which capped
+    # K / V into the SMs at ~2.2 TB/s: session 30's standalone tile, 248 -> 437 TFLOP/s causal)
+    SWIZZLE = spec.swizzle
     O_WORDS = PREFETCH and not sim  # pairs of outputs as one 32-bit store
     addr_low, store_u32, pack_o = tgt.addr_low, tgt.store_u32, tgt.pack  # (o: q's type)
     cp16 = prims.cp_async16_to
@@ -401,6 +406,8 @@ def prefill_wgmma_kernel_source(spec):
         warp = tid // 32
         t2 = 2 * (lane % 4)
         base = shared_addr(smem, 0)
+        if SWIZZLE:  # the stages on a 1024-byte boundary (shared_layout's extra KiB)
+            base = (base + U32(1023)) & U32(0xFFFFFC00)
         hq = hkv * G
         # Scores come out unscaled: sm_scale and log2 e go into exp2's FFMA, and the row
         # maximum of raw scores, scaled, is the scaled maximum, for a scale >= 0. A negative

@@ -97,6 +97,36 @@ def copy_slot(tid: int, nt: int, d: int, mn_major: bool, sbo: int, lbo: int = 12
             row_step // 8 * sbo)
 
 
+def swizzled_offset(row: int, col: int, rows: int, itemsize: int = 2) -> int:
+    """Byte offset of element ``(row, col)`` of a ``[rows, d]`` row-major tile (``rows`` a
+    multiple of 8) in the 128-byte swizzled layout: each 128-byte column block (64 16-bit
+    elements) is ``rows`` rows of 128 bytes, and row ``r``'s 16-byte chunk ``c`` of the block
+    sits at chunk ``c ^ (r % 8)``. What a ``SWIZZLE_128B`` TMA box writes, and what the
+    warpgroup MMA reads with swizzle mode 1: K-major (K's rows are keys, the head dim K) with
+    SBO 1024, MN-major (V's rows are keys along K, the head dim along N) with SBO 1024 and LBO
+    ``rows x 128``, the next column block."""
+    per_block = 128 // itemsize
+    block, within = col // per_block, col % per_block
+    chunk, e = within * itemsize // 16, within * itemsize % 16
+    return block * rows * 128 + row * 128 + ((chunk ^ (row % 8)) * 16) + e
+
+
+def swizzled_slot(tid: int, nt: int, d: int, rows: int,
+                  itemsize: int = 2) -> tuple[int, int, int, int, int]:
+    """:func:`copy_slot` for the swizzled layout (:func:`swizzled_offset`): ``(row, chunk, dst,
+    row_step, dst_step)``. Consecutive threads take consecutive chunks of one row, so eight
+    threads read one whole 128-byte line and write one 128-byte row of a block (its chunks
+    permuted: no bank conflict). The canonical layout's map (eight rows' 16-byte pieces per
+    eight threads) measured ~2.2 TB/s of copies into the SMs at most, this one 8-12 TB/s
+    (bench/NOTES.md, session 30). Needs ``nt`` a multiple of ``8 x chunks per row``."""
+    per_row = d * itemsize // 16
+    row, chunk = tid // per_row, tid % per_row
+    row_step = nt // per_row  # a multiple of 8: row % 8 is the same on every pass
+    # swizzled_offset of (row, the chunk's first element), written out (see copy_slot)
+    dst = (chunk // 8) * rows * 128 + row * 128 + (((chunk % 8) ^ (row % 8)) * 16)
+    return row, chunk, dst, row_step, row_step * 128
+
+
 def fragment_position(i: int, warp: int, lane: int) -> tuple[int, int]:
     """``(row, column)`` of accumulator ``acc[i]`` of ``lane`` in ``warp`` (0-3) of the
     warpgroup: ``i = 4 j + 2 h + c`` is row ``16 warp + lane // 4 + 8 h``, column ``8 j + 2
@@ -432,7 +462,8 @@ def build_pv_product(n: int, kdim: int, dtype: str = "float16"):
 
 
 @functools.cache
-def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
+def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int,
+                   swizzle: bool = False):
     """:func:`nbinfer.kernels.mma.tile_ops`' namespace for the tensor-core prefill on warpgroup
     MMA (``MmaPrefillSpec(wgmma=True)``): the same names, arguments and accumulator layouts,
     so the kernel's softmax, masks, hooks and epilogue run unchanged; what differs is
@@ -456,7 +487,9 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
       stays on ``mma.sync``).
 
     ``tile_kv`` and ``head_dim``: 64 or 128 (wgmma's N of the two products); ``num_warps`` 4 or
-    8 (one or two warpgroups)."""
+    8 (one or two warpgroups). ``swizzle``: K and V tiles in the 128-byte swizzled layout
+    (:func:`swizzled_offset`; their stage 1024-byte aligned), copied whole lines at a time
+    (:func:`swizzled_slot`) and read with swizzle-mode descriptors; Q stays canonical."""
     from numba import cuda
 
     from .mma import _gpu_mma_intrinsics, tile_ops
@@ -496,8 +529,13 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     def q_offset(p, d):
         return U32((p // 8) * SBO_K + (d // 8) * LBO + (p % 8) * 16 + (d % 8) * 2)
 
+    sw_slot = cuda.jit(device=True)(swizzled_slot)
+
     @jit_dev
     def copy_map(tid):
+        if swizzle:  # eight consecutive threads copy one 128-byte half row: K and V alike
+            j0, c, dst, step, dst_step = sw_slot(tid, NT, D, BC, 2)
+            return U32(j0), U32(c), U32(dst), U32(dst), U32(dst_step), U32(dst_step)
         # eight consecutive threads copy one chunk of eight rows: one 128-byte core matrix
         j0, c, dk, step, dk_step = slot(tid, NT, D, False, SBO_K, LBO, 2)
         _, _, dv, _, dv_step = slot(tid, NT, D, True, SBO_V, LBO, 2)
@@ -516,6 +554,18 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
     STEP = 2 * LBO >> 4
     LO_LBO = U32((LBO >> 4) << 16)
     HI_K, HI_V = U64((SBO_K >> 4) << 32), U64((SBO_V >> 4) << 32)
+    # Swizzled (the same one-add form): K's k-step ks at (ks // 4) column blocks of BC x 128
+    # bytes plus 32 bytes a step inside one, LBO unused (1), SBO 1024; V's 16 keys are two
+    # 8-key groups of 1024 bytes, LBO the next column block. Mode 1 (128 bytes) in bits 62-63.
+    BLOCK = BC * 128
+    SW_MODE = 1 << 62
+    if swizzle:
+        LO_K, LO_V = U32(1 << 16), U32((BLOCK >> 4) << 16)
+        HI_K, HI_V = U64((1024 >> 4) << 32 | SW_MODE), U64((1024 >> 4) << 32 | SW_MODE)
+        K_BLOCK, K_STEP, V_STEP = BLOCK >> 4, 32 >> 4, 2048 >> 4
+    else:  # (k-step ks at ks STEP: four steps a "block")
+        LO_K = LO_V = LO_LBO
+        K_BLOCK, K_STEP, V_STEP = 4 * STEP, STEP, STEP
 
     @jit_dev
     def qk_issue(smem, kbase, qbase, warp, lane, s):
@@ -523,11 +573,11 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
         # until ``qk_wait``, and the caller may issue other work (the ring's refill) meanwhile
         qa = U32(qbase) + U32((warp // 4) * QWG_BYTES)
         fence()  # (the first k-step reads no accumulator: nothing to hold before the fence)
-        lb = (U32(kbase) >> U32(4)) | LO_LBO
+        lb = (U32(kbase) >> U32(4)) | LO_K
         mma_qk0(U64(descriptor(qa, LBO, SBO_K)), HI_K | U64(lb), s)
         for ks in range(1, KSTEPS):
             mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_K)),
-                   HI_K | U64(lb + U32(ks * STEP)), s)
+                   HI_K | U64(lb + U32((ks // 4) * K_BLOCK + (ks % 4) * K_STEP)), s)
         commit()
 
     @jit_dev
@@ -546,10 +596,10 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
         # mma.sync's packing) and V's tile at vbase, waited for
         hold_o(o)  # the rescaled accumulators, written before the fence
         fence()
-        lv = (U32(vbase) >> U32(4)) | LO_LBO
+        lv = (U32(vbase) >> U32(4)) | LO_V
         for kk in range(VSTEPS):
             mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3],
-                   HI_V | U64(lv + U32(kk * STEP)), o)
+                   HI_V | U64(lv + U32(kk * V_STEP)), o)
         commit()
         wait0()
         hold_o(o)
@@ -585,4 +635,4 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int):
 
 __all__ = ["WGMMA_KINDS", "WGMMA_N", "build_pv_product", "build_tile_product", "copy_slot",
            "core_offset", "core_offset_mn", "fragment_position", "smem_descriptor",
-           "wgmma_intrinsics", "wgmma_tile_ops"]
+           "swizzled_offset", "swizzled_slot", "wgmma_intrinsics", "wgmma_tile_ops"]
