@@ -30,13 +30,17 @@ nbinfer's work items, and nothing more:
   2^8), both measured in session 21 (+2 % and -8 %), and ``qk_ahead`` (each tile's ``S = Q
   K^T`` issued before the ring's refill: +1.5 to +4.8 % at most of req 1's rows in session 29,
   which the api turns on, ``LEAN_QK_AHEAD``); and ``swizzle`` (K and V tiles in the 128-byte
-  swizzled layout, a whole line per eight threads' copies: bench/NOTES.md, session 30).
+  swizzled layout, eight threads' copies one whole 128-byte line: B4 L4096 D128 fp16 229.6 ->
+  363.5 TFLOP/s causal, 269.3 -> 453.9 non-causal on an H100, ``LEAN_SWIZZLE``, on).
 
 Arithmetic per 64-key tile and warpgroup at D 128: 2 x 64 x 64 x 128 x 2 = 2.1 MFLOP on the
 tensor cores, 32 scores and 64 accumulators per thread of element-wise work (one max, one min,
 one FFMA + exp2 + add per score, 64 rescales); bytes: 32 KiB of K and V per tile for the CTA's
-128 rows, 128 FLOP/byte, so at 4.2 TB/s the copies could feed ~540 TFLOP/s: the tile is
-compute- and issue-bound, not bandwidth-bound.
+128 rows, 128 FLOP/byte. What K and V cost is not their bytes but their copy requests: in the
+canonical layout eight threads copy 16-byte pieces of eight rows, and every kernel built that
+way (cp.async from the computing warps, a producer warpgroup, or TMA boxes of 16-byte rows)
+stopped at ~2.2 TB/s into the SMs, ~280 TFLOP/s here; whole 128-byte lines into the swizzled
+layout moved 8-12 TB/s (L2 hits) in the same test (bench/NOTES.md, session 30).
 
 In the simulator (``spec.sim``) the two products are the ``mma.sync`` twins of
 :func:`nbinfer.kernels.mma.tile_ops`, whose per-lane fragments are the warpgroup's, over padded

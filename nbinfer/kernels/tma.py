@@ -1,12 +1,12 @@
 """Hopper's Tensor Memory Accelerator (TMA) for 16-bit row tiles: one thread copies a whole K or
-V tile into shared memory, already in the canonical no-swizzle layout of the warpgroup MMA.
+V tile into shared memory, already in a layout the warpgroup MMA reads.
 
-``cp.async`` copies cost the warps that issue them one instruction per 16 bytes, and measured
-on the H100 they stop feeding the tensor cores well before the L2 does: the warp-specialised
-standalone tile ran at 249 TFLOP/s causal with a producer warpgroup on ``cp.async`` and at 399
-without any copies (bench/NOTES.md, session 30). A TMA copy is one instruction per tile, moved
-by the SM's copy engine and signalled on an mbarrier (:mod:`.mbarrier`): the thread arms the
-stage's barrier with the tile's byte count (``expect_tx``) and each copy completes part of it.
+A ``cp.async`` copy costs the warp that issues it one instruction per 16 bytes; a TMA copy is
+one instruction per tile, moved by the SM's copy engine and signalled on an mbarrier
+(:mod:`.mbarrier`): the thread arms the stage's barrier with the tile's byte count
+(``expect_tx``) and each copy completes part of it. Built for the warp-specialised standalone
+tile (bench/wgmma_attention.py's ``build_ws``), where a producer warpgroup on ``cp.async`` ran
+at 249 TFLOP/s causal against 399 without any copies (bench/NOTES.md, session 30).
 
 **The layout trick.** A tiled tensor map copies a box whose first dimension is contiguous in
 shared memory. Viewing a ``[rows, D]`` tensor (rows ``row_stride`` bytes apart) as three
@@ -16,14 +16,19 @@ is 128 contiguous bytes, the core matrix of row block ``rb`` and chunk ``c`` at 
 128``. That is the MN-major V layout the P V product already reads (LBO 128 between key
 blocks, SBO ``R / 8 x 128`` between column chunks), and a K-major layout for K with LBO ``R x
 16`` (K-neighbours: the next chunk) and SBO 128 (the next 8 rows). No swizzle, so the
-descriptors stay the ones :mod:`.wgmma` documents; the price is a 16-byte first box dimension
-(the TMA unit moves the box in 16-byte rows).
+descriptors stay the ones :mod:`.wgmma` documents; the price is a 16-byte first box dimension,
+and that price decided it: copies in 16-byte row pieces fed the SMs no faster than ``cp.async``
+did (~2.2 TB/s). :func:`swizzled_tile_map` is the other form: boxes of 64 elements (one
+128-byte line per row) in the 128-byte swizzled layout (:func:`.wgmma.swizzled_offset`),
+which moved 8-12 TB/s in the same test (bench/NOTES.md, session 30).
 
 The tensor map is 128 bytes built on the host (``cuTensorMapEncodeTiled`` through ctypes) and
 read by the copies from global memory (Numba cannot declare a ``__grid_constant__`` kernel
 parameter): a device array of maps, 64-byte aligned, passed to the kernel like any array.
 
-GPU only (sm_90); tests/test_tma.py (gpu) checks the layout against NumPy.
+GPU only (sm_90); tests/test_tma.py (gpu) checks both layouts against NumPy. The lean
+prefill itself reaches the swizzled layout without TMA (whole-line ``cp.async`` copies,
+:func:`.wgmma.swizzled_slot`); these serve bench/wgmma_attention.py's warp-specialised tile.
 """
 
 from __future__ import annotations
