@@ -24,13 +24,6 @@ for round in 1 2; do
   ab=(64w8glqco16 64w8glqo16)
 done
 echo "a/b: $((SECONDS - t0)) s"
-if [ -n "${GRID:-}" ]; then
-  timeout 240 python3 bench/prefill.py --grid --grid-shapes \
-    bfloat16:128:4096,float16:64:4096,float16:128:1024,float16:128:16384 \
-    --kv-tiles 64w8glqo16,64w8glqco16 --out "$OUT/r/grid_row_copies_$tag.json" \
-    >"$OUT/r/grid.log" 2>&1 || status=1
-  grep "TFLOP" "$OUT/r/grid.log" | cut -c1-250
-  echo "grid: $((SECONDS - t0)) s"
-fi
+session_prefill_grid 64w8glqo16,64w8glqco16 row_copies
 session_h200_decode
 session_end

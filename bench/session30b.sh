@@ -18,12 +18,5 @@ timeout 200 python3 bench/prefill.py --kv-tiles 64w8glqo16,64w8glqyo16 \
   --out "$OUT/r/swizzle_$tag.json" >"$OUT/r/ab.log" 2>&1 || status=1
 grep -E "prefill B4|cascade|TFLOP" "$OUT/r/ab.log" | cut -c1-250
 echo "a/b: $((SECONDS - t0)) s"
-if [ -n "${GRID:-}" ]; then
-  timeout 240 python3 bench/prefill.py --grid --grid-shapes \
-    bfloat16:128:4096,float16:64:4096,float16:128:1024,float16:128:16384 \
-    --kv-tiles 64w8glqo16,64w8glqyo16 --out "$OUT/r/grid_swizzle_$tag.json" \
-    >"$OUT/r/grid.log" 2>&1 || status=1
-  grep "TFLOP" "$OUT/r/grid.log" | cut -c1-250
-  echo "grid: $((SECONDS - t0)) s"
-fi
+session_prefill_grid 64w8glqo16,64w8glqyo16 swizzle
 session_end

@@ -50,6 +50,17 @@ session_gpu() {
   case "$gpu" in *H200*) tag=h200 ;; esac
 }
 
+# With GRID set: req 1's other prefill rows (bf16, D 64, L 1024 / 16384) for the comma-separated
+# tile tokens $1, into $OUT/r/grid_$2_$tag.json; a failure sets status.
+session_prefill_grid() {
+  [ -n "${GRID:-}" ] || return 0
+  timeout 240 python3 bench/prefill.py --grid --grid-shapes \
+    bfloat16:128:4096,float16:64:4096,float16:128:1024,float16:128:16384 \
+    --kv-tiles "$1" --out "$OUT/r/grid_$2_$tag.json" >"$OUT/r/grid.log" 2>&1 || status=1
+  grep "TFLOP" "$OUT/r/grid.log" | cut -c1-250
+  echo "grid: $((SECONDS - t0)) s"
+}
+
 # On an H200 only: decode against cuDNN (bench/decode.py) and FP8 decode (--fp8), issue 13 reqs
 # 3 and 5, into $OUT/r; a failure sets status.
 session_h200_decode() {

@@ -243,10 +243,12 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
 
 
 @functools.cache
-def _swizzled(d: int, bn: int, dtype: str, nt: int):
+def _swizzled(d: int, bn: int, dtype: str, nt: int, k_layout: str = "swizzled"):
     """K and V tiles of ``bn`` rows in the 128-byte swizzled layout (session 30), for a CTA of
     ``nt`` copying threads: each 64-column half of a tile is ``bn`` rows of 128 bytes, row r's
     16-byte chunk c at chunk ``c ^ (r % 8)`` (what a ``SWIZZLE_128B`` TMA box writes).
+    ``k_layout="core"``: K's products read instead the layout a no-swizzle TMA box of 16-byte
+    rows writes (:mod:`nbinfer.kernels.tma`'s ``core_tile_map``: LBO ``bn x 16``, SBO 128).
 
     - ``stage(smem, sbase, src, row0, tid)``: the tile's rows by ``cp.async``, eight
       consecutive threads one 128-byte half row (whole L2 lines; the canonical layout's copies
@@ -254,7 +256,10 @@ def _swizzled(d: int, bn: int, dtype: str, nt: int):
     - ``k_desc(kbase, ks)``: K's K-major descriptor for k-step ``ks`` (SBO 1024; 32 bytes a
       step inside a half, the next half ``bn x 128`` bytes on);
     - ``v_desc(vbase, kk)``: V's MN-major descriptor for keys ``16 kk ..`` (SBO 1024 between
-      8-key groups, LBO ``bn x 128`` between the halves)."""
+      8-key groups, LBO ``bn x 128`` between the halves);
+    - ``qk_issue(kbase, qa, sacc)`` (``S = Q K^T`` issued and committed, Q canonical as
+      :func:`_parts` stages it), ``qk`` (the same, waited for), ``pv(pw, vbase, o)``
+      (``O += P V``, waited for)."""
     from numba import cuda, types
 
     from nbinfer.kernels.primitives import primitives
@@ -283,8 +288,12 @@ def _swizzled(d: int, bn: int, dtype: str, nt: int):
         for i in range(bn // RSTEP):
             cp16(smem, dst + U32(i * RSTEP * 128), src, (row0 + r + i * RSTEP) * d + ch * 8)
 
+    CORE_K = k_layout == "core"
+
     @cuda.jit(device=True)
     def k_desc(kbase, ks):
+        if CORE_K:  # chunk-major: the next 16 head-dim elements 2 x bn x 16 bytes on
+            return U64(descriptor(kbase + U32(ks * 2 * bn * 16), bn * 16, 128))
         return U64(descriptor(kbase + U32((ks // 4) * HALF + (ks % 4) * 32), 16, 1024)) | SW128
 
     @cuda.jit(device=True)
@@ -292,14 +301,18 @@ def _swizzled(d: int, bn: int, dtype: str, nt: int):
         return U64(descriptor(vbase + U32(kk * 2048), HALF, 1024)) | SW128
 
     @cuda.jit(device=True)
-    def qk(kbase, qa, sacc):
-        # S = Q K^T for the calling warpgroup's 64 rows of Q at qa, waited for
+    def qk_issue(kbase, qa, sacc):
+        # S = Q K^T for the calling warpgroup's 64 rows of Q at qa, committed
         fence()
         mma_qk0(U64(descriptor(qa, LBO_Q, SBO_Q)), k_desc(kbase, 0), sacc)
         for ks in range(1, d // 16):
             mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO_Q), LBO_Q, SBO_Q)), k_desc(kbase, ks),
                    sacc)
         commit()
+
+    @cuda.jit(device=True)
+    def qk(kbase, qa, sacc):
+        qk_issue(kbase, qa, sacc)
         wait0()
         hold_s(sacc)
 
@@ -315,7 +328,8 @@ def _swizzled(d: int, bn: int, dtype: str, nt: int):
         wait0()
         hold_o(o)
 
-    return SimpleNamespace(stage=stage, k_desc=k_desc, v_desc=v_desc, qk=qk, pv=pv, HALF=HALF)
+    return SimpleNamespace(stage=stage, k_desc=k_desc, v_desc=v_desc, qk_issue=qk_issue, qk=qk,
+                           pv=pv, HALF=HALF)
 
 
 @functools.cache
@@ -493,7 +507,6 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     from nbinfer.kernels.tma import tma_intrinsics
     from nbinfer.kernels.wgmma import (
         WGMMA_KINDS,
-        smem_descriptor,
         wgmma_intrinsics,
         wgmma_tile_ops,
     )
@@ -520,8 +533,6 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     cp_arrive, wait_parity = mb.cp_arrive_noinc, mb.wait_parity
     tmi = tma_intrinsics()
     expect_tx, tma_load, tma_load2d, tma_prefetch = tmi.expect_tx, tmi.load, tmi.load2d, tmi.prefetch
-    descriptor = cuda.jit(device=True)(smem_descriptor)
-    mma_qk0, mma_qk = intr.mma_fresh[(bn, kind)], intr.mma[(bn, kind)]
     wait_copies = primitives(False).wait(0)
     exp2 = primitives(False).exp2
     pack = p.pack
@@ -537,13 +548,13 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     CAUSAL, S, OVERLAP = causal, stages, overlap
     NO_COPY, NO_MATH = "copy" in ablate, "math" in ablate
     TMA = tma
-    # K as the TMA box lands it: chunk-major, so the K-neighbour core matrix is a whole
-    # column of 64 rows (1024 bytes) on and the next 8 rows 128 bytes on
-    K_LBO, K_SBO = bn * 16, 128
     FULL_COUNT = 1 if TMA else 128
     SW_K, SW_V = "k" in swizzle, "v" in swizzle
-    sw = _swizzled(d, bn, dtype, 128)  # (the producer warpgroup's copies, without TMA)
-    sw_stage, sw_k_desc, sw_v_desc, HALF = sw.stage, sw.k_desc, sw.v_desc, sw.HALF
+    # the producer warpgroup's swizzled copies (without TMA), and K's products in whichever
+    # layout the producer writes (swizzled, or a no-swizzle TMA box's)
+    sw = _swizzled(d, bn, dtype, 128, "swizzled" if SW_K else "core")
+    sw_stage, sw_v_desc, HALF = sw.stage, sw.v_desc, sw.HALF
+    qk_issue_tma = sw.qk_issue
     NEG_INF = float32(-np.inf)
 
     @cuda.jit(device=True)
@@ -608,23 +619,6 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
             hold_o(o)
         else:
             pv(pw, vbase, o)
-
-    @cuda.jit(device=True)
-    def k_desc(kbase, ks):
-        # K's descriptor for k-step ks (16 head-dim elements)
-        if SW_K:
-            return sw_k_desc(kbase, ks)
-        return U64(descriptor(kbase + U32(ks * 2 * K_LBO), K_LBO, K_SBO))
-
-    @cuda.jit(device=True)
-    def qk_issue_tma(kbase, qa, sacc):
-        # S = Q K^T issued and committed, K in the TMA box's layout (Q as build_pipe stages it)
-        wgmma_fence()
-        mma_qk0(U64(descriptor(qa, LBO, SBO_QK)), k_desc(kbase, 0), sacc)
-        for ks in range(1, d // 16):
-            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO), LBO, SBO_QK)), k_desc(kbase, ks),
-                   sacc)
-        wgmma_commit()
 
     @cuda.jit(device=True)
     def qk_tile(smem, kbase, sqw, sacc):

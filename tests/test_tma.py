@@ -51,31 +51,39 @@ def _box_kernel(box_rows: int, d: int, swizzled: bool = False):
     return box
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("box_rows, d, row_pad", [(64, 128, 0), (64, 64, 8), (128, 128, 16)])
-def test_a_box_lands_as_core_matrices(rng, box_rows, d, row_pad):
-    # Rows row_pad elements longer than d (a strided view: KV rows of one head inside
-    # [tokens, heads, D]); the box's core matrix (row block rb, chunk c) must hold rows
-    # 8 rb .. 8 rb + 7, elements 8 c .. 8 c + 7, at c * box_rows * 16 + rb * 128 bytes, and
-    # rows past the tensor's end must come back as zeros.
+def _copied_box(rng, box_rows, d, row_pad, swizzled):
+    """``(shared memory as the box left it, the rows it must hold)``: rows ``row_pad`` elements
+    longer than ``d`` (a strided view: KV rows of one head inside [tokens, heads, D]), the box
+    starting 50 rows before the tensor's end (rows past it must come back as zeros), copied by
+    map 1 of two (map 0, with other boxes, a decoy: a wrong map index reads other bytes)."""
     from numba import cuda
 
-    from nbinfer.kernels.tma import MAP_WORDS, core_tile_map
+    from nbinfer.kernels.tma import MAP_WORDS, core_tile_map, swizzled_tile_map
 
     rows, first = 200, 150
     width = d + row_pad
     src = rng.integers(-(2**15), 2**15, size=(rows, width)).astype(np.int16)
     dsrc = cuda.to_device(src)
     addr = dsrc.device_ctypes_pointer.value
-    maps = np.concatenate([core_tile_map(addr, rows, width * 2, d, 8),
-                           core_tile_map(addr, rows, width * 2, d, box_rows)])
+    encode = swizzled_tile_map if swizzled else core_tile_map
+    maps = np.concatenate([encode(addr, rows, width * 2, d, 8),
+                           encode(addr, rows, width * 2, d, box_rows)])
     assert maps.size == 2 * MAP_WORDS
     out = cuda.to_device(np.zeros(box_rows * d, np.int16))
-    _box_kernel(box_rows, d)[1, 128](cuda.to_device(maps), first, out)
-    got = out.copy_to_host().reshape(d // 8, box_rows, 8)  # [chunk][row][element]
+    _box_kernel(box_rows, d, swizzled)[1, 128](cuda.to_device(maps), first, out)
     want = np.zeros((box_rows, d), np.int16)
     n = min(box_rows, rows - first)
     want[:n] = src[first:first + n, :d]
+    return out.copy_to_host(), want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("box_rows, d, row_pad", [(64, 128, 0), (64, 64, 8), (128, 128, 16)])
+def test_a_box_lands_as_core_matrices(rng, box_rows, d, row_pad):
+    # The box's core matrix (row block rb, chunk c) holds rows 8 rb .. 8 rb + 7, elements
+    # 8 c .. 8 c + 7, at c * box_rows * 16 + rb * 128 bytes.
+    got, want = _copied_box(rng, box_rows, d, row_pad, False)
+    got = got.reshape(d // 8, box_rows, 8)  # [chunk][row][element]
     assert np.array_equal(got.transpose(1, 0, 2).reshape(box_rows, d), want)
 
 
@@ -85,23 +93,8 @@ def test_a_swizzled_box_lands_in_the_128_byte_pattern(rng, box_rows, d, row_pad)
     # Each 64-column half of the rows a box of its own (box_rows x 128 bytes); inside it row r
     # at 128 r bytes and its 16-byte chunk c at chunk c ^ (r % 8): FlashAttention-3's layout,
     # which the warpgroup MMA reads with swizzle mode 1.
-    from numba import cuda
-
-    from nbinfer.kernels.tma import swizzled_tile_map
-
-    rows, first = 200, 150
-    width = d + row_pad
-    src = rng.integers(-(2**15), 2**15, size=(rows, width)).astype(np.int16)
-    dsrc = cuda.to_device(src)
-    addr = dsrc.device_ctypes_pointer.value
-    maps = np.concatenate([swizzled_tile_map(addr, rows, width * 2, d, 8),
-                           swizzled_tile_map(addr, rows, width * 2, d, box_rows)])
-    out = cuda.to_device(np.zeros(box_rows * d, np.int16))
-    _box_kernel(box_rows, d, swizzled=True)[1, 128](cuda.to_device(maps), first, out)
-    got = out.copy_to_host().reshape(d // 64, box_rows, 8, 8)  # [half][row][slot][element]
-    want = np.zeros((box_rows, d), np.int16)
-    n = min(box_rows, rows - first)
-    want[:n] = src[first:first + n, :d]
+    got, want = _copied_box(rng, box_rows, d, row_pad, True)
+    got = got.reshape(d // 64, box_rows, 8, 8)  # [half][row][slot][element]
     r = np.arange(box_rows)[:, None]
     chunk = np.arange(8)[None, :]
     for h in range(d // 64):

@@ -34,6 +34,38 @@ import functools
 from types import SimpleNamespace
 
 
+def u32_asm(text: str, nargs: int):
+    """An intrinsic ``op(a0, ..)`` of ``nargs`` integer operands, each cast to a 32-bit register
+    (``$0`` ..) of the volatile inline PTX ``text``, ordered against memory accesses (a
+    ``memory`` clobber): the shape of every barrier operation here and of
+    :mod:`.tma`'s ``expect_tx``."""
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    i32 = ir.IntType(32)
+    asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32] * nargs),
+                       text, ",".join(["r"] * nargs + ["~{memory}"]), side_effect=True)
+
+    def codegen(context, builder, sig, args):
+        builder.call(asm, [context.cast(builder, a, t, types.uint32)
+                           for a, t in zip(args, sig.args, strict=True)])
+        return context.get_dummy_value()
+
+    if nargs == 1:
+        @intrinsic
+        def op1(typingctx, a0):
+            return types.void(a0), codegen
+
+        return op1
+
+    @intrinsic
+    def op2(typingctx, a0, a1):
+        return types.void(a0, a1), codegen
+
+    return op2
+
+
 @functools.cache
 def mbarrier_intrinsics() -> SimpleNamespace:
     """The intrinsics, as a namespace (``addr``: a barrier's 32-bit shared address, uint32):
@@ -60,34 +92,6 @@ def mbarrier_intrinsics() -> SimpleNamespace:
     i32 = ir.IntType(32)
     make_void = _gpu_intrinsics().asm_void  # volatile, with a memory clobber
 
-    def addr_op(text: str):
-        # a volatile asm on one barrier address ($0), ordered against memory accesses
-        @intrinsic
-        def op(typingctx, addr):
-            def codegen(context, builder, sig, args):
-                a = context.cast(builder, args[0], sig.args[0], U32)
-                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32]), text, "r,~{memory}",
-                                   side_effect=True)
-                builder.call(asm, [a])
-                return context.get_dummy_value()
-
-            return types.void(addr), codegen
-
-        return op
-
-    @intrinsic
-    def init(typingctx, addr, count):
-        def codegen(context, builder, sig, args):
-            a = context.cast(builder, args[0], sig.args[0], U32)
-            c = context.cast(builder, args[1], sig.args[1], U32)
-            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32, i32]),
-                               "mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [a, c])
-            return context.get_dummy_value()
-
-        return types.void(addr, count), codegen
-
     @intrinsic
     def try_wait(typingctx, addr, parity):
         def codegen(context, builder, sig, args):
@@ -107,13 +111,13 @@ def mbarrier_intrinsics() -> SimpleNamespace:
             pass
 
     return SimpleNamespace(
-        init=init,
+        init=u32_asm("mbarrier.init.shared::cta.b64 [$0], $1;", 2),
         fence_init=make_void("fence.mbarrier_init.release.cluster;"),
-        arrive=addr_op("{.reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0];}"),
-        cp_arrive_noinc=addr_op("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];"),
+        arrive=u32_asm("{.reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0];}", 1),
+        cp_arrive_noinc=u32_asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1),
         try_wait=try_wait,
         wait_parity=wait_parity,
         wgmma_wait1=make_void("wgmma.wait_group.sync.aligned 1;"))
 
 
-__all__ = ["mbarrier_intrinsics"]
+__all__ = ["mbarrier_intrinsics", "u32_asm"]

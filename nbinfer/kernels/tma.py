@@ -135,6 +135,8 @@ def tma_intrinsics() -> SimpleNamespace:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
+    from .mbarrier import u32_asm
+
     U32 = types.uint32
     i32, i64 = ir.IntType(32), ir.IntType(64)
 
@@ -144,20 +146,6 @@ def tma_intrinsics() -> SimpleNamespace:
                         context.get_constant(types.intp, MAP_WORDS))
         ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
         return builder.ptrtoint(ptr, i64)
-
-    @intrinsic
-    def expect_tx(typingctx, bar, nbytes):
-        def codegen(context, builder, sig, args):
-            b = context.cast(builder, args[0], sig.args[0], U32)
-            n = context.cast(builder, args[1], sig.args[1], U32)
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [i32, i32]),
-                "{.reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;}",
-                "r,r,~{memory}", side_effect=True)
-            builder.call(asm, [b, n])
-            return context.get_dummy_value()
-
-        return types.void(bar, nbytes), codegen
 
     @intrinsic
     def load(typingctx, dst, maps, i, row, bar):
@@ -207,6 +195,8 @@ def tma_intrinsics() -> SimpleNamespace:
 
         return types.void(maps, i), codegen
 
+    expect_tx = u32_asm(
+        "{.reg .b64 st; mbarrier.arrive.expect_tx.shared::cta.b64 st, [$0], $1;}", 2)
     return SimpleNamespace(expect_tx=expect_tx, load=load, load2d=load2d, prefetch=prefetch)
 
 
