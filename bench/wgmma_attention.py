@@ -528,7 +528,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     kind = WGMMA_KINDS[dtype]
     mma_pv, hold_s, hold_o = intr.mma_rs[(d, kind)], intr.hold[bn // 2], intr.hold[d // 2]
     wgmma_fence, wgmma_commit, wgmma_wait0 = intr.fence, intr.commit, intr.wait0
-    wait1 = mb.wgmma_wait1
+    wait1 = intr.wait1
     init, fence_init, arrive = mb.init, mb.fence_init, mb.arrive
     cp_arrive, wait_parity = mb.cp_arrive_noinc, mb.wait_parity
     tmi = tma_intrinsics()

@@ -131,8 +131,7 @@ LEAN_PAGED = [PAGED_CASES[0], PAGED_CASES[6],
                dict(sm_scale=-0.05, fixed_split_size=256))]
 
 
-# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD) per form of the lean kernel
-# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD, LEAN_SWIZZLE)
+# (LEAN_PREFETCH, LEAN_LAZY_RESCALE, LEAN_QK_AHEAD, LEAN_SWIZZLE) per form of the lean kernel
 LEAN_FORMS = {"plain": (False, False, False, True), "prefetch": (True, False, False, True),
               "lazy": (False, True, False, True), "ahead": (False, False, True, True),
               "prefetch_ahead": (True, False, True, True),

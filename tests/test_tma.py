@@ -1,5 +1,6 @@
 """Hopper's TMA from Numba (nbinfer.kernels.tma): a tensor map built on the host and one copy
-of a box of rows, landing in the canonical no-swizzle core-matrix layout. Needs the GPU."""
+of a box of rows, landing in the canonical no-swizzle core-matrix layout or in the 128-byte
+swizzled one. The copies need the GPU; the maps' argument checks do not."""
 
 from __future__ import annotations
 

@@ -194,6 +194,27 @@ def test_wgmma_prefill_spec_needs_the_gpu_and_the_row_tile():
     assert MmaPrefillSpec(*args, sim=True, **lean).sim
 
 
+def test_the_swizzled_lean_spec_is_the_gpus_and_holds_a_kilobyte_more():
+    # swizzle is a lean rung and a GPU layout: refused without lean (naming the flag) and in
+    # the simulator; its shared buffer is 1 KiB larger (the stages start on a 1024-byte
+    # boundary) and the companions on mma.sync drop it.
+    from nbinfer.kernels.prefill_mma import MmaPrefillSpec, shared_layout
+    from nbinfer.variants import builtins
+
+    args = (128, 4, 16, "float16", "float16", "NHD", builtins.causal())
+    lean = dict(kv_tile=64, num_warps=8, wgmma=True, lean=True, stages=2, defer_merge=True)
+    with pytest.raises(ValueError, match="swizzle"):
+        MmaPrefillSpec(*args, kv_tile=64, num_warps=8, wgmma=True, swizzle=True)
+    with pytest.raises(ValueError, match="sim=True"):
+        MmaPrefillSpec(*args, sim=True, swizzle=True, **lean)
+    plain, swizzled = (MmaPrefillSpec(*args, swizzle=sw, **lean) for sw in (False, True))
+    a, b = shared_layout(plain), shared_layout(swizzled)
+    assert b["total"] == a["total"] + 1024 and b["stage"] == a["stage"]
+    assert b["q_base"] == a["q_base"] and b["dynamic"] == b["total"]
+    assert b["stage"] % 1024 == 0 and b["q_base"] % 1024 == 0  # stays on the boundary
+    assert not swizzled.on_mma_sync().swizzle
+
+
 def test_lean_prefill_spec_takes_plain_variants_only():
     # The lean warpgroup kernel (kernels/prefill_wgmma.py) computes causal or unmasked softmax
     # attention with no hooks; the spec refuses everything else, and the plan's rule asks the

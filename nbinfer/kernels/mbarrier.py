@@ -43,6 +43,8 @@ def u32_asm(text: str, nargs: int):
     from numba import types
     from numba.cuda.extending import intrinsic
 
+    if nargs not in (1, 2):
+        raise ValueError(f"u32_asm: nargs must be 1 or 2, got {nargs}")
     i32 = ir.IntType(32)
     asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [i32] * nargs),
                        text, ",".join(["r"] * nargs + ["~{memory}"]), side_effect=True)
@@ -78,10 +80,7 @@ def mbarrier_intrinsics() -> SimpleNamespace:
       issued before it has completed (the arrival counts against ``init``'s count);
     - ``try_wait(addr, parity) -> uint32``: 1 once the phase of that parity has completed (the
       hardware may suspend the thread a while first), else 0;
-    - ``wait_parity(addr, parity)``: ``try_wait`` until it returns 1;
-    - ``wgmma_wait1()``: ``wgmma.wait_group 1``, all but the most recent committed group of the
-      warpgroup's products done (the one :mod:`.wgmma` lacks: a product left in flight while
-      the next one's result is used)."""
+    - ``wait_parity(addr, parity)``: ``try_wait`` until it returns 1."""
     from llvmlite import ir
     from numba import cuda, types
     from numba.cuda.extending import intrinsic
@@ -116,8 +115,7 @@ def mbarrier_intrinsics() -> SimpleNamespace:
         arrive=u32_asm("{.reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [$0];}", 1),
         cp_arrive_noinc=u32_asm("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [$0];", 1),
         try_wait=try_wait,
-        wait_parity=wait_parity,
-        wgmma_wait1=make_void("wgmma.wait_group.sync.aligned 1;"))
+        wait_parity=wait_parity)
 
 
 __all__ = ["mbarrier_intrinsics", "u32_asm"]

@@ -54,9 +54,10 @@ The fused merge reuses all of it after the item's loop.
 ``wgmma=True`` (sm_90 only) does the two products on Hopper's warpgroup MMA instead
 (:func:`nbinfer.kernels.wgmma.wgmma_tile_ops`): 8 warps form two warpgroups of 64 packed rows,
 Q, K and V tiles sit unpadded in the canonical core-matrix layouts (``2 x 64 x D x 2`` bytes
-per stage), each warpgroup's ``Q K^T`` and ``P V`` are one ``wgmma`` chain each, and every
-step above (masks, softmax, row sums, epilogue, merge) is unchanged, because wgmma's
-accumulators are laid out as ``mma.m16n8``'s. Its guarded twin runs on ``mma.sync``.
+per stage; the lean kernel's K and V, with ``swizzle``, in the 128-byte swizzled one), each
+warpgroup's ``Q K^T`` and ``P V`` are one ``wgmma`` chain each, and every step above (masks,
+softmax, row sums, epilogue, merge) is unchanged, because wgmma's accumulators are laid out
+as ``mma.m16n8``'s. Its guarded twin runs on ``mma.sync``.
 """
 
 from __future__ import annotations
@@ -174,12 +175,15 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        if (self.prefetch or self.lazy_rescale or self.qk_ahead or self.swizzle) and not self.lean:
-            raise ValueError("prefetch=True, lazy_rescale=True, qk_ahead=True and swizzle=True "
-                             "are the lean kernel's (lean=True)")
+        rungs = {n: getattr(self, n) for n in ("prefetch", "lazy_rescale", "qk_ahead", "swizzle")}
+        if any(rungs.values()) and not self.lean:
+            raise ValueError("prefetch, lazy_rescale, qk_ahead and swizzle are the lean "
+                             f"kernel's (lean=True); got lean=False with "
+                             f"{[n for n, on in rungs.items() if on]} set")
         if self.swizzle and self.sim:
             raise ValueError("swizzle=True is a layout of the GPU's warpgroup MMA; the "
-                             "simulator's lean kernel runs on the mma.sync twins")
+                             "simulator's lean kernel runs on the mma.sync twins (got "
+                             "sim=True)")
         if self.max_registers is not None and not 64 <= self.max_registers <= 255:
             raise ValueError(f"max_registers must be in [64, 255] or None, got "
                              f"{self.max_registers}")
@@ -245,7 +249,9 @@ def shared_layout(spec: MmaPrefillSpec) -> dict:
     """Byte sizes of the kernel's main shared buffer: ``stage`` (one K and V tile), ``q_base``
     (where Q is staged: aliasing the last stage, the first one loaded after Q has moved to
     registers, or after the stages when Q stays in shared memory), ``total`` and ``dynamic``
-    (``total`` when it is allocated at launch, past the static limit; else 0)."""
+    (``total`` when it is allocated at launch, past the static limit; else 0). With
+    ``swizzle`` the stages and ``q_base`` count from the buffer's first 1024-byte boundary,
+    and ``total`` holds 1 KiB more to leave room for it."""
     from .launch import STATIC_SHARED_LIMIT  # host code: not part of the kernel's source key
 
     n = spec.stages

@@ -45,6 +45,16 @@ _L2_256B = 3  # CU_TENSOR_MAP_L2_PROMOTION_L2_256B: a row's 16-byte pieces share
 _SWIZZLE_128B = 3  # CU_TENSOR_MAP_SWIZZLE_128B
 
 
+@functools.cache
+def _encode_tiled():
+    # the driver's entry point, looked up once
+    import ctypes
+
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _encode(address: int, dims, strides, box, swizzle: int) -> np.ndarray:
     # cuTensorMapEncodeTiled through ctypes: dims / box innermost first, strides in bytes of
     # every dimension but the first; 16-bit elements, no interleave, L2 promotion of 256 bytes,
@@ -53,8 +63,7 @@ def _encode(address: int, dims, strides, box, swizzle: int) -> np.ndarray:
 
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     n = len(dims)
-    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
-    fn.restype = ctypes.c_int
+    fn = _encode_tiled()
     out = np.zeros(MAP_WORDS, np.int64)
     res = fn(out.ctypes.data_as(ctypes.c_void_p), _UINT16, u32(n), ctypes.c_void_p(address),
              (u64 * n)(*dims), (u64 * (n - 1))(*strides), (u32 * n)(*box), (u32 * n)(*[1] * n),
@@ -67,8 +76,8 @@ def _encode(address: int, dims, strides, box, swizzle: int) -> np.ndarray:
 
 def _check_rows(name, address, rows, row_stride, box_rows):
     if address % 16 or row_stride % 16 or row_stride <= 0:
-        raise ValueError(f"{name}: address and row_stride must be multiples of 16, got "
-                         f"{address:#x} and {row_stride}")
+        raise ValueError(f"{name}: address and row_stride must be multiples of 16 (row_stride "
+                         f"positive), got {address:#x} and {row_stride}")
     if not 1 <= box_rows <= 256 or rows < 1:
         raise ValueError(f"{name}: box_rows must be 1..256 and rows >= 1, got {box_rows} and "
                          f"{rows}")
@@ -147,41 +156,40 @@ def tma_intrinsics() -> SimpleNamespace:
         ptr = cgutils.get_item_pointer(context, builder, aryty, arr, [i], wraparound=False)
         return builder.ptrtoint(ptr, i64)
 
-    @intrinsic
-    def load(typingctx, dst, maps, i, row, bar):
+    def bulk_codegen(coords: str, ncoords: int):
+        # cp.async.bulk.tensor of map args[2] of the array args[1] into shared address args[0],
+        # its coordinates the next ncoords arguments ("$2" ..), completing on the barrier last
+        dims = len(coords.split(","))
+        bar = f"${2 + ncoords}"
+        asm = ir.InlineAsm(
+            ir.FunctionType(ir.VoidType(), [i32, i64] + [i32] * ncoords + [i32]),
+            "{.reg .b32 z; mov.b32 z, 0; "
+            f"cp.async.bulk.tensor.{dims}d.shared::cluster.global.mbarrier::complete_tx::bytes "
+            f"[$0], [$1, {{{coords}}}], [{bar}];}}",
+            ",".join(["r", "l"] + ["r"] * ncoords + ["r", "~{memory}"]), side_effect=True)
+
         def codegen(context, builder, sig, args):
-            d = context.cast(builder, args[0], sig.args[0], U32)
             m = map_address(context, builder, sig.args[1], args[1],
                             context.cast(builder, args[2], sig.args[2], types.intp))
-            r = context.cast(builder, args[3], sig.args[3], types.int32)
-            b = context.cast(builder, args[4], sig.args[4], U32)
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32]),
-                "{.reg .b32 z; mov.b32 z, 0; "
-                "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[$0], [$1, {z, $2, z}], [$3];}", "r,l,r,r,~{memory}", side_effect=True)
-            builder.call(asm, [d, m, r, b])
+            xs = [context.cast(builder, args[3 + k], sig.args[3 + k], types.int32)
+                  for k in range(ncoords)]
+            d = context.cast(builder, args[0], sig.args[0], U32)
+            b = context.cast(builder, args[-1], sig.args[-1], U32)
+            builder.call(asm, [d, m, *xs, b])
             return context.get_dummy_value()
 
-        return types.void(dst, maps, i, row, bar), codegen
+        return codegen
+
+    load3d_codegen = bulk_codegen("z, $2, z", 1)  # core_tile_map's (0, row, 0)
+    load2d_codegen = bulk_codegen("$2, $3", 2)  # swizzled_tile_map's (col, row)
+
+    @intrinsic
+    def load(typingctx, dst, maps, i, row, bar):
+        return types.void(dst, maps, i, row, bar), load3d_codegen
 
     @intrinsic
     def load2d(typingctx, dst, maps, i, col, row, bar):
-        def codegen(context, builder, sig, args):
-            d = context.cast(builder, args[0], sig.args[0], U32)
-            m = map_address(context, builder, sig.args[1], args[1],
-                            context.cast(builder, args[2], sig.args[2], types.intp))
-            c = context.cast(builder, args[3], sig.args[3], types.int32)
-            r = context.cast(builder, args[4], sig.args[4], types.int32)
-            b = context.cast(builder, args[5], sig.args[5], U32)
-            asm = ir.InlineAsm(
-                ir.FunctionType(ir.VoidType(), [i32, i64, i32, i32, i32]),
-                "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
-                "[$0], [$1, {$2, $3}], [$4];", "r,l,r,r,r,~{memory}", side_effect=True)
-            builder.call(asm, [d, m, c, r, b])
-            return context.get_dummy_value()
-
-        return types.void(dst, maps, i, col, row, bar), codegen
+        return types.void(dst, maps, i, col, row, bar), load2d_codegen
 
     @intrinsic
     def prefetch(typingctx, maps, i):

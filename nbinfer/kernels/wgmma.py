@@ -22,7 +22,9 @@ What it takes from Numba, all of it here:
   reads them (the tensor cores read through the async proxy);
 - descriptors of operands laid out in the canonical *no-swizzle, K-major* form: 8 x 8 core
   matrices (8 rows of 16 bytes, 128 contiguous bytes), LBO bytes between core matrices adjacent
-  along K and SBO bytes between core matrices adjacent along M (A) or N (B).
+  along K and SBO bytes between core matrices adjacent along M (A) or N (B); and, for the lean
+  prefill's K and V (``wgmma_tile_ops(swizzle=True)``), the *128-byte swizzled* form
+  (:func:`swizzled_offset`), whose copies read whole 128-byte lines.
 
 Attention needs two products of this kind: ``S = Q K^T`` with both operands in shared memory,
 K-major (``mma``), and ``O += P V`` with P straight from S's registers and V as it lies in
@@ -150,7 +152,8 @@ def wgmma_intrinsics():
     float32 array whose first ``n / 2`` elements are this thread's accumulators, updated in
     place: ``D = A B + D``, A and B K-major in shared memory), ``mma_rs[(n, kind)](a0, a1, a2,
     a3, desc_b, acc)`` (A from registers, B MN-major in shared memory), ``fence()``,
-    ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done),
+    ``commit()``, ``wait0()`` (all of this warpgroup's committed groups done), ``wait1()``
+    (all but the most recent: a product left in flight while the one before it is used),
     ``hold[m](acc)`` (pins the first ``m`` accumulators between a wait and the next fence:
     call after ``wait0`` and before ``fence``) and ``proxy_fence()`` (shared stores made
     visible to the async proxy); for the lean prefill around them, ``opaque_u32(x)`` (``x``
@@ -316,6 +319,7 @@ def wgmma_intrinsics():
         fence=make_void("wgmma.fence.sync.aligned;"),
         commit=make_void("wgmma.commit_group.sync.aligned;"),
         wait0=make_void("wgmma.wait_group.sync.aligned 0;"),
+        wait1=make_void("wgmma.wait_group.sync.aligned 1;"),
         hold={n // 2: make_hold(n // 2) for n in WGMMA_N},
         proxy_fence=make_void("fence.proxy.async.shared::cta;"))
 
@@ -469,8 +473,9 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int,
     so the kernel's softmax, masks, hooks and epilogue run unchanged; what differs is
 
     - the layout: Q, K and V tiles in the canonical no-swizzle layouts (Q and K K-major with
-      an 8-row block's whole head dim in one piece, V MN-major), no padding, so ``RS`` is
-      meaningless here (0) and every address goes through ``q_offset`` / ``copy_map``;
+      an 8-row block's whole head dim in one piece, V MN-major; with ``swizzle``, K and V in
+      the 128-byte swizzled layout instead), no padding, so ``RS`` is meaningless here (0) and
+      every address goes through ``q_offset`` / ``copy_map``;
     - ``qk_smem``: ``S = Q K^T`` of the calling warp's *warpgroup* (its 64 rows of the Q tile:
       warps ``4 w .. 4 w + 3`` call it together, as every warp of a warpgroup must), ``D / 16``
       ``wgmma.m64n{BC}k16``; each warp gets its 16 rows' scores in the ``mma.m16n8`` layout;
@@ -533,7 +538,7 @@ def wgmma_tile_ops(head_dim: int, tile_kv: int, dtype: str, num_warps: int,
 
     @jit_dev
     def copy_map(tid):
-        if swizzle:  # eight consecutive threads copy one 128-byte half row: K and V alike
+        if swizzle:  # eight consecutive threads copy 128 bytes of a row (half of it at D 128)
             j0, c, dst, step, dst_step = sw_slot(tid, NT, D, BC, 2)
             return U32(j0), U32(c), U32(dst), U32(dst), U32(dst_step), U32(dst_step)
         # eight consecutive threads copy one chunk of eight rows: one 128-byte core matrix
