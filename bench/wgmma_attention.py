@@ -245,91 +245,84 @@ def build(d: int, causal: bool, dtype: str, overlap: bool = False):
 @functools.cache
 def _swizzled(d: int, bn: int, dtype: str, nt: int, k_layout: str = "swizzled"):
     """K and V tiles of ``bn`` rows in the 128-byte swizzled layout (session 30), for a CTA of
-    ``nt`` copying threads: each 64-column half of a tile is ``bn`` rows of 128 bytes, row r's
-    16-byte chunk c at chunk ``c ^ (r % 8)`` (what a ``SWIZZLE_128B`` TMA box writes).
-    ``k_layout="core"``: K's products read instead the layout a no-swizzle TMA box of 16-byte
-    rows writes (:mod:`nbinfer.kernels.tma`'s ``core_tile_map``: LBO ``bn x 16``, SBO 128).
+    ``nt`` copying threads, through the package's own swizzled tile ops
+    (:func:`nbinfer.kernels.wgmma.wgmma_tile_ops` with ``swizzle=True``, the lean prefill's):
+    each 64-column half of a tile is ``bn`` rows of 128 bytes, row r's 16-byte chunk c at chunk
+    ``c ^ (r % 8)`` (what a ``SWIZZLE_128B`` TMA box writes). ``k_layout="core"``: K's product
+    reads instead the layout a no-swizzle TMA box of 16-byte rows writes
+    (:mod:`nbinfer.kernels.tma`'s ``core_tile_map``: LBO ``bn x 16``, SBO 128).
 
-    - ``stage(smem, sbase, src, row0, tid)``: the tile's rows by ``cp.async``, eight
-      consecutive threads one 128-byte half row (whole L2 lines; the canonical layout's copies
-      read 16 bytes from each of 8 rows per 8 threads, which measured ~2.2 TB/s at most);
-    - ``k_desc(kbase, ks)``: K's K-major descriptor for k-step ``ks`` (SBO 1024; 32 bytes a
-      step inside a half, the next half ``bn x 128`` bytes on);
-    - ``v_desc(vbase, kk)``: V's MN-major descriptor for keys ``16 kk ..`` (SBO 1024 between
-      8-key groups, LBO ``bn x 128`` between the halves);
-    - ``qk_issue(kbase, qa, sacc)`` (``S = Q K^T`` issued and committed, Q canonical as
-      :func:`_parts` stages it), ``qk`` (the same, waited for), ``pv(pw, vbase, o)``
-      (``O += P V``, waited for)."""
+    - ``stage(smem, sbase, src, row0, tid)``: the tile's rows by ``cp.async`` on the ops'
+      ``copy_map`` (eight consecutive threads one 128-byte line);
+    - ``qk_issue(smem, kbase, qa, sacc)`` (``S = Q K^T`` issued and committed, Q canonical as
+      :func:`_parts` stages it) and ``qk`` (the same, waited for); ``pv(pw, vbase, o)`` (``O +=
+      P V``, waited for: the ops' ``pv_words``);
+    - ``v_desc(vbase, kk)``: V's descriptor for keys ``16 kk ..``, for a ``P V`` left in flight
+      (the ops only have the product waited for)."""
     from numba import cuda, types
 
     from nbinfer.kernels.primitives import primitives
-    from nbinfer.kernels.wgmma import WGMMA_KINDS, smem_descriptor, wgmma_intrinsics
+    from nbinfer.kernels.wgmma import (
+        WGMMA_KINDS,
+        smem_descriptor,
+        swizzled_slot,
+        wgmma_intrinsics,
+        wgmma_tile_ops,
+    )
 
     U32, U64 = types.uint32, types.uint64
     cp16 = primitives(False).cp_async16_to
+    ops = wgmma_tile_ops(d, bn, dtype, nt // 32, swizzle=True)
+    pv = ops.pv_words
     intr = wgmma_intrinsics()
     kind = WGMMA_KINDS[dtype]
     mma_qk0, mma_qk = intr.mma_fresh[(bn, kind)], intr.mma[(bn, kind)]
-    mma_pv = intr.mma_rs[(d, kind)]
-    fence, commit, wait0 = intr.fence, intr.commit, intr.wait0
-    hold_s, hold_o = intr.hold[bn // 2], intr.hold[d // 2]
+    fence, commit, wait0, hold_s = intr.fence, intr.commit, intr.wait0, intr.hold[bn // 2]
     LBO_Q, SBO_Q = 128, d // 8 * 128  # Q in the canonical layout, as _parts stages it
     descriptor = cuda.jit(device=True)(smem_descriptor)
-    CH = d // 8  # 16-byte chunks per row
-    RSTEP = nt // CH  # rows one pass of the CTA's copies covers (a multiple of 8)
+    RSTEP = nt // (d // 8)  # rows one pass of the CTA's copies covers (a multiple of 8)
     HALF = bn * 128
-    SW128 = U64(1 << 62)  # the descriptor's swizzle mode 1: 128 bytes
+
+    slot = cuda.jit(device=True)(swizzled_slot)
 
     @cuda.jit(device=True)
     def stage(smem, sbase, src, row0, tid):
-        r, ch = tid // CH, tid % CH
-        # r % 8 is the same on every pass (RSTEP is a multiple of 8): one swizzled slot
-        dst = sbase + U32((ch // 8) * HALF + r * 128 + ((ch % 8) ^ (r % 8)) * 16)
+        r, ch, dst, _, dst_step = slot(tid, nt, d, bn, 2)
         for i in range(bn // RSTEP):
-            cp16(smem, dst + U32(i * RSTEP * 128), src, (row0 + r + i * RSTEP) * d + ch * 8)
+            cp16(smem, sbase + U32(dst + i * dst_step), src, (row0 + r + i * RSTEP) * d + ch * 8)
 
-    CORE_K = k_layout == "core"
+    if k_layout == "core":
+        @cuda.jit(device=True)
+        def qk_issue(smem, kbase, qa, sacc):
+            # K chunk-major: the next 16 head-dim elements 2 x bn x 16 bytes on
+            fence()
+            mma_qk0(U64(descriptor(qa, LBO_Q, SBO_Q)), U64(descriptor(kbase, bn * 16, 128)),
+                    sacc)
+            for ks in range(1, d // 16):
+                mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO_Q), LBO_Q, SBO_Q)),
+                       U64(descriptor(kbase + U32(ks * 2 * bn * 16), bn * 16, 128)), sacc)
+            commit()
+    else:
+        ops_issue = ops.qk_issue
+
+        @cuda.jit(device=True)
+        def qk_issue(smem, kbase, qa, sacc):
+            ops_issue(smem, kbase, qa, 0, 0, sacc)  # (qa: the warpgroup's own rows already)
 
     @cuda.jit(device=True)
-    def k_desc(kbase, ks):
-        if CORE_K:  # chunk-major: the next 16 head-dim elements 2 x bn x 16 bytes on
-            return U64(descriptor(kbase + U32(ks * 2 * bn * 16), bn * 16, 128))
-        return U64(descriptor(kbase + U32((ks // 4) * HALF + (ks % 4) * 32), 16, 1024)) | SW128
+    def qk(smem, kbase, qa, sacc):
+        qk_issue(smem, kbase, qa, sacc)
+        wait0()
+        hold_s(sacc)
+
+    SW128 = U64(1 << 62)  # the descriptor's swizzle mode 1: 128 bytes
 
     @cuda.jit(device=True)
     def v_desc(vbase, kk):
         return U64(descriptor(vbase + U32(kk * 2048), HALF, 1024)) | SW128
 
-    @cuda.jit(device=True)
-    def qk_issue(kbase, qa, sacc):
-        # S = Q K^T for the calling warpgroup's 64 rows of Q at qa, committed
-        fence()
-        mma_qk0(U64(descriptor(qa, LBO_Q, SBO_Q)), k_desc(kbase, 0), sacc)
-        for ks in range(1, d // 16):
-            mma_qk(U64(descriptor(qa + U32(ks * 2 * LBO_Q), LBO_Q, SBO_Q)), k_desc(kbase, ks),
-                   sacc)
-        commit()
-
-    @cuda.jit(device=True)
-    def qk(kbase, qa, sacc):
-        qk_issue(kbase, qa, sacc)
-        wait0()
-        hold_s(sacc)
-
-    @cuda.jit(device=True)
-    def pv(pw, vbase, o):
-        # O += P V for P packed as the A words pw, waited for
-        hold_o(o)
-        fence()
-        for kk in range(bn // 16):
-            mma_pv(pw[4 * kk], pw[4 * kk + 1], pw[4 * kk + 2], pw[4 * kk + 3], v_desc(vbase, kk),
-                   o)
-        commit()
-        wait0()
-        hold_o(o)
-
-    return SimpleNamespace(stage=stage, k_desc=k_desc, v_desc=v_desc, qk_issue=qk_issue, qk=qk,
-                           pv=pv, HALF=HALF)
+    return SimpleNamespace(stage=stage, v_desc=v_desc, qk_issue=qk_issue, qk=qk, pv=pv,
+                           HALF=HALF)
 
 
 @functools.cache
@@ -406,7 +399,7 @@ def build_pipe(d: int, causal: bool, dtype: str, bn: int = 64, stages: int = 2, 
         commit()
         sk = ring + U32((t % S) * STAGE_BYTES)
         if SWIZZLE:
-            qk_sw(sk, sqw, sacc)
+            qk_sw(smem, sk, sqw, sacc)
         else:
             qk(smem, sk, sqw, 0, 0, sacc)  # this warpgroup's 64 rows of Q at sqw
         softmax(sacc, oacc, pw, m, den, t * bn, rq, t2, masked, scale_log2, NO_SOFTMAX)
@@ -554,7 +547,7 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     # layout the producer writes (swizzled, or a no-swizzle TMA box's)
     sw = _swizzled(d, bn, dtype, 128, "swizzled" if SW_K else "core")
     sw_stage, sw_v_desc, HALF = sw.stage, sw.v_desc, sw.HALF
-    qk_issue_tma = sw.qk_issue
+    qk_issue_tma, sw_qk, sw_pv = sw.qk_issue, sw.qk, sw.pv
     NEG_INF = float32(-np.inf)
 
     @cuda.jit(device=True)
@@ -612,27 +605,21 @@ def build_ws(d: int, causal: bool, dtype: str, stages: int = 4, overlap: bool = 
     def pv_tile(pw, vbase, o):
         # O += P V, waited for
         if SW_V:
-            hold_o(o)
-            wgmma_fence()
-            pv_issue(pw, vbase, o)
-            wgmma_wait0()
-            hold_o(o)
+            sw_pv(pw, vbase, o)
         else:
             pv(pw, vbase, o)
 
     @cuda.jit(device=True)
     def qk_tile(smem, kbase, sqw, sacc):
         if TMA or SW_K:
-            qk_issue_tma(kbase, sqw, sacc)
-            wgmma_wait0()
-            hold_s(sacc)
+            sw_qk(smem, kbase, sqw, sacc)
         else:
             qk(smem, kbase, sqw, 0, 0, sacc)
 
     @cuda.jit(device=True)
     def qk_start(smem, kbase, sqw, sacc):
         if TMA or SW_K:
-            qk_issue_tma(kbase, sqw, sacc)
+            qk_issue_tma(smem, kbase, sqw, sacc)
         else:
             qk_issue(smem, kbase, sqw, 0, 0, sacc)
 
