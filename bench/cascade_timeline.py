@@ -26,9 +26,17 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from prefill import back_to_back_ms, graph_ms, shared_prefix_case, tile_config  # noqa: E402
+from prefill import (  # noqa: E402
+    api_overrides,
+    back_to_back_ms,
+    graph_ms,
+    shared_prefix_case,
+    tile_config,
+)
 
+from nbinfer.api import cascade as cascade_api  # noqa: E402
 from nbinfer.api.cascade import MultiLevelCascadeAttentionWrapper  # noqa: E402
+from nbinfer.api.prefill import BatchPrefillWithPagedKVCacheWrapper  # noqa: E402
 
 CALLS = 20
 
@@ -82,9 +90,21 @@ def main():
             (prefix_only if args.prefix_only else casc).run(q, cache)
         torch.cuda.synchronize()
         return
+    # The level-by-level form (CASCADE_LAUNCH "levels": the prefix level on the paged prefill
+    # wrapper's rule, the lean kernel on sm_90, the own level on the decode kernel, then the
+    # merge of the two) and the prefix level on the paged prefill wrapper alone.
+    ws = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    levels = MultiLevelCascadeAttentionWrapper(2, ws)
+    with api_overrides(cascade_api, CASCADE_LAUNCH="levels"):
+        levels.plan(*case["levels"], *heads, q_data_type="float16")
+    paged = BatchPrefillWithPagedKVCacheWrapper(ws)
+    paged.plan(np.array([0, batch]), np.array([0, case["pre"].size]), case["pre"],
+               np.array([ps]), *heads, q_data_type="float16")
     out = {}
     for name, fn in (("cascade", lambda: casc.run(q, cache)),
+                     ("cascade_levels", lambda: levels.run(q, cache)),
                      ("prefix_level", lambda: prefix_only.run(q, cache)),
+                     ("prefix_level_paged_prefill", lambda: paged.run(q, cache)),
                      ("plain_decode", lambda: plain.run(q, cache))):
         out[name] = timeline(fn)
         t = out[name]

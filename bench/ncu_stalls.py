@@ -62,10 +62,49 @@ def summarise(header: list[str], rows: list[list[str]], top: int = 15):
     return total, by_reason.most_common(), hot
 
 
+KINDS = ("HGMMA", "HMMA", "LDGSTS", "LDG", "STG", "ST.E", "LDL", "STL", "LDS", "STS", "BAR",
+         "MUFU", "SHFL", "DSETP", "DADD", "F2I.S64.F64")
+
+
+def blocks(header: list[str], rows: list[list[str]], least: float = 0.01):
+    """Runs of consecutive instructions with one execution count (a basic block, or several
+    that run equally often), each ``(first address, executions, instructions, share of the
+    samples, [(samples, reason)] leading, sorted kinds of memory / tensor / barrier
+    instructions in it)``, for the runs holding at least ``least`` of the samples: where a
+    kernel's time goes by code region (the tile loop runs once per tile and warp, an item's
+    start and epilogue once per item)."""
+    col = {c: i for i, c in enumerate(header)}
+    ex = col["Instructions Executed"]
+    reasons = [c for c in header if c.startswith("stall_") and "Not Issued" not in c]
+    runs, cur = [], None
+    for r in rows:
+        if not r[ex].strip():
+            continue
+        n = int(_num(r[ex]))
+        if cur is None or cur["n"] != n:
+            cur = dict(addr=r[0], n=n, count=0, samples=0.0, why=collections.Counter(),
+                       kinds=set())
+            runs.append(cur)
+        cur["count"] += 1
+        cur["samples"] += _num(r[col[ALL]])
+        for c in reasons:
+            cur["why"][c[6:]] += _num(r[col[c]])
+        words = r[1].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else \
+            (words[0] if words else "")
+        cur["kinds"].update(k for k in KINDS if op.startswith(k))
+    total = max(sum(x["samples"] for x in runs), 1.0)
+    return [(x["addr"], x["n"], x["count"], x["samples"] / total,
+             [(v, k) for k, v in x["why"].most_common(3) if v], sorted(x["kinds"]))
+            for x in runs if x["samples"] / total >= least]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", nargs="+", help="ncu source-page CSV files (.csv or .csv.gz)")
     ap.add_argument("--top", type=int, default=15, help="instructions to list per file")
+    ap.add_argument("--blocks", action="store_true",
+                    help="also the samples by code region (runs of one execution count)")
     args = ap.parse_args()
     for path in args.csv:
         total, reasons, hot = summarise(*read_rows(path), top=args.top)
@@ -75,6 +114,12 @@ def main():
         for addr, share, src, lead in hot:
             why = ", ".join(f"{reason} {n:.0f}" for n, reason in lead if n)
             print(f"  {addr[-5:]} {100 * share:5.1f} %  {src[:56]:56s} {why}")
+        if args.blocks:
+            print("  by region: first address, executions, instructions, share, reasons, kinds")
+            for addr, n, count, share, lead, kinds in blocks(*read_rows(path)):
+                why = ", ".join(f"{reason} {v:.0f}" for v, reason in lead)
+                print(f"  {addr[-5:]} x{n:7d} {count:5d} {100 * share:5.1f} %  {why:44s} "
+                      f"{' '.join(kinds)}")
 
 
 if __name__ == "__main__":

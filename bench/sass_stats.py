@@ -130,6 +130,9 @@ def main():
     ap.add_argument("--swizzle", action="store_true",
                     help="prefill, with --lean: MmaPrefillSpec(swizzle=True), K and V tiles in "
                          "the 128-byte swizzled layout")
+    ap.add_argument("--defer-merge", action="store_true",
+                    help="prefill: split rows merged by a launch of their own (the lean kernel "
+                         "and the one-launch cascade's CASCADE_TILES always)")
     ap.add_argument("--max-registers", type=int, default=None,
                     help="register cap (0: none); default: the spec's own cap")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
@@ -168,7 +171,7 @@ def main():
                               wgmma=args.wgmma, lean=args.lean, prefetch=args.prefetch,
                               lazy_rescale=args.lazy, qk_ahead=args.qk_ahead,
                               swizzle=args.swizzle,
-                              defer_merge=args.lean, **extra)
+                              defer_merge=args.lean or args.defer_merge, **extra)
     else:
         spec = DecodeSpec(args.head_dim, args.group, args.page_size, args.dtype, q_dtype,
                           args.layout, variant, stages=args.stages,
@@ -199,6 +202,13 @@ def main():
                     f.write("\n".join(loop) + "\n")
             ops = loop_histogram(loop)
             total = sum(ops.values())
+            # float64 work anywhere in the kernel: Numba types an int64 mixed with a uint64 as
+            # float64, and the SASS then converts, compares and adds in doubles
+            every = loop_histogram(sass.splitlines())
+            f64 = sum(1 for line in sass.splitlines()
+                      if re.search(r"\*/.*\b(DADD|DMUL|DFMA|DSETP|DMNMX)\b|\.F64\b", line))
+            print(f"whole kernel: {sum(every.values())} instructions, {f64} of them float64 "
+                  f"(D* and F64 conversions)")
             if args.kernel == "prefill":
                 hmma = ops.get("HMMA", 0) + ops.get("HGMMA", 0)
                 print(f"tile loop: {total} instructions per warp per {spec.tile_kv}-key tile, "

@@ -399,15 +399,22 @@ def q_tile_stager(spec: MmaPrefillSpec, ops):
         # A fixed count of element pairs per thread, every load unconditional (rows past
         # nrows read the last row and store zeros): the loads of a thread are independent
         # and issue back to back, where a guarded runtime loop waited on each in turn.
+        # (Every index is cast back to uint32 or int64 as it is made: Numba types uint32 op
+        # uint32 as uint64, and a uint64 met by an int64 (min, +) as float64, which put 20
+        # double-precision instructions (DSETP, DADD, F2I.F64) into each unrolled round of
+        # this loop: 15 % of the one-launch cascade's warp time on an H100, bench/NOTES.md,
+        # session 31.)
         tu = U32(tid)
-        last_row = nrows - 1
+        last_row = int64(nrows - 1)
+        qrow0 = int64(q0 + qs)
+        qhead0 = int64(hk * G)
         for r in range(Q_PAIRS):
-            e = tu + U32(r * NT)
-            p = e // U32(HALF)
-            d = U32(2) * (e % U32(HALF))
-            row = p // U32(G)
-            qb = (int64(q0 + qs + min(row, last_row)) * q_stride_n
-                  + int64(hk * G + p % U32(G)) * q_stride_h)
+            e = U32(tu + U32(r * NT))
+            p = U32(e // U32(HALF))
+            d = U32(U32(2) * (e % U32(HALF)))
+            row = U32(p // U32(G))
+            qb = ((qrow0 + min(int64(row), last_row)) * q_stride_n
+                  + (qhead0 + int64(p % U32(G))) * q_stride_h)
             x0 = q_f32(q[qb + d])
             x1 = q_f32(q[qb + d + 1])
             if HAS_Q:
