@@ -195,6 +195,38 @@ def test_clear_tiles_take_the_short_path_exactly(rng, monkeypatch, causal, kv_ti
     assert rel_err(out[fine], ref[fine]) <= TOLERANCE["float16"]
 
 
+def test_q_by_copies_equals_the_stager(rng, monkeypatch):
+    # Q kept in shared memory without a query hook goes by 16-byte cp.async copies
+    # (q_tile_copier), a q whose strides are not multiples of 8 elements by the stager; the
+    # two must give the same bits. Request 1 leaves rows of its tile empty (5 query rows x G 2:
+    # the copies repeat its last row there), request 2 has no KV (no tile waits for its Q).
+    # (fp16: the GPU grid runs bf16 too)
+    from nbinfer.kernels.mma import tile_ops
+    from nbinfer.kernels.prefill_mma import q_tile_copier
+
+    hq, hkv, d = 4, 2, 64
+    qo_indptr, kv_indptr = np.array([0, 40, 45, 47]), np.array([0, 100, 130, 130])
+    base = rng.standard_normal((47, hq, d + 1)).astype(np.float16)
+    k = rng.standard_normal((130, hkv, d)).astype(np.float16)
+    v = rng.standard_normal((130, hkv, d)).astype(np.float16)
+    strided = base[..., :d]  # stride_h d + 1: the stager
+    dense = np.ascontiguousarray(strided)  # the copies
+    monkeypatch.setattr(prefill_api, "MMA_Q_SHARED", True)
+    w = BatchPrefillWithRaggedKVCacheWrapper(_ws(), "NHD")
+    w.plan(qo_indptr, kv_indptr, hq, hkv, d, q_data_type="float16", causal=True)
+    spec = w.step_plan.spec
+    ops = tile_ops(d, spec.tile_kv, "float16", spec.num_warps, True)
+    assert spec.q_in_shared and q_tile_copier(spec, ops)[0] is not None
+    out, lse = w.run(dense, k, v, return_lse=True)
+    out_s, lse_s = w.run(strided, k, v, return_lse=True)
+    np.testing.assert_array_equal(out.view(np.uint16), out_s.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_s)
+    ref, ref_lse = reference.batch_prefill_with_ragged_kv_cache(
+        dense, k, v, qo_indptr, kv_indptr, causal=True, return_lse=True)
+    assert rel_err(out, ref) <= TOLERANCE["float16"]
+    assert np.all(lse[45:] == -np.inf) and np.all(out[45:].astype(np.float32) == 0)
+
+
 def test_kv_tile_64_at_head_dim_128_takes_dynamic_shared_memory(rng, monkeypatch):
     # D 128 with 64-key tiles needs more than the 48 KiB of static shared memory a kernel may
     # declare (two stages of K and V plus Q: 78 KiB at the simulator's two warps, 87 KiB on

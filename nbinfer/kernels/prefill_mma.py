@@ -79,7 +79,7 @@ from .mma import FULL_MASK, smem_row_bytes, tile_ops
 from .positions import position_module, prefill_item_reader
 from .prefill import PrefillSpec, prefill_signature
 from .primitives import LOG2E, device_jit, primitives
-from .wgmma import wgmma_tile_ops
+from .wgmma import wgmma_intrinsics, wgmma_tile_ops
 
 TILE_KV = 32
 KV_TILES = (32, 64)
@@ -432,6 +432,58 @@ def q_tile_stager(spec: MmaPrefillSpec, ops):
     return stage_q
 
 
+def q_tile_copier(spec: MmaPrefillSpec, ops):
+    """``(copy_q, addr_low)`` for ``spec``'s Q tile by ``cp.async``, or ``(None, None)``.
+    ``copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid)`` issues the
+    item's ``tile_q`` packed rows of Q as 16-byte copies to where ``ops.q_offset`` places them
+    (no commit: the caller's next commit takes them into its group); rows past ``nrows`` copy
+    the last row (computed, never stored). ``addr_low(arr)``: the low 32 bits of an array's
+    address, for the caller's alignment check (q's base 16-byte aligned, its strides multiples
+    of 8 elements; else the stager).
+
+    Only where a copy is the stager's result: Q kept in shared memory (the tensor cores' tile
+    ops read it there), no query hook (RoPE fused into the stager), the ``mma.sync`` tile (the
+    warpgroup form's canonical layout is the lean kernel's copier's), and copies that divide
+    among the CTA's threads. Why: the stager's 16-bit loads, two per element pair and 64 per
+    thread of a 64-row tile at D 128, were 13-15 % of the one-launch cascade's warp time on an
+    H100 (short items: a 16 KiB Q tile for 4-8 KV tiles; bench/NOTES.md, session 31); eight
+    16-byte copies per thread take Q in the same group as the item's first KV tile, whose wait
+    covers their latency."""
+    sim = spec.sim
+    D, NT, G = spec.head_dim, spec.num_threads, spec.group_size
+    CH = D // 8  # 16-byte chunks of a row
+    COPIES = spec.tile_q * CH // NT
+    if (not spec.q_in_shared or spec.wgmma or device_hooks(spec.variant, sim).has_query
+            or D % 8 or (spec.tile_q * CH) % NT):
+        return None, None
+    q_offset = ops.q_offset
+    cp16 = primitives(sim).cp_async16_to
+    U32 = types.uint32
+
+    @device_jit(sim)
+    def copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid):
+        # consecutive threads take consecutive chunks of a row: whole rows per warp-copy
+        tu = U32(tid)
+        last_row = int64(nrows - 1)
+        qrow0 = int64(q0 + qs)
+        qhead0 = int64(hk * G)
+        for i in range(COPIES):
+            e = U32(tu + U32(i * NT))
+            p = U32(e // U32(CH))
+            d = U32(U32(8) * (e % U32(CH)))
+            row = U32(p // U32(G))
+            off = ((qrow0 + min(int64(row), last_row)) * q_stride_n
+                   + (qhead0 + int64(p % U32(G))) * q_stride_h + int64(d))
+            cp16(smem, qbase + q_offset(p, d), q, off)
+
+    if sim:
+        def addr_low(arr):
+            return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
+    else:
+        addr_low = wgmma_intrinsics().addr_low
+    return copy_q, addr_low
+
+
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     sim = spec.sim
     prims = primitives(sim)
@@ -645,6 +697,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
 
     load_kv_tile = kv_tile_loader(spec, ops)
     stage_q = q_tile_stager(spec, ops)
+    copy_q, addr_low = q_tile_copier(spec, ops)
+    Q_ASYNC = copy_q is not None
+    wait_all = prims.wait(0)
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
                            tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
@@ -677,6 +732,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         # A clear tile's scale may wait for exp2's FFMA only when it is positive (the maximum
         # of raw scores times it is then the maximum of the scaled scores).
         raw_scores = SOFTMAX and scale > ZERO
+        # Q by cp.async (q_tile_copier) when its base and strides allow 16-byte copies
+        q_async = Q_ASYNC and (addr_low(q) % U32(16) == U32(0) and q_stride_n % 8 == 0
+                               and q_stride_h % 8 == 0)
         c = cuda.blockIdx.x
         for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
             item = plan[cta_work_off + wi]
@@ -693,6 +751,9 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     continue  # finite V: the fast kernel's result stands
 
             cuda.syncthreads()  # the previous item (and its merge) is done with shared memory
+            if q_async:  # Q's copies join tile 0's group: its wait covers them
+                copy_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, q_stride_n, q_stride_h,
+                       tid)
             # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
             # past the last tile, so that group i is always tile i. Issued before Q's loads, so
             # that their latencies overlap (Q's staging area is another part of shared memory).
@@ -703,9 +764,13 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                                  start + pt * BC, end, hk, tid)
                 else:
                     commit()
-            # Q tile -> its staging area (rounded to the operand type, after the query hook)
-            stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n, q_stride_h,
-                    tid, ONE)
+            if q_async:
+                if n_tiles == 0:
+                    wait_all()  # no tile waits for Q's copies: none may outlive the item
+            else:
+                # Q tile -> its staging area (rounded to the operand type, after the query hook)
+                stage_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, pos0, q_stride_n,
+                        q_stride_h, tid, ONE)
             publish()  # (wgmma: the tensor cores read Q through the async proxy)
             cuda.syncthreads()
             # A kv_split item: every warp takes the tile's first 16 packed rows (all of them)
