@@ -204,7 +204,8 @@ def tile_config(token: str):
     stages, then ``m`` for split rows merged by a launch of their own, then ``k`` for items of
     at most 16 packed rows split over the warps by keys, then ``w`` and the warps per CTA, then
     ``g`` for the products on warpgroup MMA, then ``l`` for the lean warpgroup kernel where
-    the plan allows it, then ``p`` for its per-item overlap (``LEAN_PREFETCH``), then ``z``
+    the plan allows it, then ``p`` for its per-item overlap (``LEAN_PREFETCH``; without ``l``
+    the ``mma.sync`` kernel's, ``MMA_PREFETCH``: ``"32s168mp"``), then ``z``
     for its lazy rescale (``LEAN_LAZY_RESCALE``), then ``q`` for its S = Q K^T ahead of the
     ring's refill (``LEAN_QK_AHEAD``), then ``y`` for its swizzled K / V tiles
     (``LEAN_SWIZZLE``), then ``o`` and MiB for the plan's L2 order
@@ -216,7 +217,7 @@ def tile_config(token: str):
     m = re.fullmatch(r"(\d+)(s(\d+)?)?(x(\d))?(m)?(k)?(w(\d))?(g)?(l)?(p)?(z)?(q)?(y)?(o(\d+))?",
                      str(token))
     if m is None or (m.group(11) and not m.group(10)) or (
-            (m.group(12) or m.group(13) or m.group(14) or m.group(15)) and not m.group(11)):
+            (m.group(13) or m.group(14) or m.group(15)) and not m.group(11)):
         raise ValueError(f"tile config must look like 64, 32, 32s168, 32x4, 64m, 64mk, 64w8, "
                          f"64w8g, 64w8gl, 64w8glp, 64w8glz, 64w8glq, 64w8glqy or 64w8glo16, got "
                          f"{token!r}")
@@ -226,7 +227,9 @@ def tile_config(token: str):
                        MMA_DEFER_MERGE=bool(m.group(6)), MMA_KV_SPLIT=bool(m.group(7)),
                        MMA_WARPS=int(m.group(9)) if m.group(9) else None,
                        MMA_WGMMA=bool(m.group(10)), MMA_WGMMA_LEAN=bool(m.group(11)),
-                       LEAN_PREFETCH=bool(m.group(12)), LEAN_LAZY_RESCALE=bool(m.group(13)),
+                       LEAN_PREFETCH=bool(m.group(12)) and bool(m.group(11)),
+                       MMA_PREFETCH=bool(m.group(12)) and not m.group(11),
+                       LEAN_LAZY_RESCALE=bool(m.group(13)),
                        LEAN_QK_AHEAD=bool(m.group(14)), LEAN_SWIZZLE=bool(m.group(15)),
                        PREFILL_L2_SECTION_MIB=int(m.group(17)) if m.group(17) else None):
         yield

@@ -325,14 +325,20 @@ def test_block_sparse_gpu(rng, R, C):
 
 
 @pytest.mark.parametrize("kv_split, d", [(False, 128), (True, 128), ("levels", 128),
-                                         ("levels-prefetch", 128), (False, 64)])
+                                         ("levels-prefetch", 128), (False, 64),
+                                         ("prefetch", 128), ("prefetch", 64)])
 def test_cascade_gpu(rng, monkeypatch, kv_split, d):
     # (kv_split: the own level's items, one row of 4 packed heads each, split by keys;
     # "levels": CASCADE_LAUNCH = "levels", the prefix level on the prefill rule's kernel (the
     # lean one on sm_90: 64 packed rows per KV head), the own level on the decode kernel;
-    # d 64: the one launch's 64-key tiles, mma_tiles(all_split=True))
+    # d 64: the one launch's 64-key tiles, mma_tiles(all_split=True); "prefetch": the one
+    # launch with MMA_PREFETCH, the same bits as without it)
     from nbinfer.api import cascade as cascade_api
 
+    prefetch = kv_split == "prefetch"
+    if prefetch:
+        kv_split = False
+    monkeypatch.setattr(prefill_api, "MMA_PREFETCH", prefetch)
     levels = str(kv_split).startswith("levels")
     if not levels:  # (any knob set, even False, turns the lean kernel's rule off)
         monkeypatch.setattr(prefill_api, "MMA_KV_SPLIT", kv_split)
@@ -356,11 +362,19 @@ def test_cascade_gpu(rng, monkeypatch, kv_split, d):
         assert spec.prefetch == (kv_split == "levels-prefetch") and spec.lean
     else:
         spec = w._fused.step_plan.spec
-        assert spec.kv_split == kv_split
+        assert spec.kv_split == kv_split and spec.prefetch == prefetch
         assert spec.kv_tile == (64 if d == 64 else prefill_api.CASCADE_TILES["kv_tile"])
     out = w.run(tq, tc)
     ref = reference.multi_level_cascade_attention(_np(tq), qo, _np(tc), indptr, indices, last)
     assert rel_err(_np(out), ref) <= TOLERANCE["float16"]
+    if prefetch:
+        import torch
+
+        monkeypatch.setattr(prefill_api, "MMA_PREFETCH", False)
+        plain = MultiLevelCascadeAttentionWrapper(2, _ws())
+        plain.plan(qo, indptr, indices, last, 32, 8, d, ps, q_data_type="float16")
+        assert not plain._fused.step_plan.spec.prefetch
+        assert torch.equal(plain.run(tq, tc), out)
     if levels:  # level by level, merges included, replays in a CUDA graph (it once failed to
         # capture: merge_state_in_place allocated and launched on Numba's default stream)
         import torch

@@ -227,6 +227,57 @@ def test_q_by_copies_equals_the_stager(rng, monkeypatch):
     assert np.all(lse[45:] == -np.inf) and np.all(out[45:].astype(np.float32) == 0)
 
 
+@pytest.mark.parametrize("q_shared, kv_tile", [(True, 32), (False, 64)])
+def test_prefetch_of_the_next_item_changes_no_bit(rng, monkeypatch, q_shared, kv_tile):
+    # MMA_PREFETCH: the next work item's plan entries and first KV tile requested during an
+    # item's last tile. Split rows (16-key chunks: many items per CTA, each of a few tiles),
+    # pages of 5 (tiles that cross pages), a request without KV and one whose last chunk is a
+    # single key; the same bits as without it, and the reference's values.
+    hq, hkv, d, ps = 4, 2, 64, 5
+    qo_lens, kv_lens = [9, 3, 20, 2], [61, 0, 33, 17]
+    pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 2,
+                                rng=rng)
+    cache = rng.standard_normal((pt.num_pages, 2, ps, hkv, d)).astype(np.float16)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)])
+    q = rng.standard_normal((int(qo_indptr[-1]), hq, d)).astype(np.float16)
+    monkeypatch.setattr(prefill_api, "MMA_KV_TILE", kv_tile)
+    monkeypatch.setattr(prefill_api, "MMA_Q_SHARED", q_shared)
+    monkeypatch.setattr(prefill_api, "MMA_DEFER_MERGE", True)
+    runs = []
+    for prefetch in (False, True):
+        monkeypatch.setattr(prefill_api, "MMA_PREFETCH", prefetch)
+        w = BatchPrefillWithPagedKVCacheWrapper(_ws(), "NHD")
+        w.plan(qo_indptr, pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+               q_data_type="float16", causal=True, fixed_split_size=16)
+        assert w.step_plan.spec.prefetch == prefetch
+        assert w.schedule.num_merge_rows > 0
+        runs.append(w.run(q, cache, return_lse=True))
+        # several items on some CTA: the overlap has a next item to fetch for
+        ctas = np.diff(np.asarray(w.schedule.cta_indptr))
+        assert ctas.max() >= 3
+    (out, lse), (out_p, lse_p) = runs
+    np.testing.assert_array_equal(out.view(np.uint16), out_p.view(np.uint16))
+    np.testing.assert_array_equal(lse, lse_p)
+    ref, ref_lse = reference.batch_prefill_with_paged_kv_cache(
+        q, qo_indptr, cache, pt.indptr, pt.indices, pt.last_page_len, causal=True,
+        return_lse=True)
+    _check(w, out_p, lse_p, ref, ref_lse)
+
+
+def test_prefetch_needs_its_tiles():
+    # the mma.sync kernel's prefetch asks for Q in shared memory, two stages and the merge
+    # deferred; the guarded twin drops it
+    std = V.causal()
+    ok = MmaPrefillSpec(64, 2, 16, "float16", "float16", "NHD", std, kv_tile=64, defer_merge=True,
+                        prefetch=True)
+    assert not ok.on_mma_sync(value_guard=True).prefetch
+    for bad in (dict(kv_tile=32), dict(kv_tile=64, stages=3), dict(kv_tile=64, defer_merge=False),
+                dict(kv_tile=64, kv_split=True)):
+        kw = dict(defer_merge=True) | bad
+        with pytest.raises(ValueError, match="prefetch=True on the mma.sync kernel"):
+            MmaPrefillSpec(64, 2, 16, "float16", "float16", "NHD", std, prefetch=True, **kw)
+
+
 def test_kv_tile_64_at_head_dim_128_takes_dynamic_shared_memory(rng, monkeypatch):
     # D 128 with 64-key tiles needs more than the 48 KiB of static shared memory a kernel may
     # declare (two stages of K and V plus Q: 78 KiB at the simulator's two warps, 87 KiB on

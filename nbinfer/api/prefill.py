@@ -32,7 +32,12 @@ from ..formats import segment_packbits
 from ..kernels.common import ITEMSIZE, PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
-from ..kernels.prefill_mma import MmaPrefillSpec, build_prefill_mma_kernel, mma_eligible
+from ..kernels.prefill_mma import (
+    TILE_KV,
+    MmaPrefillSpec,
+    build_prefill_mma_kernel,
+    mma_eligible,
+)
 from ..kernels.prefill_wgmma import LEAN_MAX_REGISTERS, LEAN_STAGES, lean_eligible
 from ..kernels.split_merge import build_split_merge_kernel
 from ..kernels.value_scan import SCAN_CTAS_PER_SM, value_guard_kernels
@@ -91,6 +96,12 @@ CASCADE_TILES = dict(kv_tile=32, q_shared=True, max_registers=168, defer_merge=T
 # it (128 to 512 tokens alike); with 32-key tiles 128 tokens measured best (101.9 us against
 # 105.8 at 256).
 MMA_ITEM_OVERHEAD = None
+# The tensor-core kernel's per-item overlap (MmaPrefillSpec's ``prefetch`` on mma.sync: the next
+# work item's plan entries read and its first KV tile requested during this item's last tile),
+# where its tiles allow it (Q in shared memory, two stages, the merge deferred, no kv_split).
+# None: off, until measured (bench/prefill.py's ``p`` token without ``l``); True: on where
+# allowed; False: off.
+MMA_PREFETCH = None
 # Warps per CTA (16 packed rows each; None: 4 on the GPU, 2 in the simulator). 8 warps share
 # each KV tile between 128 rows: half the copies per warp, one CTA per SM (registers). Needs
 # 64-key tiles or Q in shared memory (128 Q rows do not fit the 32-key stage they would alias).
@@ -167,9 +178,14 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     opts = {k: rule[k] if v is None else v for k, v in shape.items()}
     defer = all_split and CASCADE_TILES["defer_merge"] if MMA_DEFER_MERGE is None \
         else bool(MMA_DEFER_MERGE)
+    stages = MMA_STAGES or 2
+    # (MmaPrefillSpec's conditions for the mma.sync kernel's prefetch; Q in shared memory is
+    # q_shared or a tile of more than TILE_KV keys)
+    prefetch = bool(MMA_PREFETCH) and (bool(opts["q_shared"]) or int(opts["kv_tile"]) > TILE_KV) \
+        and stages == 2 and defer and not MMA_KV_SPLIT
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
-                max_registers=opts["max_registers"] or None, stages=MMA_STAGES or 2,
-                defer_merge=defer, kv_split=bool(MMA_KV_SPLIT))
+                max_registers=opts["max_registers"] or None, stages=stages,
+                defer_merge=defer, kv_split=bool(MMA_KV_SPLIT), prefetch=prefetch)
 
 
 def wgmma_choice(sim: bool, split: bool, lean_ok: bool, rows: float) -> tuple[bool, bool]:
@@ -320,8 +336,8 @@ class PrefillWrapperBase(WrapperBase):
                 sim, self._all_split or tiles["kv_split"],
                 lean_eligible(step.variant, step.custom_mask, step.q_pos0 is not None),
                 step.num_qo_rows * group / max(step.batch_size, 1))
-            if wg:
-                tiles.update(kv_tile=64, q_shared=True, wgmma=True)
+            if wg:  # (the warpgroup form has no prefetch; the lean kernel its own below)
+                tiles.update(kv_tile=64, q_shared=True, wgmma=True, prefetch=False)
             if lean:
                 # its fixed shape; a register cap set by MMA_MAX_REGISTERS still applies
                 tiles.update(lean=True, stages=LEAN_STAGES, defer_merge=True,

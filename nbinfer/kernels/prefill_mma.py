@@ -125,7 +125,10 @@ class MmaPrefillSpec(PrefillSpec):
     lean: bool = False
     # With ``lean``: a work item's fixed cost overlapped with its neighbours' tiles: Q copied by
     # cp.async, the next item's first KV tile and Q requested during this item's last tile,
-    # the output stored by one unrolled loop per path (:mod:`.prefill_wgmma`).
+    # the output stored by one unrolled loop per path (:mod:`.prefill_wgmma`). On this kernel
+    # (``mma.sync``; Q in shared memory, two stages, ``defer_merge``, neither ``kv_split`` nor
+    # ``value_guard``): the next item's plan entries read and its first KV tile requested
+    # during this item's last tile, into the stage the ring has free.
     prefetch: bool = False
     # With ``lean``: the online softmax's rescale only when a row's maximum grows by more than
     # 2^8 (the rest of the tiles skip it; exact: O and its sum share the stale reference).
@@ -175,11 +178,19 @@ class MmaPrefillSpec(PrefillSpec):
                     f"num_warps={self.num_warps}, stages={self.stages}, "
                     f"defer_merge={self.defer_merge}, variant {self.variant.name!r}, "
                     f"custom_mask={self.custom_mask}, block_positions={self.block_positions}")
-        rungs = {n: getattr(self, n) for n in ("prefetch", "lazy_rescale", "qk_ahead", "swizzle")}
+        rungs = {n: getattr(self, n) for n in ("lazy_rescale", "qk_ahead", "swizzle")}
         if any(rungs.values()) and not self.lean:
-            raise ValueError("prefetch, lazy_rescale, qk_ahead and swizzle are the lean "
-                             f"kernel's (lean=True); got lean=False with "
+            raise ValueError("lazy_rescale, qk_ahead and swizzle are the lean kernel's "
+                             f"(lean=True); got lean=False with "
                              f"{[n for n, on in rungs.items() if on]} set")
+        if self.prefetch and not self.lean and not (
+                self.q_in_shared and self.stages == 2 and self.defer_merge and not self.wgmma
+                and not self.kv_split and not self.value_guard):
+            raise ValueError("prefetch=True on the mma.sync kernel needs Q in shared memory, 2 "
+                             "stages, defer_merge, and neither wgmma, kv_split nor value_guard; "
+                             f"got q_in_shared={self.q_in_shared}, stages={self.stages}, "
+                             f"defer_merge={self.defer_merge}, wgmma={self.wgmma}, "
+                             f"kv_split={self.kv_split}, value_guard={self.value_guard}")
         if self.swizzle and self.sim:
             raise ValueError("swizzle=True is a layout of the GPU's warpgroup MMA; the "
                              "simulator's lean kernel runs on the mma.sync twins (got "
@@ -700,6 +711,12 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
     copy_q, addr_low = q_tile_copier(spec, ops)
     Q_ASYNC = copy_q is not None
     wait_all = prims.wait(0)
+    # spec.prefetch: the next work item's plan entries read, and its first KV tile requested,
+    # during this item's last tile (its refill has no tile of this item left to fetch), into
+    # the stage the ring frees: the item's start no longer waits on plan reads, page ids and
+    # a KV tile's latency in turn. (Q still comes at the item's start: every warp reads this
+    # item's Q until its last tile is done.)
+    PREFETCH = spec.prefetch
 
     def prefill_mma_kernel(q, k, v, kv_indptr, kv_indices, kv_last, plan, o, lse, tmp_o,
                            tmp_lse, counters, hkv, page_stride, kv_stride_n, kv_stride_h,
@@ -736,12 +753,16 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
         q_async = Q_ASYNC and (addr_low(q) % U32(16) == U32(0) and q_stride_n % 8 == 0
                                and q_stride_h % 8 == 0)
         c = cuda.blockIdx.x
-        for wi in range(plan[cta_indptr_off + c], plan[cta_indptr_off + c + 1]):
+        w_hi = plan[cta_indptr_off + c + 1]
+        phase = U32(0)  # the stage of the item's tile 0 (PREFETCH: where the one before put it)
+        ready = False  # the item's tile 0 requested by the item before (PREFETCH)
+        for wi in range(plan[cta_indptr_off + c], w_hi):
             item = plan[cta_work_off + wi]
             (b, hk, qs, nrows, start, end, prow, q0, kv_len, ib, row_stride, head_off,
              pos0) = read_item(plan, item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
                                kv_indptr, kv_last, kv_stride_n, kv_stride_h)
             n_tiles = (end - start + BC - 1) // BC if end > start else 0
+            nxt_item = plan[cta_work_off + wi + 1] if PREFETCH and wi + 1 < w_hi else -1
             if GUARD:
                 flagged = 0
                 first_flag = value_flags_off + (b * hkv + hk) * VALUE_SCAN_SPLITS
@@ -754,16 +775,23 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             if q_async:  # Q's copies join tile 0's group: its wait covers them
                 copy_q(smem, base + U32(Q_BASE), q, q0, qs, nrows, hk, q_stride_n, q_stride_h,
                        tid)
-            # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
-            # past the last tile, so that group i is always tile i. Issued before Q's loads, so
-            # that their latencies overlap (Q's staging area is another part of shared memory).
-            for pt in range(NSTG - 1):
-                if pt < n_tiles:
-                    load_kv_tile(smem, base + U32(pt * STAGE_BYTES), k, v, kv_indices,
-                                 kv_indptr, b, ib, row_stride, head_off, page_stride,
-                                 start + pt * BC, end, hk, tid)
-                else:
-                    commit()
+            if PREFETCH and ready:
+                # tile 0 is in stage `phase` already (its own group, before Q's); two stages:
+                # the first tile's wait (all groups) covers both
+                commit()
+            else:
+                # Tiles 0 .. NSTG - 2 into stages 0 .. NSTG - 2: one cp.async group each, empty
+                # past the last tile, so that group i is always tile i. Issued before Q's
+                # loads, so that their latencies overlap (Q's staging area is another part of
+                # shared memory).
+                phase = U32(0)
+                for pt in range(NSTG - 1):
+                    if pt < n_tiles:
+                        load_kv_tile(smem, base + U32(pt * STAGE_BYTES), k, v, kv_indices,
+                                     kv_indptr, b, ib, row_stride, head_off, page_stride,
+                                     start + pt * BC, end, hk, tid)
+                    else:
+                        commit()
             if q_async:
                 if n_tiles == 0:
                     wait_all()  # no tile waits for Q's copies: none may outlive the item
@@ -800,7 +828,8 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
             if GUARD and tid == 0:
                 for i in range(BAD_WORDS):  # the first tile's barrier orders this before its
                     bad_keys[i] = U32(0)  # atomics
-            cur = U32(0)  # stage of tile it
+            cur = phase  # stage of tile it
+            ready = False
             for it in range(n_tiles):
                 t0 = start + it * BC
                 wait_tile()
@@ -813,6 +842,20 @@ def prefill_mma_kernel_source(spec: MmaPrefillSpec):
                     load_kv_tile(smem, base + nxt * U32(STAGE_BYTES), k, v, kv_indices,
                                  kv_indptr, b, ib, row_stride, head_off, page_stride,
                                  t0 + (NSTG - 1) * BC, end, hk, tid)
+                elif PREFETCH and nxt_item >= 0:
+                    # the next item's tile 0 into the stage this item no longer needs
+                    (nb_, nhk, nqs, nrows_, nstart, nend, nprow, nq0, nkv_len, nib,
+                     nrow_stride, nhead_off, npos0) = read_item(
+                        plan, nxt_item, work_off, qo_indptr_off, qo_end_off, q_pos0_off,
+                        kv_indptr, kv_last, kv_stride_n, kv_stride_h)
+                    if nend > nstart:
+                        load_kv_tile(smem, base + nxt * U32(STAGE_BYTES), k, v, kv_indices,
+                                     kv_indptr, nb_, nib, nrow_stride, nhead_off, page_stride,
+                                     nstart, nend, nhk, tid)
+                        phase = nxt
+                        ready = True
+                    else:
+                        commit()
                 else:
                     commit()  # an empty group keeps group i meaning tile i
                 kb = base + cur * U32(STAGE_BYTES)
