@@ -388,6 +388,32 @@ def kv_tile_loader(spec: MmaPrefillSpec, ops):
     return load_kv_tile
 
 
+def q_source_indexer(group_size: int, sim: bool):
+    """``q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h) -> (p, d, row,
+    offset)``: piece ``e`` of an item's Q tile cut into ``per_row`` pieces of ``width``
+    elements per packed row: its packed row ``p`` (query row ``p // G``, head ``hk G + p %
+    G``), first column ``d``, query row within the item, and the element offset of its source
+    in q (rows past ``nrows`` read the last row). Shared by the stager and the copier."""
+    G = group_size
+    U32 = types.uint32
+
+    @device_jit(sim)
+    def q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h):
+        # Every index is cast back to uint32 or int64 as it is made: Numba types uint32 op
+        # uint32 as uint64, and a uint64 met by an int64 (min, +) as float64, which put 20
+        # double-precision instructions (DSETP, DADD, F2I.F64) into each unrolled round of the
+        # stager: 15 % of the one-launch cascade's warp time on an H100 (bench/NOTES.md,
+        # session 31).
+        p = U32(e // U32(per_row))
+        d = U32(U32(width) * (e % U32(per_row)))
+        row = U32(p // U32(G))
+        off = ((int64(q0 + qs) + min(int64(row), int64(nrows - 1))) * q_stride_n
+               + (int64(hk * G) + int64(p % U32(G))) * q_stride_h + int64(d))
+        return p, d, row, off
+
+    return q_source
+
+
 def q_tile_stager(spec: MmaPrefillSpec, ops):
     """``stage_q(smem, qbase, q, q0, qs, nrows, hk, pos0, q_stride_n, q_stride_h, tid, sign)``:
     the item's ``tile_q`` packed rows of Q (query row ``p // G``, head ``hk G + p % G``) through
@@ -402,6 +428,7 @@ def q_tile_stager(spec: MmaPrefillSpec, ops):
     hook_query, HAS_Q = hooks.query, hooks.has_query
     q_f32 = prims.convert[spec.q_dtype]
     store_pair, q_offset = ops.store_pair, ops.q_offset
+    q_source = q_source_indexer(G, sim)
     ZERO = float32(0.0)
     U32 = types.uint32
 
@@ -410,27 +437,16 @@ def q_tile_stager(spec: MmaPrefillSpec, ops):
         # A fixed count of element pairs per thread, every load unconditional (rows past
         # nrows read the last row and store zeros): the loads of a thread are independent
         # and issue back to back, where a guarded runtime loop waited on each in turn.
-        # (Every index is cast back to uint32 or int64 as it is made: Numba types uint32 op
-        # uint32 as uint64, and a uint64 met by an int64 (min, +) as float64, which put 20
-        # double-precision instructions (DSETP, DADD, F2I.F64) into each unrolled round of
-        # this loop: 15 % of the one-launch cascade's warp time on an H100, bench/NOTES.md,
-        # session 31.)
         tu = U32(tid)
-        last_row = int64(nrows - 1)
-        qrow0 = int64(q0 + qs)
-        qhead0 = int64(hk * G)
         for r in range(Q_PAIRS):
-            e = U32(tu + U32(r * NT))
-            p = U32(e // U32(HALF))
-            d = U32(U32(2) * (e % U32(HALF)))
-            row = U32(p // U32(G))
-            qb = ((qrow0 + min(int64(row), last_row)) * q_stride_n
-                  + (qhead0 + int64(p % U32(G))) * q_stride_h)
-            x0 = q_f32(q[qb + d])
-            x1 = q_f32(q[qb + d + 1])
+            p, d, row, src = q_source(U32(tu + U32(r * NT)), HALF, 2, q0, qs, nrows, hk,
+                                      q_stride_n, q_stride_h)
+            x0 = q_f32(q[src])
+            x1 = q_f32(q[src + 1])
             if HAS_Q:
+                qb = src - int64(d)  # the row's first element
                 qp = pos0 + row
-                qh = hk * G + p % U32(G)
+                qh = int64(hk * G) + int64(p % U32(G))
                 y0 = float32(hook_query(x0, q_f32(q[qb + (d + HALF) % D]), d, D, qp, qh))
                 x1 = float32(hook_query(x1, q_f32(q[qb + (d + 1 + HALF) % D]), d + 1, D,
                                         qp, qh))
@@ -468,6 +484,7 @@ def q_tile_copier(spec: MmaPrefillSpec, ops):
             or D % 8 or (spec.tile_q * CH) % NT):
         return None, None
     q_offset = ops.q_offset
+    q_source = q_source_indexer(G, sim)
     cp16 = primitives(sim).cp_async16_to
     U32 = types.uint32
 
@@ -475,16 +492,9 @@ def q_tile_copier(spec: MmaPrefillSpec, ops):
     def copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid):
         # consecutive threads take consecutive chunks of a row: whole rows per warp-copy
         tu = U32(tid)
-        last_row = int64(nrows - 1)
-        qrow0 = int64(q0 + qs)
-        qhead0 = int64(hk * G)
         for i in range(COPIES):
-            e = U32(tu + U32(i * NT))
-            p = U32(e // U32(CH))
-            d = U32(U32(8) * (e % U32(CH)))
-            row = U32(p // U32(G))
-            off = ((qrow0 + min(int64(row), last_row)) * q_stride_n
-                   + (qhead0 + int64(p % U32(G))) * q_stride_h + int64(d))
+            p, d, _, off = q_source(U32(tu + U32(i * NT)), CH, 8, q0, qs, nrows, hk,
+                                    q_stride_n, q_stride_h)
             cp16(smem, qbase + q_offset(p, d), q, off)
 
     if sim:
