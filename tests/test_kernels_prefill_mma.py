@@ -227,12 +227,13 @@ def test_q_by_copies_equals_the_stager(rng, monkeypatch):
     assert np.all(lse[45:] == -np.inf) and np.all(out[45:].astype(np.float32) == 0)
 
 
-@pytest.mark.parametrize("q_shared, kv_tile", [(True, 32), (False, 64)])
-def test_prefetch_of_the_next_item_changes_no_bit(rng, monkeypatch, q_shared, kv_tile):
+def test_prefetch_of_the_next_item_changes_no_bit(rng, monkeypatch):
     # MMA_PREFETCH: the next work item's plan entries and first KV tile requested during an
     # item's last tile. Split rows (16-key chunks: many items per CTA, each of a few tiles),
     # pages of 5 (tiles that cross pages), a request without KV and one whose last chunk is a
-    # single key; the same bits as without it, and the reference's values.
+    # single key; the same bits as without it, and the reference's values. (The cascade's
+    # tiles: 32 keys, Q in shared memory; the GPU's cascade test runs 64-key tiles too.)
+    q_shared, kv_tile = True, 32
     hq, hkv, d, ps = 4, 2, 64, 5
     qo_lens, kv_lens = [9, 3, 20, 2], [61, 0, 33, 17]
     pt = PageTable.from_kv_lens(kv_lens, ps, num_pages=sum(-(-n // ps) for n in kv_lens) + 2,
