@@ -118,9 +118,11 @@ def main():
                          "64-key tiles, 2 stages, a 128-register cap unless --max-registers; "
                          "implies --wgmma)")
     ap.add_argument("--prefetch", action="store_true",
-                    help="prefill, with --lean: MmaPrefillSpec(prefetch=True), the per-item "
-                         "overlap (Q by cp.async, the next item's first tile and Q requested "
-                         "during the last tile, unrolled stores)")
+                    help="prefill: MmaPrefillSpec(prefetch=True), the per-item overlap (with "
+                         "--lean: Q by cp.async, the next item's first tile and Q requested "
+                         "during the last tile, unrolled stores; without: the next item's plan "
+                         "and first tile, which needs --q-shared or --kv-tile 64 and "
+                         "--defer-merge)")
     ap.add_argument("--lazy", action="store_true",
                     help="prefill, with --lean: MmaPrefillSpec(lazy_rescale=True), the online "
                          "softmax's rescale only when a row's maximum grows by more than 2^8")

@@ -18,7 +18,7 @@ if [ "$tag" = h200 ]; then
 fi
 timeout 240 python3 bench/prefix_level_probe.py ${FORMS:+--forms "$FORMS"} \
   --out "$OUT/r/prefix_level_$tag.json" >"$OUT/r/probe.log" 2>&1 || status=1
-cat "$OUT/r/probe.log" | grep -v Warning | tail -10 | cut -c1-200
+grep -v Warning "$OUT/r/probe.log" | tail -10 | cut -c1-200
 echo "probe: $((SECONDS - t0)) s"
 if [ -n "${NCU:-}" ] && command -v ncu >/dev/null; then
   for form in ${NCU_FORMS:-paged ragged}; do
