@@ -33,10 +33,11 @@ from ..kernels.common import ITEMSIZE, PREFILL_PLAN_SECTIONS
 from ..kernels.prefill import NUM_THREADS as PREFILL_THREADS
 from ..kernels.prefill import PrefillSpec, build_prefill_kernel, prefill_signature
 from ..kernels.prefill_mma import (
-    TILE_KV,
     MmaPrefillSpec,
     build_prefill_mma_kernel,
     mma_eligible,
+    mma_prefetch_allowed,
+    q_in_shared_memory,
 )
 from ..kernels.prefill_wgmma import LEAN_MAX_REGISTERS, LEAN_STAGES, lean_eligible
 from ..kernels.split_merge import build_split_merge_kernel
@@ -179,10 +180,9 @@ def mma_tiles(head_dim: int, *, all_split: bool = False) -> dict:
     defer = all_split and CASCADE_TILES["defer_merge"] if MMA_DEFER_MERGE is None \
         else bool(MMA_DEFER_MERGE)
     stages = MMA_STAGES or 2
-    # (MmaPrefillSpec's conditions for the mma.sync kernel's prefetch; Q in shared memory is
-    # q_shared or a tile of more than TILE_KV keys)
-    prefetch = bool(MMA_PREFETCH) and (bool(opts["q_shared"]) or int(opts["kv_tile"]) > TILE_KV) \
-        and stages == 2 and defer and not MMA_KV_SPLIT
+    prefetch = bool(MMA_PREFETCH) and mma_prefetch_allowed(
+        q_in_shared_memory(opts["q_shared"], int(opts["kv_tile"])), stages, defer,
+        kv_split=bool(MMA_KV_SPLIT))
     return dict(kv_tile=int(opts["kv_tile"]), q_shared=bool(opts["q_shared"]),
                 max_registers=opts["max_registers"] or None, stages=stages,
                 defer_merge=defer, kv_split=bool(MMA_KV_SPLIT), prefetch=prefetch)

@@ -183,9 +183,9 @@ class MmaPrefillSpec(PrefillSpec):
             raise ValueError("lazy_rescale, qk_ahead and swizzle are the lean kernel's "
                              f"(lean=True); got lean=False with "
                              f"{[n for n, on in rungs.items() if on]} set")
-        if self.prefetch and not self.lean and not (
-                self.q_in_shared and self.stages == 2 and self.defer_merge and not self.wgmma
-                and not self.kv_split and not self.value_guard):
+        if self.prefetch and not self.lean and not mma_prefetch_allowed(
+                self.q_in_shared, self.stages, self.defer_merge, wgmma=self.wgmma,
+                kv_split=self.kv_split, value_guard=self.value_guard):
             raise ValueError("prefetch=True on the mma.sync kernel needs Q in shared memory, 2 "
                              "stages, defer_merge, and neither wgmma, kv_split nor value_guard; "
                              f"got q_in_shared={self.q_in_shared}, stages={self.stages}, "
@@ -219,7 +219,7 @@ class MmaPrefillSpec(PrefillSpec):
     @property
     def q_in_shared(self) -> bool:
         """Whether Q stays in shared memory (read per k-step) instead of registers."""
-        return self.q_shared or self.kv_tile > TILE_KV
+        return q_in_shared_memory(self.q_shared, self.kv_tile)
 
     @property
     def num_threads(self) -> int:
@@ -229,6 +229,36 @@ class MmaPrefillSpec(PrefillSpec):
     def split_warps(self) -> int:
         """Warps that share a KV tile's keys in a ``kv_split`` item (16 keys or more each)."""
         return min(self.num_warps, self.kv_tile // 16)
+
+
+def mma_prefetch_allowed(q_in_shared: bool, stages: int, defer_merge: bool, *,
+                         wgmma: bool = False, kv_split: bool = False,
+                         value_guard: bool = False) -> bool:
+    """Whether the ``mma.sync`` kernel's per-item overlap (``MmaPrefillSpec(prefetch=True)``
+    without ``lean``) can run on these options: the next item's first KV tile goes into the
+    stage the ring frees at the last tile (two stages), each warp's Q is read from shared
+    memory until then, and the item's partials are merged after the launch. The spec's check
+    and the api's rule (``nbinfer.api.prefill.mma_tiles``) both ask this."""
+    return (bool(q_in_shared) and stages == 2 and bool(defer_merge)
+            and not (wgmma or kv_split or value_guard))
+
+
+def q_in_shared_memory(q_shared: bool, kv_tile: int) -> bool:
+    """Whether Q stays in shared memory (read per k-step) instead of registers: asked for, or
+    forced by a tile of more than :data:`TILE_KV` keys (``MmaPrefillSpec.q_in_shared``)."""
+    return bool(q_shared) or kv_tile > TILE_KV
+
+
+def array_addr_low(sim: bool):
+    """``addr_low(arr)``: the low 32 bits of an array's address (a kernel's alignment check
+    before 16-byte copies), on the GPU by inline PTX, in the simulator from NumPy."""
+    if not sim:
+        return wgmma_intrinsics().addr_low
+
+    def addr_low(arr):
+        return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
+
+    return addr_low
 
 
 def mma_eligible(head_dim: int, q_dtype: str, kv_dtype: str) -> bool:
@@ -388,28 +418,44 @@ def kv_tile_loader(spec: MmaPrefillSpec, ops):
     return load_kv_tile
 
 
-def q_source_indexer(group_size: int, sim: bool):
-    """``q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h) -> (p, d, row,
-    offset)``: piece ``e`` of an item's Q tile cut into ``per_row`` pieces of ``width``
-    elements per packed row: its packed row ``p`` (query row ``p // G``, head ``hk G + p %
-    G``), first column ``d``, query row within the item, and the element offset of its source
-    in q (rows past ``nrows`` read the last row). Shared by the stager and the copier."""
+def q_row_offsetter(group_size: int, sim: bool):
+    """``q_offset_of(p, d, q0, qs, nrows, hk, q_stride_n, q_stride_h) -> int64``: the element
+    offset in q of column ``d`` of an item's packed Q row ``p`` (query row ``p // G`` of the
+    item's ``nrows``, clamped to its last row; head ``hk G + p % G``). Every Q tile loader
+    asks it: the stager, the ``mma.sync`` kernel's copier and the lean kernel's."""
     G = group_size
     U32 = types.uint32
 
     @device_jit(sim)
-    def q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h):
+    def q_offset_of(p, d, q0, qs, nrows, hk, q_stride_n, q_stride_h):
         # Every index is cast back to uint32 or int64 as it is made: Numba types uint32 op
         # uint32 as uint64, and a uint64 met by an int64 (min, +) as float64, which put 20
         # double-precision instructions (DSETP, DADD, F2I.F64) into each unrolled round of the
         # stager: 15 % of the one-launch cascade's warp time on an H100 (bench/NOTES.md,
         # session 31).
+        row = U32(U32(p) // U32(G))
+        return ((int64(q0 + qs) + min(int64(row), int64(nrows - 1))) * q_stride_n
+                + (int64(hk * G) + int64(U32(p) % U32(G))) * q_stride_h + int64(d))
+
+    return q_offset_of
+
+
+def q_source_indexer(group_size: int, sim: bool):
+    """``q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h) -> (p, d, row,
+    offset)``: piece ``e`` of an item's Q tile cut into ``per_row`` pieces of ``width``
+    elements per packed row: its packed row ``p`` (query row ``p // G``, head ``hk G + p %
+    G``), first column ``d``, query row within the item, and the element offset of its source
+    in q (:func:`q_row_offsetter`). Shared by the stager and the copier."""
+    G = group_size
+    U32 = types.uint32
+    q_offset_of = q_row_offsetter(G, sim)
+
+    @device_jit(sim)
+    def q_source(e, per_row, width, q0, qs, nrows, hk, q_stride_n, q_stride_h):
         p = U32(e // U32(per_row))
         d = U32(U32(width) * (e % U32(per_row)))
-        row = U32(p // U32(G))
-        off = ((int64(q0 + qs) + min(int64(row), int64(nrows - 1))) * q_stride_n
-               + (int64(hk * G) + int64(p % U32(G))) * q_stride_h + int64(d))
-        return p, d, row, off
+        off = q_offset_of(p, d, q0, qs, nrows, hk, q_stride_n, q_stride_h)
+        return p, d, U32(p // U32(G)), off
 
     return q_source
 
@@ -497,12 +543,7 @@ def q_tile_copier(spec: MmaPrefillSpec, ops):
                                     q_stride_n, q_stride_h)
             cp16(smem, qbase + q_offset(p, d), q, off)
 
-    if sim:
-        def addr_low(arr):
-            return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
-    else:
-        addr_low = wgmma_intrinsics().addr_low
-    return copy_q, addr_low
+    return copy_q, array_addr_low(sim)
 
 
 def prefill_mma_kernel_source(spec: MmaPrefillSpec):

@@ -59,7 +59,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from numba import cuda, float32, int64, types
+from numba import cuda, float32, types
 
 from ..variants.builtins import is_causal_mask
 from .common import F_INF, F_LN2, state_finalize
@@ -67,7 +67,13 @@ from .dependent import dependent_launch
 from .fused_merge import build_merge_list
 from .mma import FULL_MASK, _gpu_mma_intrinsics, tile_ops
 from .positions import prefill_item_reader
-from .prefill_mma import kv_tile_loader, q_tile_stager, shared_layout
+from .prefill_mma import (
+    array_addr_low,
+    kv_tile_loader,
+    q_row_offsetter,
+    q_tile_stager,
+    shared_layout,
+)
 from .primitives import LOG2E, device_jit, primitives
 from .wgmma import WGMMA_KINDS, copy_slot, wgmma_intrinsics, wgmma_tile_ops
 
@@ -128,9 +134,6 @@ def _target(spec, sim: bool):
             cuda.syncthreads()
             return hit
 
-        def addr_low(arr):
-            return np.uint32(np.asarray(arr).__array_interface__["data"][0] & 0xFFFFFFFF)
-
         qk_smem = ops.qk_smem
 
         @device_jit(True)
@@ -138,7 +141,7 @@ def _target(spec, sim: bool):
             pass  # the twin's product is done when it returns
 
         return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any, qk_issue=qk_smem,
-                               qk_wait=qk_wait, opaque=lambda x: x, addr_low=addr_low,
+                               qk_wait=qk_wait, opaque=lambda x: x, addr_low=array_addr_low(sim),
                                store_u32=None, pack=None)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW, spec.swizzle)
     pv_words = ops.pv_words
@@ -158,7 +161,7 @@ def _target(spec, sim: bool):
 
     return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
                            qk_issue=ops.qk_issue, qk_wait=ops.qk_wait,
-                           opaque=intr.opaque_u32, addr_low=intr.addr_low,
+                           opaque=intr.opaque_u32, addr_low=array_addr_low(sim),
                            store_u32=intr.store_u32, pack=pack)
 
 
@@ -232,6 +235,7 @@ def prefill_wgmma_kernel_source(spec):
     # matrices on the GPU, padded rows of 4-byte slots in the simulator
     Q_DST_STEP = Q_STEP * ops.RS if sim else Q_STEP // 8 * (D // 8 * 128)
     q_offset = ops.q_offset
+    q_offset_of = q_row_offsetter(G, sim)
     let_dependents = dependent_launch(sim).trigger  # (defer_merge: always, on this kernel)
 
     @cuda.jit(device=True)
@@ -242,11 +246,9 @@ def prefill_wgmma_kernel_source(spec):
         r0, ch, _, _, _ = slot(tid % 128, 128, D, False, 0, 128, 2)
         p0 = U32(64 * (tid // 128) + r0)
         dst = qbase + q_offset(p0, U32(8 * ch))
-        last = nrows - 1
         for i in range(Q_COPIES):
-            p = p0 + U32(i * Q_STEP)
-            off = (int64(q0 + qs + min(int64(p // U32(G)), last)) * q_stride_n
-                   + int64(hk * G + p % U32(G)) * q_stride_h + 8 * ch)
+            off = q_offset_of(U32(p0 + U32(i * Q_STEP)), U32(8 * ch), q0, qs, nrows, hk,
+                              q_stride_n, q_stride_h)
             cp16(smem, dst + U32(i * Q_DST_STEP), q, off)
 
     @cuda.jit(device=True)
