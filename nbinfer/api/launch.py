@@ -13,6 +13,7 @@ replays correctly after any later ``upload`` into the same layout.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import numpy as np
 
@@ -29,14 +30,25 @@ STRIDE_ARGS = ("page_stride", "kv_stride_n", "kv_stride_h", "q_stride_n", "q_str
 
 @contextlib.contextmanager
 def defer_frees():
-    """Hold back the freeing of nbinfer's device and pinned host memory while inside.
+    """Hold back, while inside, the frees and finalizers that would break a CUDA-graph capture.
 
-    A wrapper's plan memory and staging buffers are Numba allocations; when a wrapper is
-    collected, Numba queues their frees and flushes the queue once it holds more than a few
-    entries, whenever that happens. A ``cuMemFree`` issued while a stream is being captured
-    into a CUDA graph invalidates the capture (``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED``, then
-    901 at the next launch). Wrap a capture in this context manager (nestable; in the simulator
-    it does nothing); the frees run after it, at Numba's next flush.
+    A capture (``cudaStreamCaptureModeGlobal``, torch's default) is invalidated by any call
+    it forbids made meanwhile, such as a ``cuMemFree``; the next launch then returns 901
+    (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``). Two things make such calls at times nobody
+    chooses:
+
+    - Numba queues the frees of collected device and pinned host arrays (a wrapper's plan
+      memory and staging buffers) and flushes the queue once it holds more than a few entries;
+      held back here by Numba's ``defer_cleanup``, they run at its next flush after this;
+    - Python's cyclic collector runs when allocations pass its threshold and finalizes
+      whatever cyclic garbage it finds (CUDA graphs, events, pinned tensors of objects long
+      dropped). It is switched off while inside (on again after, if it was on), so that
+      garbage is collected outside the capture. Measured: a generation-1 collection of 2570
+      objects at the first launch of an engine's decode capture invalidated it, in 1 of 3 runs
+      of the engine's gpu tests (bench/NOTES.md, session 32).
+
+    ``torch.cuda.graph`` collects once as it starts; entered inside this manager that happens
+    before the capture begins. Nestable; in the simulator only the collector is switched off.
 
     Examples
     --------
@@ -45,8 +57,14 @@ def defer_frees():
     """
     from numba import cuda
 
-    with cuda.defer_cleanup():
-        yield
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with cuda.defer_cleanup():
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class TableReader:

@@ -1,0 +1,60 @@
+"""``nbinfer.defer_frees``: no cyclic collection runs inside it (a collection's finalizers
+invalidated an engine's CUDA-graph capture, bench/NOTES.md session 32), the collector's state
+comes back after it, nested or on an error. Runs on the CPU (Numba's deferred frees are the
+GPU's part; tests/test_gpu_layers.py drops Numba arrays inside a guarded capture)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from nbinfer.api.launch import defer_frees
+
+
+def _cyclic_garbage(n: int) -> None:
+    for _ in range(n):
+        a = []
+        a.append(a)
+
+
+@pytest.fixture
+def collections():
+    runs = []
+
+    def seen(phase, info):
+        if phase == "start":
+            runs.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.enable()
+    gc.callbacks.append(seen)
+    yield runs
+    gc.callbacks.remove(seen)
+    if not was:
+        gc.disable()
+
+
+def test_no_collection_runs_inside(collections):
+    threshold = gc.get_threshold()[0]
+    _cyclic_garbage(5 * threshold)
+    assert collections, "the control: past the threshold the collector runs"
+    collections.clear()
+    with defer_frees():
+        with defer_frees():  # nested: the inner exit leaves it off
+            pass
+        assert not gc.isenabled()
+        _cyclic_garbage(5 * threshold)
+        assert collections == []
+    assert gc.isenabled()
+
+
+def test_the_collector_comes_back_after_an_error_and_stays_off_if_it_was(collections):
+    with pytest.raises(ValueError), defer_frees():
+        raise ValueError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    with defer_frees():
+        pass
+    assert not gc.isenabled()
+    gc.enable()
