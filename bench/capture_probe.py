@@ -91,13 +91,7 @@ def main(argv=None) -> int:
         rounds.append(outcome)
         print(f"round {r}: {outcome['s']} s, captures {state['capture']}, "
               f"errors {outcome['errors'] or 'none'}", flush=True)
-    during = [g for g in gcs if g["phase"] == "stop"]
-    print(f"collections during captures: {len(during)} "
-          f"(generation 2: {sum(g['generation'] == 2 for g in during)})")
-    for f in flips:
-        print(f"capture {f['capture']}: status {f['status']} after {f['event']} {f['call']} "
-              f"at {f['where']}")
-        print("".join(f["stack"][-6:]))
+    report(rec)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"mode": args.mode, "rounds": rounds, "flips": flips, "gc": gcs}, fh,
@@ -190,6 +184,23 @@ def install_watch(mode: str = "global", saveall: bool = False) -> dict:
     return {"flips": flips, "gc": gcs, "state": state}
 
 
+def report(rec: dict) -> None:
+    """Print :func:`install_watch`'s records: captures, collections during them, each
+    invalidated capture with the call it followed and its stack, and (``saveall``) what the
+    collections found."""
+    during = [g for g in rec["gc"] if g["phase"] == "stop"]
+    print(f"capture probe: {rec['state']['capture']} captures, {len(during)} collections during "
+          f"them, {len(rec['flips'])} invalidated")
+    for f in rec["flips"]:
+        print(f"capture {f['capture']}: status {f['status']} after {f['event']} {f['call']} "
+              f"at {f['where']}")
+        print("".join(f["stack"][-8:]))
+    for g in during:
+        if "types" in g:
+            print(f"collection in capture {g['capture']} (generation {g['generation']}, "
+                  f"{g['collected']} objects): CUDA-related types {g['cuda_types']}")
+
+
 # pytest plugin (``PYTHONPATH=bench pytest -p capture_probe ...``): every capture of the run
 # watched, the records written to $CAPTURE_PROBE_OUT (JSON) and summarised at the end.
 _RECORDS = {}
@@ -205,22 +216,15 @@ def pytest_configure(config):
 def pytest_sessionfinish(session, exitstatus):
     import os
 
-    flips, gcs = _RECORDS.get("flips", []), _RECORDS.get("gc", [])
-    during = [g for g in gcs if g["phase"] == "stop"]
-    print(f"\ncapture probe: {_RECORDS.get('state', {}).get('capture', 0)} captures, "
-          f"{len(during)} collections during them, {len(flips)} invalidated")
-    for f in flips:
-        print(f"capture {f['capture']}: status {f['status']} after {f['event']} {f['call']} "
-              f"at {f['where']}")
-        print("".join(f["stack"][-8:]))
-    for g in during:
-        if "types" in g:
-            print(f"collection in capture {g['capture']} (generation {g['generation']}, "
-                  f"{g['collected']} objects): CUDA-related types {g['cuda_types']}")
+    if not _RECORDS:
+        return
+    print()
+    report(_RECORDS)
     out = os.environ.get("CAPTURE_PROBE_OUT")
     if out:
         with open(out, "w") as fh:
-            json.dump({"flips": flips, "gc": gcs}, fh, indent=1, default=str)
+            json.dump({"flips": _RECORDS["flips"], "gc": _RECORDS["gc"]}, fh, indent=1,
+                      default=str)
 
 
 if __name__ == "__main__":

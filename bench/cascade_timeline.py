@@ -59,7 +59,17 @@ def timeline(fn) -> dict:
     rows = [dict(kernel=name[:80], calls=len(ts), mean_us=float(np.mean(ts)),
                  total_us=float(np.sum(ts))) for name, ts in per.items()]
     rows.sort(key=lambda r: -r["total_us"])
-    return dict(kernels=rows, busy_us_per_call=busy / CALLS, span_us_per_call=span / CALLS)
+    # The split-row merge's tail: how long after the kernel before it ends (the latest end
+    # among the kernels started before it) the merge ends. As a programmatic dependent launch
+    # it starts early and waits, so its own duration says nothing of what it adds to a step.
+    tails, last_end = [], None
+    for e in sorted(kernels, key=lambda e: e.time_range.start):
+        if "split_merge" in e.name and last_end is not None:
+            tails.append(e.time_range.end - last_end)
+        else:
+            last_end = max(last_end or e.time_range.end, e.time_range.end)
+    return dict(kernels=rows, busy_us_per_call=busy / CALLS, span_us_per_call=span / CALLS,
+                merge_tail_us=float(np.median(tails)) if tails else None)
 
 
 def main():
@@ -108,8 +118,10 @@ def main():
                      ("plain_decode", lambda: plain.run(q, cache))):
         out[name] = timeline(fn)
         t = out[name]
+        tail = t["merge_tail_us"]
         print(f"{name}: GPU busy {t['busy_us_per_call']:.1f} us per call, first to last kernel "
-              f"{t['span_us_per_call']:.1f} us")
+              f"{t['span_us_per_call']:.1f} us"
+              + ("" if tail is None else f", the merge ends {tail:.1f} us after the kernel"))
         for r in t["kernels"]:
             print(f"    {r['calls']:4d} x {r['mean_us']:8.1f} us  {r['kernel']}")
     # The same problem under other tile configs (each planned inside its config): GPU time
