@@ -40,12 +40,13 @@ def defer_frees():
     - Numba queues the frees of collected device and pinned host arrays (a wrapper's plan
       memory and staging buffers) and flushes the queue once it holds more than a few entries;
       held back here by Numba's ``defer_cleanup``, they run at its next flush after this;
-    - Python's cyclic collector runs when allocations pass its threshold and finalizes
-      whatever cyclic garbage it finds (CUDA graphs, events, pinned tensors of objects long
-      dropped). It is switched off while inside (on again after, if it was on), so that
-      garbage is collected outside the capture. Measured: a generation-1 collection of 2570
-      objects at the first launch of an engine's decode capture invalidated it, in 1 of 3 runs
-      of the engine's gpu tests (bench/NOTES.md, session 32).
+    - Python's cyclic collector runs when allocations pass its threshold and frees whatever
+      cyclic garbage it finds, such as the CUDA graphs and events of an engine dropped long
+      before, whose destructors free graphs and memory. It is switched off while inside (on
+      again after, if it was on), so that garbage is collected outside the capture. Measured:
+      a generation-1 collection of 2570 objects, torch CUDA graphs and events among them, at
+      the first launch of an engine's decode capture invalidated it, in 1 of 3 runs of the
+      engine's gpu tests (bench/NOTES.md, session 32).
 
     ``torch.cuda.graph`` collects once as it starts; entered inside this manager that happens
     before the capture begins. Nestable; in the simulator only the collector is switched off.
