@@ -1,11 +1,13 @@
-"""``nbinfer.defer_frees``: no cyclic collection runs inside it (a collection's finalizers
-invalidated an engine's CUDA-graph capture, bench/NOTES.md session 32), the collector's state
-comes back after it, nested or on an error. Runs on the CPU (Numba's deferred frees are the
-GPU's part; tests/test_gpu_layers.py drops Numba arrays inside a guarded capture)."""
+"""``nbinfer.defer_frees``: no cyclic collection runs inside it (a collection freeing an
+earlier engine's CUDA graphs invalidated an engine's capture, bench/NOTES.md session 32), the
+collector's state comes back after it, nested, across threads or on an error. Needs no GPU
+(in the simulator, as CI runs it, Numba's ``defer_cleanup`` does nothing; on a GPU
+tests/test_gpu_layers.py drops Numba arrays inside a guarded capture)."""
 
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 
@@ -31,8 +33,7 @@ def collections():
     gc.callbacks.append(seen)
     yield runs
     gc.callbacks.remove(seen)
-    if not was:
-        gc.disable()
+    (gc.enable if was else gc.disable)()  # whatever a failed test left
 
 
 def test_no_collection_runs_inside(collections):
@@ -57,4 +58,24 @@ def test_the_collector_comes_back_after_an_error_and_stays_off_if_it_was(collect
     with defer_frees():
         pass
     assert not gc.isenabled()
-    gc.enable()
+
+
+def test_overlapping_blocks_of_two_threads(collections):
+    # The collector is process-wide: the first block to leave must not switch it on while
+    # the other thread's block is still inside.
+    inside, leave = threading.Event(), threading.Event()
+
+    def other():
+        with defer_frees():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert inside.wait(10)
+    with defer_frees():
+        pass
+    assert not gc.isenabled()  # the other thread is still inside
+    leave.set()
+    t.join(10)
+    assert gc.isenabled()

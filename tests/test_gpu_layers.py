@@ -107,6 +107,7 @@ def test_a_capture_survives_numba_frees_inside_defer_frees():
     doomed = [cuda.device_array(1024, dtype=np.int32) for _ in range(12)]
     x0, r0 = x.clone(), r.clone()
     graph = torch.cuda.CUDAGraph()
+    gc.collect()  # earlier tests' garbage (CUDA graphs, events) freed before the capture
     with nbinfer.defer_frees(), torch.cuda.graph(graph):
         nbinfer.fused_add_rmsnorm(x, r, w, 1e-5)
         doomed.clear()

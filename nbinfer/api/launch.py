@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 
 import numpy as np
 
@@ -28,28 +29,38 @@ __all__ = ["ARG", "AttentionLaunch", "PlanMemory", "TableReader", "defer_frees"]
 STRIDE_ARGS = ("page_stride", "kv_stride_n", "kv_stride_h", "q_stride_n", "q_stride_h")
 
 
+# defer_frees' hold on the cyclic collector: the collector is process-wide, so nested and
+# concurrent blocks share one count; the first to enter switches it off, the last to leave
+# switches it back on if it was on.
+_COLLECTOR = {"depth": 0, "was_on": False}
+_COLLECTOR_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def defer_frees():
-    """Hold back, while inside, the frees and finalizers that would break a CUDA-graph capture.
+    """Hold back, while inside, Numba's queued frees and Python's cyclic collector, either of
+    which can break a CUDA-graph capture at a moment nobody chooses.
 
     A capture (``cudaStreamCaptureModeGlobal``, torch's default) is invalidated by any call
     it forbids made meanwhile, such as a ``cuMemFree``; the next launch then returns 901
-    (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``). Two things make such calls at times nobody
-    chooses:
+    (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``). Two things make such calls on their own
+    schedule:
 
     - Numba queues the frees of collected device and pinned host arrays (a wrapper's plan
       memory and staging buffers) and flushes the queue once it holds more than a few entries;
       held back here by Numba's ``defer_cleanup``, they run at its next flush after this;
     - Python's cyclic collector runs when allocations pass its threshold and frees whatever
       cyclic garbage it finds, such as the CUDA graphs and events of an engine dropped long
-      before, whose destructors free graphs and memory. It is switched off while inside (on
-      again after, if it was on), so that garbage is collected outside the capture. Measured:
-      a generation-1 collection of 2570 objects, torch CUDA graphs and events among them, at
-      the first launch of an engine's decode capture invalidated it, in 1 of 3 runs of the
-      engine's gpu tests (bench/NOTES.md, session 32).
+      before, whose destructors free graphs and memory. It is switched off while inside, so
+      that garbage waits for the next collection after the block. Measured: a generation-1
+      collection of 2570 objects, torch CUDA graphs and events among them, at the first
+      launch of an engine's decode capture invalidated it, in 1 of 3 runs of the engine's gpu
+      tests (bench/NOTES.md, session 32).
 
-    ``torch.cuda.graph`` collects once as it starts; entered inside this manager that happens
-    before the capture begins. Nestable; in the simulator only the collector is switched off.
+    What this cannot hold back is a destructor run by a plain reference drop inside the block
+    (the last reference to a CUDA graph or event let go there) or an explicit ``gc.collect()``:
+    inside a capture, do neither. Nestable, and across threads (the collector is switched off
+    while any thread is inside); in the simulator only the collector is switched off.
 
     Examples
     --------
@@ -58,14 +69,19 @@ def defer_frees():
     """
     from numba import cuda
 
-    collecting = gc.isenabled()
-    gc.disable()
+    with _COLLECTOR_LOCK:
+        if _COLLECTOR["depth"] == 0:
+            _COLLECTOR["was_on"] = gc.isenabled()
+            gc.disable()
+        _COLLECTOR["depth"] += 1
     try:
         with cuda.defer_cleanup():
             yield
     finally:
-        if collecting:
-            gc.enable()
+        with _COLLECTOR_LOCK:
+            _COLLECTOR["depth"] -= 1
+            if _COLLECTOR["depth"] == 0 and _COLLECTOR["was_on"]:
+                gc.enable()
 
 
 class TableReader:

@@ -363,7 +363,8 @@ class _DecodeGraph:
                 self._forward(take_tokens=False)
             torch.cuda.current_stream(runner.device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            # (a collected wrapper's Numba memory freed mid-capture would invalidate it)
+            # (a collected wrapper's Numba memory, or a collected earlier graph, freed
+            # mid-capture would invalidate it: defer_frees holds both back)
             with defer_frees(), torch.cuda.graph(self.graph):
                 self.logits = self._forward()
         self.graph.replay()

@@ -251,7 +251,8 @@ def q_in_shared_memory(q_shared: bool, kv_tile: int) -> bool:
 
 def array_addr_low(sim: bool):
     """``addr_low(arr)``: the low 32 bits of an array's address (a kernel's alignment check
-    before 16-byte copies), on the GPU by inline PTX, in the simulator from NumPy."""
+    before 16-byte copies), on the GPU an intrinsic (the data pointer truncated), in the
+    simulator from NumPy."""
     if not sim:
         return wgmma_intrinsics().addr_low
 

@@ -113,6 +113,7 @@ def _target(spec, sim: bool):
     and no 32-bit output stores; everything else runs as it is."""
     D, BC, NW = spec.head_dim, spec.tile_kv, spec.num_warps
     A_WORDS = BC // 4  # P as the P V product's A fragments
+    addr_low = array_addr_low(sim)
     if sim:
         ops = tile_ops(D, BC, spec.q_dtype, NW, True)
         pv = ops.pv
@@ -141,7 +142,7 @@ def _target(spec, sim: bool):
             pass  # the twin's product is done when it returns
 
         return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any, qk_issue=qk_smem,
-                               qk_wait=qk_wait, opaque=lambda x: x, addr_low=array_addr_low(sim),
+                               qk_wait=qk_wait, opaque=lambda x: x, addr_low=addr_low,
                                store_u32=None, pack=None)
     ops = wgmma_tile_ops(D, BC, spec.q_dtype, NW, spec.swizzle)
     pv_words = ops.pv_words
@@ -161,7 +162,7 @@ def _target(spec, sim: bool):
 
     return SimpleNamespace(ops=ops, p_times_v=p_times_v, warp_any=warp_any,
                            qk_issue=ops.qk_issue, qk_wait=ops.qk_wait,
-                           opaque=intr.opaque_u32, addr_low=array_addr_low(sim),
+                           opaque=intr.opaque_u32, addr_low=addr_low,
                            store_u32=intr.store_u32, pack=pack)
 
 
