@@ -9,14 +9,19 @@ RoPE table grows) ``--rounds`` times in one process and watches every capture:
 
 - a profile hook (``sys.setprofile``, on only while a capture runs) asks the capturing
   stream's status (``cudaStreamIsCapturing``) at every Python and C call and return, and
-  records the first event after which the capture is no longer active, with its stack;
+  records the first event at which the capture is no longer active, with its stack, and the
+  last event at which it still was (what broke it ran between the two);
 - a ``gc.callbacks`` hook asks it before and after every collection during a capture, so a
   finalizer run by the collector (a freed pinned buffer, an event, a Numba array) is named as
   the cause if the status flips across it.
 
-Each round's outcome and every flip found go to ``--out`` (JSON) and the log.
+Each round's outcome and every flip found go to ``--out`` (JSON) and the log. As a pytest
+plugin it watches every capture of a test run instead (``CAPTURE_PROBE_OUT``: the JSON;
+``CAPTURE_PROBE_SAVEALL=1``: what a collection inside a capture finds, kept alive and named by
+type; ``CAPTURE_PROBE_MODE``: the capture error mode).
 
     python3 bench/capture_probe.py --rounds 6 --out $OUT/capture_probe.json
+    PYTHONPATH=bench:$PYTHONPATH python3 -P -m pytest -p capture_probe tests/test_engine_gpu.py
 """
 
 from __future__ import annotations
@@ -85,7 +90,10 @@ def main(argv=None) -> int:
                 outcome["errors"].append("rope-growth tokens differ")
         except Exception as exc:  # noqa: BLE001 - a probe records and goes on
             outcome["errors"].append(f"{type(exc).__name__}: {exc}"[:400])
-            torch.cuda.synchronize()
+            try:
+                torch.cuda.synchronize()
+            except Exception as sync_exc:  # noqa: BLE001 - after a broken capture
+                outcome["errors"].append(f"synchronize: {sync_exc}"[:200])
         outcome["captures_so_far"] = state["capture"]
         outcome["s"] = round(time.perf_counter() - t, 1)
         rounds.append(outcome)
@@ -98,27 +106,35 @@ def main(argv=None) -> int:
                       indent=1)
     failed = sum(bool(o["errors"]) for o in rounds)
     print(f"rounds failed: {failed} of {len(rounds)}; captures invalidated: {len(flips)}")
-    return 0
+    return 1 if failed else 0
 
 
 def install_watch(mode: str = "global", saveall: bool = False) -> dict:
     """Replace ``torch.cuda.graph`` by a subclass that watches every capture (profile and
     collector hooks, module docstring) with ``capture_error_mode`` ``mode``; returns the
-    records it fills: ``flips`` (the first event after which a capture stopped being active,
-    with its stack), ``gc`` (each collection during a capture and the status after it) and
+    records it fills: ``flips`` (the first event at which a capture was no longer active, with
+    its stack, and the last event at which it still was: the fault lies between the two),
+    ``gc`` (each collection during a capture and the status after it) and
     ``state`` (``capture``: captures so far). ``saveall``: what a collection during a capture
     finds is kept (``gc.DEBUG_SAVEALL``: never finalized there, so the capture survives) and
     its commonest types are recorded; the objects are let go after the capture."""
     import torch
     from cuda.bindings import runtime as rt
 
-    args = argparse.Namespace(mode=mode)
     flips, gcs = [], []
     state = {"capture": 0}
 
     def status(stream) -> int:
         err, st = rt.cudaStreamIsCapturing(stream)
+        if int(err) != 0:  # (a failed query is not a flip)
+            raise RuntimeError(f"cudaStreamIsCapturing: error {err}")
         return int(st)
+
+    def where(frame, event, arg) -> str:
+        # a C call's function, else the Python function the event is in
+        name = getattr(arg, "__qualname__", None) if event.startswith("c_") else None
+        return (f"{event} {name or frame.f_code.co_qualname} at "
+                f"{frame.f_code.co_filename}:{frame.f_lineno}")
 
     active = int(rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusActive)
     torch.zeros(1, device="cuda")
@@ -127,43 +143,45 @@ def install_watch(mode: str = "global", saveall: bool = False) -> dict:
 
     class watched(original):  # noqa: N801 - stands in for torch.cuda.graph
         def __init__(self, *a, **kw):
-            kw.setdefault("capture_error_mode", args.mode)
+            kw.setdefault("capture_error_mode", mode)
             super().__init__(*a, **kw)
 
         def __enter__(self):
             out = super().__enter__()
             stream = torch.cuda.current_stream().cuda_stream
             state["capture"] += 1
-            seen = {"flipped": False}
+            seen = {"flipped": False, "last": None}
 
             def hook(frame, event, arg):
                 if seen["flipped"]:
                     return
                 st = status(stream)
-                if st != active:
-                    seen["flipped"] = True
-                    name = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "")
-                    flips.append({"capture": state["capture"], "event": event,
-                                  "call": str(name),
-                                  "where": f"{frame.f_code.co_filename}:{frame.f_lineno} "
-                                           f"({frame.f_code.co_name})",
-                                  "status": st,
-                                  "stack": traceback.format_stack(frame, limit=12)})
+                if st == active:
+                    seen["last"] = (frame, event, arg)
+                    return
+                seen["flipped"] = True
+                flips.append({"capture": state["capture"], "status": st,
+                              "at": where(frame, event, arg),
+                              "last_active": where(*seen["last"]) if seen["last"] else None,
+                              "stack": traceback.format_stack(frame, limit=12)})
 
             def on_gc(phase, info):
                 st = status(stream)
                 rec = {"capture": state["capture"], "phase": phase,
                        "generation": info.get("generation"),
                        "collected": info.get("collected"), "status": st}
-                if saveall and phase == "stop":
+                if saveall and phase == "start":
+                    seen["garbage"] = len(gc.garbage)
+                if saveall and phase == "stop":  # what this collection added
                     found = collections.Counter(
-                        f"{type(o).__module__}.{type(o).__qualname__}" for o in gc.garbage)
+                        f"{type(o).__module__}.{type(o).__qualname__}"
+                        for o in gc.garbage[seen.get("garbage", 0):])
                     rec["types"] = found.most_common(15)
                     rec["cuda_types"] = sorted(n for n in found if "cuda" in n.lower()
                                                or "numba" in n.lower())
                 gcs.append(rec)
 
-            self._probe = (hook, on_gc, gc.get_debug())
+            self._probe = (hook, on_gc, gc.get_debug(), sys.getprofile())
             if saveall:
                 gc.set_debug(self._probe[2] | gc.DEBUG_SAVEALL)
             gc.callbacks.append(on_gc)
@@ -171,7 +189,7 @@ def install_watch(mode: str = "global", saveall: bool = False) -> dict:
             return out
 
         def __exit__(self, *exc):
-            sys.setprofile(None)
+            sys.setprofile(self._probe[3])
             gc.callbacks.remove(self._probe[1])
             try:
                 return super().__exit__(*exc)
@@ -192,8 +210,8 @@ def report(rec: dict) -> None:
     print(f"capture probe: {rec['state']['capture']} captures, {len(during)} collections during "
           f"them, {len(rec['flips'])} invalidated")
     for f in rec["flips"]:
-        print(f"capture {f['capture']}: status {f['status']} after {f['event']} {f['call']} "
-              f"at {f['where']}")
+        print(f"capture {f['capture']}: status {f['status']} at {f['at']}; last active at "
+              f"{f['last_active']}")
         print("".join(f["stack"][-8:]))
     for g in during:
         if "types" in g:
@@ -209,6 +227,9 @@ _RECORDS = {}
 def pytest_configure(config):
     import os
 
+    import nbinfer
+
+    print(f"capture probe: nbinfer from {nbinfer.__file__}")  # (which tree the tests import)
     _RECORDS.update(install_watch(os.environ.get("CAPTURE_PROBE_MODE", "global"),
                                   saveall=bool(os.environ.get("CAPTURE_PROBE_SAVEALL"))))
 

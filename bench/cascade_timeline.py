@@ -64,10 +64,12 @@ def timeline(fn) -> dict:
     # it starts early and waits, so its own duration says nothing of what it adds to a step.
     tails, last_end = [], None
     for e in sorted(kernels, key=lambda e: e.time_range.start):
-        if "split_merge" in e.name and last_end is not None:
-            tails.append(e.time_range.end - last_end)
+        if "split_merge" in e.name:
+            if last_end is not None:
+                tails.append(e.time_range.end - last_end)
         else:
-            last_end = max(last_end or e.time_range.end, e.time_range.end)
+            last_end = e.time_range.end if last_end is None else max(last_end,
+                                                                      e.time_range.end)
     return dict(kernels=rows, busy_us_per_call=busy / CALLS, span_us_per_call=span / CALLS,
                 merge_tail_us=float(np.median(tails)) if tails else None)
 

@@ -26,10 +26,7 @@ from cuda.bindings import runtime as rt
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cascade_timeline import timeline  # noqa: E402
-from decode import median_ms  # noqa: E402
-from prefill import shared_prefix_case  # noqa: E402
-
-from nbinfer.api.launch import defer_frees  # noqa: E402
+from prefill import graph_ms, shared_prefix_case  # noqa: E402
 
 
 def check(result):
@@ -39,13 +36,14 @@ def check(result):
     return result
 
 
-def set_window(stream, base: int, nbytes: int) -> None:
-    """The L2 access-policy window of ``stream`` (``nbytes`` 0: none)."""
+def set_window(stream, base: int, nbytes: int, hit_ratio: float = 1.0) -> None:
+    """The L2 access-policy window of ``stream`` (``nbytes`` 0: none): ``hit_ratio`` of its
+    lines persisting (at most the set-aside's share, or they evict each other)."""
     value = rt.cudaStreamAttrValue()
     w = value.accessPolicyWindow
     w.base_ptr = base
     w.num_bytes = nbytes
-    w.hitRatio = 1.0 if nbytes else 0.0
+    w.hitRatio = hit_ratio if nbytes else 0.0
     w.hitProp = rt.cudaAccessProperty.cudaAccessPropertyPersisting if nbytes else \
         rt.cudaAccessProperty.cudaAccessPropertyNormal
     w.missProp = rt.cudaAccessProperty.cudaAccessPropertyStreaming if nbytes else \
@@ -53,19 +51,6 @@ def set_window(stream, base: int, nbytes: int) -> None:
     check(rt.cudaStreamSetAttribute(stream.cuda_stream,
                                     rt.cudaStreamAttrID.cudaLaunchAttributeAccessPolicyWindow,
                                     value))
-
-
-def graph_us(fn, stream, n=20) -> float:
-    """Median per replay of ``fn`` captured on ``stream`` (its window goes with the nodes)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with defer_frees(), torch.cuda.graph(graph, stream=stream):
-        fn()
-    return 1e3 * median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 
 
 def main():
@@ -79,8 +64,7 @@ def main():
     run = lambda: casc.run(q, cache)  # noqa: E731
     run()
     launch = casc.fused_wrapper.step_plan.launch
-    o_n, s_n = launch.layout.partial_elems
-    base, nbytes = launch._f32_addr, 4 * (launch.layout.float_offsets()[1] + s_n)
+    base, nbytes = launch._f32_addr, launch.layout.nbytes  # the partial states
     dev = torch.cuda.current_device()
     _, max_window = check(rt.cudaDeviceGetAttribute(
         rt.cudaDeviceAttr.cudaDevAttrMaxAccessPolicyWindowSize, dev))
@@ -97,20 +81,21 @@ def main():
     for r in range(args.rounds):
         for on in (False, True):
             for s in (eager, capture):
-                set_window(s, base, window if on else 0)
+                set_window(s, base, window if on else 0, min(1.0, set_aside / window))
             check(rt.cudaCtxResetPersistingL2Cache())
             t = timeline(run)
             kernel = max(t["kernels"], key=lambda k: k["mean_us"] if "prefill" in k["kernel"]
                          else 0)
-            row = dict(round=r, window=on, graph_us=graph_us(run, capture),
+            row = dict(round=r, window=on, graph_us=1e3 * graph_ms(run, stream=capture),
                        merge_tail_us=t["merge_tail_us"], kernel_us=kernel["mean_us"])
             rows.append(row)
+            tail = row["merge_tail_us"]
             print(f"round {r}, window {'on ' if on else 'off'}: graph {row['graph_us']:.1f} us, "
-                  f"kernel {row['kernel_us']:.1f} us, the merge ends {row['merge_tail_us']:.1f} "
-                  f"us after it")
+                  f"kernel {row['kernel_us']:.1f} us, "
+                  + ("no merge" if tail is None else f"the merge ends {tail:.1f} us after it"))
     for s in (eager, capture):
         set_window(s, base, 0)
-    plain_graph = graph_us(lambda: plain.run(q, cache), capture)
+    plain_graph = 1e3 * graph_ms(lambda: plain.run(q, cache), stream=capture)
     print(f"plain decode under graph replay: {plain_graph:.1f} us")
     if args.out:
         with open(args.out, "w") as f:

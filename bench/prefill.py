@@ -183,16 +183,18 @@ def back_to_back_ms(fn, n=20):
     return gpu_ms(fn, reps=n, rounds=1)
 
 
-def graph_ms(fn, n=20):
-    """Median over 10 event pairs of ``n`` replays of ``fn`` captured once in a CUDA graph."""
-    stream = torch.cuda.Stream()
+def graph_ms(fn, n=20, stream=None):
+    """Median over 10 event pairs of ``n`` replays of ``fn`` captured once in a CUDA graph,
+    on ``stream`` (default: a new one; a stream's attributes, e.g. an L2 access-policy
+    window, go with the captured kernels)."""
+    stream = stream or torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up off the default stream, as capture requires
         for _ in range(3):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with defer_frees(), torch.cuda.graph(graph):  # (no Numba free may run inside a capture)
+    with defer_frees(), torch.cuda.graph(graph, stream=stream):  # (defer_frees: no free inside)
         fn()
     return median_ms(lambda: [graph.replay() for _ in range(n)], warmup=2, iters=10) / n
 

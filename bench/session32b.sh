@@ -3,11 +3,11 @@
 # (bench/cascade_timeline.py's merge tail) in the old tree and the new, then the engine's gpu
 # tests (the intermittent capture failure) run RUNS times under bench/capture_probe.py as a
 # pytest plugin, with the old tree's nbinfer (whose kernels the carried cache holds).
-#   cp bench/cascade_timeline.py bench/capture_probe.py .ab_old/bench/   # carry .ab_old too
+#   cp bench/cascade_timeline.py .ab_old/bench/   # carry .ab_old too
 #   KEEP_R=1 bash bench/session32b.sh
 # (python3 -P: `python -m` puts the working directory first on sys.path, which imports the
-# working tree's nbinfer whatever PYTHONPATH says; the session's calls 2-3 ran without it, so
-# their "old" engine runs were the working tree's.)
+# working tree's nbinfer whatever PYTHONPATH says; call 2 ran without it, so its engine runs
+# were the working tree's, which then had the revision's engine code.)
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start

@@ -3,18 +3,18 @@
 # pytest plugin, RUNS times with the working tree (nbinfer.defer_frees now keeps the cyclic
 # collector off during a capture), then SAVEALL_RUNS times with the old tree's nbinfer and
 # CAPTURE_PROBE_SAVEALL=1 (what a collection during a capture finds, by type).
-#   cp bench/capture_probe.py .ab_old/bench/   # carry .ab_old too
+#   (carry .ab_old too)
 #   KEEP_R=1 bash bench/session32c.sh
 # (python3 -P: `python -m` puts the working directory first on sys.path, which imports the
-# working tree's nbinfer whatever PYTHONPATH says; the session's calls 2-3 ran without it, so
-# their "old" engine runs were the working tree's.)
+# working tree's nbinfer whatever PYTHONPATH says. Call 3 ran this script without it, so its
+# two "old" runs were the working tree's too: its results are engine_new_1..6.)
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
 session_start
 session_gpu
 engine_runs() {  # $1: side (new / old), $2: runs; extra environment from the caller
-  local path=$PWD/bench
-  [ "$1" = old ] && path=$PWD/.ab_old:$path
+  local path=$PWD/bench:$PWD
+  [ "$1" = old ] && path=$PWD/.ab_old:$PWD/bench
   for run in $(seq "$2"); do
     PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" \
       CAPTURE_PROBE_OUT="$OUT/r/engine_probe_$1_$run.json" timeout "${ENGINE_S:-150}" \
