@@ -30,6 +30,7 @@ import argparse
 import collections
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -43,29 +44,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    import numpy as np
     import torch
 
-    from nbinfer.engine import Engine, Request, init_weights, named_config
-    from nbinfer.engine.torch_model import TorchLlama
-    from nbinfer.engine.torch_runner import TorchRunner
+    # the scenario's requests and engines are the tests' own (tests/test_engine_gpu.py)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from test_engine_gpu import CFG as cfg
+    from test_engine_gpu import _engine as engine
+    from test_engine_gpu import _requests as requests
 
-    cfg = named_config("tiny")
+    from nbinfer.engine import init_weights
+    from nbinfer.engine.torch_model import TorchLlama
+
     weights = init_weights(cfg, seed=5)
     rec = install_watch(args.mode)
     flips, gcs, state = rec["flips"], rec["gc"], rec["state"]
-
-    def requests(seed, n=8, prompt=64, new=64, shared=48):
-        rng = np.random.default_rng(seed)
-        common = list(rng.integers(0, cfg.vocab_size, size=shared))
-        return [Request(common + list(rng.integers(0, cfg.vocab_size, size=prompt - shared)),
-                        new, arrival=int(2 * i)) for i in range(n)]
-
-    def engine(model, num_pages=256, **kw):
-        runner = TorchRunner(model, num_pages, 16, cuda_graphs=kw.pop("cuda_graphs", False),
-                             cascade_graphs=kw.pop("cascade_graphs", False))
-        kw.setdefault("cascade", "always")
-        return Engine(runner, num_pages, 16, max_step_tokens=96, **kw)
 
     rounds = []
     for r in range(args.rounds):

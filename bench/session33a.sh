@@ -2,7 +2,7 @@
 # Session 33's first device call: the whole gpu check on the landed main (every gpu test,
 # decode against cuDNN, req 1's prefill rows and the cascade, decode on an fp8 cache), then the
 # engine's gpu tests once more under bench/capture_probe.py (no collection inside a capture
-# after defer_frees' thread-safe count), then, on an H200 with time left, req 1's other rows.
+# after defer_frees' thread-safe count) and one round of its script (the tests' helpers now), then, on an H200 with time left, req 1's other rows.
 #   KEEP_R=1 bash bench/session33a.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
@@ -14,6 +14,9 @@ PYTHONPATH="$PWD/bench:$PWD${PYTHONPATH:+:$PYTHONPATH}" CAPTURE_PROBE_OUT="$OUT/
   timeout 120 python3 -P -m pytest -q -m gpu -p no:cacheprovider -p capture_probe \
   tests/test_engine_gpu.py >"$OUT/r/engine_probe.log" 2>&1 || status=1
 grep -E "passed|failed|capture probe|^collection in" "$OUT/r/engine_probe.log" | tail -4 | cut -c1-250
+timeout 90 python3 bench/capture_probe.py --rounds 1 --out "$OUT/r/capture_probe_$tag.json" \
+  >"$OUT/r/probe.log" 2>&1 || status=1
+grep -v -i warn "$OUT/r/probe.log" | tail -3 | cut -c1-250
 echo "probe: $((SECONDS - t0)) s"
 if [ "$tag" = h200 ] && [ $((SECONDS - t0)) -lt 400 ]; then
   GRID=1 session_prefill_grid 32 s33 || true
