@@ -2,7 +2,8 @@
 # Session 33's first device call: the whole gpu check on the landed main (every gpu test,
 # decode against cuDNN, req 1's prefill rows and the cascade, decode on an fp8 cache), then the
 # engine's gpu tests once more under bench/capture_probe.py (no collection inside a capture
-# after defer_frees' thread-safe count) and one round of its script (the tests' helpers now), then, on an H200 with time left, req 1's other rows.
+# after defer_frees' thread-safe count) and one round of its script (on the tests' helpers
+# now), then, on an H200 with time left, req 1's other rows.
 #   KEEP_R=1 bash bench/session33a.sh
 # shellcheck source=bench/session_lib.sh
 source "$(dirname "$0")/session_lib.sh"
