@@ -511,8 +511,8 @@ def q_tile_copier(spec: MmaPrefillSpec, ops):
     ``copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid)`` issues the
     item's ``tile_q`` packed rows of Q as 16-byte copies to where ``ops.q_offset`` places them
     (no commit: the caller's next commit takes them into its group); rows past ``nrows`` copy
-    the last row (computed, never stored), and on the GPU the 16-row blocks of warps that skip
-    the item's math are not copied at all. ``addr_low(arr)``: the low 32 bits of an array's
+    the last row (computed, never stored), and the 16-row blocks of warps that skip the item's
+    math are not copied at all. ``addr_low(arr)``: the low 32 bits of an array's
     address, for the caller's alignment check (q's base 16-byte aligned, its strides multiples
     of 8 elements; else the stager).
 
@@ -536,26 +536,28 @@ def q_tile_copier(spec: MmaPrefillSpec, ops):
     cp16 = primitives(sim).cp_async16_to
     U32 = types.uint32
     TQ = spec.tile_q
-    # On the GPU only the rows of the warps that compute are copied: the 16-row blocks that
-    # hold a live packed row (a warp whose rows are all past nrows skips the item's math, and
-    # a kv_split item's warps all read rows 0-15). A decode-like item of G packed rows (the
-    # cascade's own level: 512 items of 4 rows) copies 4 KiB instead of 16 KiB. The
-    # simulator's warps all compute (its collectives meet at barriers): every row there.
-    LIVE_ONLY = not sim
+    ZERO = float32(0.0)
 
     @device_jit(sim)
     def copy_q(smem, qbase, q, q0, qs, nrows, hk, q_stride_n, q_stride_h, tid):
         # consecutive threads take consecutive chunks of a row: whole rows per warp-copy
         tu = U32(tid)
-        live = U32(TQ)
-        if LIVE_ONLY:
-            live = min(U32(U32(U32(U32(nrows) * U32(G)) + U32(15)) // U32(16)) * U32(16),
-                       U32(TQ))
+        # Only the rows of the warps that compute: the 16-row blocks that hold a live packed
+        # row (a warp whose rows are all past nrows skips the item's math, and a kv_split
+        # item's warps all read rows 0-15). A decode-like item of G packed rows (the cascade's
+        # own level: 512 items of 4 rows) copies 4 KiB instead of 16 KiB. The simulator's
+        # idle warps still compute (never stored): there the uncopied rows are zeroed, so that
+        # they compute on zeros and a block wrongly left out zeroes live rows (tests see it).
+        live = min(U32(U32(U32(U32(nrows) * U32(G)) + U32(15)) // U32(16)) * U32(16), U32(TQ))
         for i in range(COPIES):
             p, d, _, off = q_source(U32(tu + U32(i * NT)), CH, 8, q0, qs, nrows, hk,
                                     q_stride_n, q_stride_h)
             if p < live:  # (uniform per warp: a warp's copies are whole rows of one block)
                 cp16(smem, qbase + q_offset(p, d), q, off)
+            elif sim:  # the simulator's slots: one 4-byte word per element
+                w = (qbase + q_offset(p, d)) // 4
+                for e in range(8):
+                    smem[w + e] = ZERO
 
     return copy_q, array_addr_low(sim)
 
