@@ -1,0 +1,234 @@
+"""Does the decode lose its last few percent to the grid's load balance? (issue 13, req 3)
+
+At the issue's three decode shapes LPT leaves the persistent grid 3.1 % out of balance: 512
+items of 4096 tokens on 528 CTAs (16 idle; 116 SMs run four items, 16 run three) at (64, 4096)
+and (16, 32768) (chunks of 8192), 2048 items of 1024 on 528 CTAs at (256, 1024) (464 CTAs run
+four, 64 run three). If the kernel is bound per SM (issue slots, the LSU) rather than by HBM
+alone, the busiest SMs set the time and the step is ~3 % longer than its bytes need.
+
+Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
+
+1. **Batch 66 and 264 beside 64 and 256**: 528 and 2112 items, exactly four per SM. If the
+   per-SM bound holds, nbinfer's time grows less than the bytes (~0 % instead of 3.1 %) while
+   cuDNN's grows with them.
+2. **A stream-K plan** (:func:`stream_plan`): the (request, kv head) pairs laid end to end, cut
+   into ``num_ctas`` equal spans at page boundaries, one span per CTA; a pair cut in two or
+   three writes partial states that the kernel's fused merge combines (one merge list per cut
+   pair: the fused merge already merges per (list, kv head)). Every CTA then reads the same
+   bytes within a page. The plan goes through the wrapper's own NumPy planning
+   path (the planner swapped for this one), so the kernel, layout and launch are the API's.
+
+    python3 bench/balance_probe.py --out bench/results/issue13/balance_probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from unittest import mock
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import decode as bench  # noqa: E402  (bench/decode.py: timing helpers, cases)
+
+from nbinfer import reference  # noqa: E402
+from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
+from nbinfer.scheduler import compiled as sched_compiled  # noqa: E402
+from nbinfer.scheduler.schedule import Plan  # noqa: E402
+
+
+def stream_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, *, step=16,
+                **_ignored) -> Plan:
+    """Decode plan whose CTAs read equal spans of the (request, kv head) stream.
+
+    Pair ``k = b * Hkv + h`` occupies ``[P_k, P_k + kv_b)`` of the stream; CTA ``c`` takes
+    ``[x_c, x_{c+1})`` with ``x_c = c * S / num_ctas`` moved to the nearest multiple of
+    ``step`` (a page) inside its pair (the wrapper's ``granule``, 256, is ignored). A pair cut
+    into ``f > 1`` pieces gets a merge list of its own (output row ``b``, merged for head
+    group ``h`` only, as the fused merge does) over ``f`` partial rows of its own; an uncut
+    pair writes its output directly.
+    """
+    kv = np.asarray(kv_lens, np.int64)
+    batch, hkv = kv.size, int(num_kv_heads)
+    pair_len = np.repeat(kv, hkv)
+    start = np.concatenate([[0], np.cumsum(pair_len)])
+    total = int(start[-1])
+    cuts = [0]
+    for c in range(1, num_ctas):
+        x = c * total / num_ctas
+        k = min(int(np.searchsorted(start, x, side="right") - 1), batch * hkv - 1)
+        off = int(round((x - start[k]) / step)) * step
+        off = min(max(off, 0), int(pair_len[k]))
+        cuts.append(max(int(start[k]) + off, cuts[-1]))
+    cuts.append(total)
+    pieces = []  # (pair, ks, ke, cta) in stream order
+    for c in range(num_ctas):
+        a, e_c = cuts[c], cuts[c + 1]
+        while a < e_c:
+            k = int(np.searchsorted(start, a, side="right") - 1)
+            e = min(e_c, int(start[k + 1]))
+            pieces.append((k, a - int(start[k]), e - int(start[k]), c))
+            a = e
+    seen = {p[0] for p in pieces}
+    for k in range(batch * hkv):  # an empty request still writes its (empty) output
+        if k not in seen:
+            pieces.append((k, 0, 0, int(k % num_ctas)))
+    pieces.sort(key=lambda p: (p[0], p[1]))
+    npieces = np.bincount([p[0] for p in pieces], minlength=batch * hkv)
+    work, owner = [], []
+    merge_rows, merge_indptr, merge_indices = [], [0], []
+    nxt, last_pair = 0, -1
+    for k, ks, ke, c in pieces:
+        b, h = divmod(k, hkv)
+        prow = -1
+        if npieces[k] > 1:
+            if k != last_pair:  # the pair's list: its pieces' partial rows, in kv order
+                merge_rows.append(b)
+                merge_indices.extend(range(nxt, nxt + int(npieces[k])))
+                merge_indptr.append(len(merge_indices))
+                j, last_pair = nxt, k
+                nxt += int(npieces[k])
+            prow, j = j, j + 1  # pieces are sorted by (pair, kv_start)
+        work.append((b, h, 0, 1, ks, ke, prow))
+        owner.append(c)
+    work = np.asarray(work, np.int32).reshape(-1, 7)
+    owner = np.asarray(owner)
+    # a CTA's queue in stream order: sort by (owner, pair, kv_start); pieces are pair-sorted
+    order = np.lexsort((np.arange(owner.size), owner))
+    cta_indptr = np.zeros(num_ctas + 1, np.int64)
+    np.add.at(cta_indptr, owner + 1, 1)
+    cta_indptr = np.cumsum(cta_indptr)
+    return Plan(work=work, cta_indptr=cta_indptr.astype(np.int32),
+                cta_work=order.astype(np.int32),
+                merge_rows=np.asarray(merge_rows, np.int32),
+                merge_indptr=np.asarray(merge_indptr, np.int32),
+                merge_indices=np.asarray(merge_indices, np.int32),
+                num_partials=nxt, batch_size=batch, num_qo_rows=batch,
+                num_qo_heads=int(num_qo_heads), num_kv_heads=hkv, tile_q=16, tile_rows=1,
+                kv_chunk=int(-(-total // num_ctas)), granule=step, causal=False,
+                fixed_split_size=None, alpha=1.0, beta=1.0, item_overhead=0)
+
+
+def cta_loads(plan: Plan) -> np.ndarray:
+    w = plan.work
+    size = (w[:, 5] - w[:, 4]).astype(np.int64)
+    return np.array([size[plan.cta_work[plan.cta_indptr[c]:plan.cta_indptr[c + 1]]].sum()
+                     for c in range(plan.cta_indptr.size - 1)])
+
+
+@contextlib.contextmanager
+def planner(kind):
+    """The wrapper's NumPy planning path with ``kind``'s planner ("lpt": nbinfer's own)."""
+    if kind == "lpt":
+        with mock.patch.object(sched_compiled, "loaded", return_value=False):
+            yield
+        return
+    with mock.patch.object(sched_compiled, "loaded", return_value=False), \
+            mock.patch("nbinfer.api.decode.scheduler.plan", stream_plan):
+        yield
+
+
+def wrapper_for(kind, pt, hq, hkv, d, ps, layout="NHD"):
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    w = BatchDecodeWithPagedKVCacheWrapper(ws, layout)
+    with planner(kind):
+        w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
+               q_data_type=torch.float16)
+    return w
+
+
+def check_stream(seed=3):
+    """The stream-K plan against the float64 reference on ragged lengths (empty pieces too)."""
+    rng = np.random.default_rng(seed)
+    kv_lens = [4096, 17, 0, 1000, 2500, 8000, 33]
+    hq, hkv, d, ps = 32, 8, 128, 16
+    pt = bench.PageTable.from_kv_lens(kv_lens, ps, rng=rng)
+    cache = torch.randn((pt.num_pages, 2, ps, hkv, d), dtype=torch.float16, device="cuda")
+    q = torch.randn(len(kv_lens), hq, d, dtype=torch.float16, device="cuda")
+    w = wrapper_for("stream", pt, hq, hkv, d, ps)
+    o, lse = w.run(q, cache, return_lse=True)
+    ref_o, ref_lse = reference.batch_decode_with_paged_kv_cache(
+        q.float().cpu().numpy(), cache.float().cpu().numpy(), pt.indptr, pt.indices,
+        pt.last_page_len, kv_layout="NHD", return_lse=True)
+    o = o.float().cpu().numpy()
+    err = float(np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o))
+    fin = np.isfinite(ref_lse)
+    lerr = float(np.abs(lse.cpu().numpy()[fin] - ref_lse[fin]).max())
+    return dict(kv_lens=kv_lens, rel_err=err, lse_err=lerr,
+                merge_lists=int(w.schedule.merge_rows.size), items=int(w.schedule.num_work))
+
+
+def case(batch, kv_len, kinds):
+    hkv, hq, d, ps = 8, 32, 128, 16
+    pt, cache, q = bench.paged_case(batch, kv_len, hq=hq)
+    kv_bytes = bench.kv_bytes_of(batch, kv_len, hkv, d)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+    row = dict(batch=batch, kv_len=kv_len, kv_bytes=kv_bytes)
+    ref = None
+    for kind in kinds:
+        w = wrapper_for(kind, pt, hq, hkv, d, ps)
+        loads = cta_loads(w.schedule)
+        run = lambda w=w: w.run(q, cache, out=out, lse=lse)  # noqa: E731
+        run()
+        torch.cuda.synchronize()
+        if ref is None:
+            ref = out.clone()
+            diff = 0.0
+        else:
+            diff = float((out.float() - ref.float()).abs().max())
+        row[kind] = dict(gpu_ms=bench.gpu_ms(run), call_ms=bench.median_ms(run),
+                         items=int(w.schedule.num_work), max_load=int(loads.max()),
+                         mean_load=float(loads.mean()),
+                         merge_lists=int(w.schedule.merge_rows.size), max_abs_diff=diff)
+        del w
+    k = torch.randn(batch, hkv, kv_len, d, dtype=torch.float16, device="cuda")
+    v = torch.randn_like(k)
+    q4 = q.view(batch, hq, 1, d)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa_fn
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        fn = lambda: sdpa_fn(q4, k, v, enable_gqa=True)  # noqa: E731
+        row["cudnn"] = dict(gpu_ms=bench.gpu_ms(fn), call_ms=bench.median_ms(fn))
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default="64:4096,66:4096,256:1024,264:1024,16:32768")
+    ap.add_argument("--kinds", default="lpt,stream")
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the cases (drift check)")
+    args = ap.parse_args()
+    cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    kinds = args.kinds.split(",")
+    checks = check_stream() if "stream" in kinds else None
+    print("stream plan check:", checks, flush=True)
+    rows = []
+    for r in range(args.rounds):
+        for b, L in cases:
+            row = dict(case(b, L, kinds), round=r)
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(row, flush=True)
+    bench.save_json(args.out, check=checks, rows=rows)
+    print(f"\n{'case':14s} {'round':5s} " + " ".join(f"{k + ' gpu ms':>14s}" for k in kinds)
+          + f" {'cuDNN gpu ms':>13s} " + " ".join(f"{k + ' x':>9s}" for k in kinds)
+          + " " + " ".join(f"{k + ' call x':>12s}" for k in kinds))
+    for row in rows:
+        cu = row["cudnn"]
+        print(f"B{row['batch']:<4d} L{row['kv_len']:<7d} {row['round']:5d} "
+              + " ".join(f"{row[k]['gpu_ms']:14.4f}" for k in kinds)
+              + f" {cu['gpu_ms']:13.4f} "
+              + " ".join(f"{cu['gpu_ms'] / row[k]['gpu_ms']:9.3f}" for k in kinds)
+              + " " + " ".join(f"{cu['call_ms'] / row[k]['call_ms']:12.3f}" for k in kinds))
+
+
+if __name__ == "__main__":
+    main()

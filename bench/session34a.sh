@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 34's first device call: the decode's grid balance (bench/balance_probe.py: batch 66 /
+# 264 beside 64 / 256, and a stream-K plan against LPT, each against cuDNN), issue 13 req 3;
+# then on an H200 only, decode against cuDNN and on an fp8 cache (reqs 3 and 5) and
+# bench/prefill.py (reqs 1 and 2), as bench/session33d.sh.
+#   KEEP_R=1 bash bench/session34a.sh
+# shellcheck source=bench/session_lib.sh
+source "$(dirname "$0")/session_lib.sh"
+session_start
+session_gpu
+timeout "${PROBE_S:-300}" python3 bench/balance_probe.py ${PROBE_ARGS:-} \
+  --out "$OUT/r/balance_probe_$tag.json" >"$OUT/r/balance_probe.log" 2>&1 || status=1
+grep -v "^{'batch'" "$OUT/r/balance_probe.log" | tail -14 | cut -c1-220
+echo "probe: $((SECONDS - t0)) s"
+if [ "$tag" = h200 ]; then
+  session_h200_decode
+  timeout 100 python3 bench/prefill.py --out "$OUT/r/prefill_h200.json" >"$OUT/r/prefill.log" \
+    2>&1 || status=1
+  tail -3 "$OUT/r/prefill.log" | cut -c1-200
+fi
+session_end
