@@ -18,7 +18,13 @@ Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
    bytes within a page. The plan goes through the wrapper's own NumPy planning
    path (the planner swapped for this one), so the kernel, layout and launch are the API's.
 
+3. **The layout** (``--layouts``): the same kernel and LPT plan on the paged caches and on
+   cuDNN's own layout, one page per request in HND (``HND:4096`` at L 4096: every head's K and
+   V one contiguous 1 MiB run, as SDPA's ``[B, H, L, D]``), so that what paging costs the
+   decode itself is measured beside cuDNN.
+
     python3 bench/balance_probe.py --out bench/results/issue13/balance_probe.json
+    python3 bench/balance_probe.py --layouts NHD:16,HND:16,HND:4096 --cases 64:4096
 """
 
 from __future__ import annotations
@@ -164,6 +170,34 @@ def check_stream(seed=3):
                 merge_lists=int(w.schedule.merge_rows.size), items=int(w.schedule.num_work))
 
 
+def cudnn_times(q, hkv, kv_len):
+    """cuDNN SDPA on contiguous ``[B, Hkv, L, D]`` K and V of ``q``'s shape: GPU and call ms."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa_fn
+
+    batch, hq, d = q.shape
+    k = torch.randn(batch, hkv, kv_len, d, dtype=q.dtype, device="cuda")
+    v = torch.randn_like(k)
+    q4 = q.view(batch, hq, 1, d)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        fn = lambda: sdpa_fn(q4, k, v, enable_gqa=True)  # noqa: E731
+        return dict(gpu_ms=bench.gpu_ms(fn), call_ms=bench.median_ms(fn))
+
+
+def print_table(rows, names):
+    """Each row's GPU ms per name, cuDNN's, and cuDNN / name in GPU time and per call."""
+    print(f"\n{'case':14s} {'round':5s} " + " ".join(f"{n + ' ms':>12s}" for n in names)
+          + f" {'cuDNN ms':>9s} " + " ".join(f"{n + ' x':>11s}" for n in names)
+          + " " + " ".join(f"{n + ' call x':>14s}" for n in names))
+    for row in rows:
+        cu = row["cudnn"]
+        print(f"B{row['batch']:<4d} L{row['kv_len']:<7d} {row['round']:5d} "
+              + " ".join(f"{row[n]['gpu_ms']:12.4f}" for n in names)
+              + f" {cu['gpu_ms']:9.4f} "
+              + " ".join(f"{cu['gpu_ms'] / row[n]['gpu_ms']:11.3f}" for n in names)
+              + " " + " ".join(f"{cu['call_ms'] / row[n]['call_ms']:14.3f}" for n in names))
+
+
 def case(batch, kv_len, kinds):
     hkv, hq, d, ps = 8, 32, 128, 16
     pt, cache, q = bench.paged_case(batch, kv_len, hq=hq)
@@ -188,14 +222,30 @@ def case(batch, kv_len, kinds):
                          mean_load=float(loads.mean()),
                          merge_lists=int(w.schedule.merge_rows.size), max_abs_diff=diff)
         del w
-    k = torch.randn(batch, hkv, kv_len, d, dtype=torch.float16, device="cuda")
-    v = torch.randn_like(k)
-    q4 = q.view(batch, hq, 1, d)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa_fn
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        fn = lambda: sdpa_fn(q4, k, v, enable_gqa=True)  # noqa: E731
-        row["cudnn"] = dict(gpu_ms=bench.gpu_ms(fn), call_ms=bench.median_ms(fn))
+    row["cudnn"] = cudnn_times(q, hkv, kv_len)
+    return row
+
+
+def layout_row(batch, kv_len, layouts):
+    """GPU and call time of the LPT plan on each ``(layout, page_size)``, cuDNN beside them."""
+    hkv, hq, d = 8, 32, 128
+    kv_bytes = bench.kv_bytes_of(batch, kv_len, hkv, d)
+    q = torch.randn(batch, hq, d, dtype=torch.float16, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, dtype=torch.float32, device="cuda")
+    row = dict(batch=batch, kv_len=kv_len, kv_bytes=kv_bytes)
+    for layout, ps in layouts:
+        rng = np.random.default_rng(0)
+        # pages at random for page-sized runs; one page per request is contiguous by itself
+        pt = bench.PageTable.from_kv_lens([kv_len] * batch, ps, rng=rng if ps < kv_len else None)
+        shape = (pt.num_pages, 2, ps, hkv, d) if layout == "NHD" else (pt.num_pages, 2, hkv, ps, d)
+        cache = torch.randn(shape, dtype=torch.float16, device="cuda")
+        w = wrapper_for("lpt", pt, hq, hkv, d, ps, layout)
+        run = lambda w=w, cache=cache: w.run(q, cache, out=out, lse=lse)  # noqa: E731
+        row[f"{layout}:{ps}"] = dict(gpu_ms=bench.gpu_ms(run), call_ms=bench.median_ms(run))
+        del w, cache
+        torch.cuda.empty_cache()
+    row["cudnn"] = cudnn_times(q, hkv, kv_len)
     return row
 
 
@@ -205,8 +255,18 @@ def main():
     ap.add_argument("--cases", default="64:4096,66:4096,256:1024,264:1024,16:32768")
     ap.add_argument("--kinds", default="lpt,stream")
     ap.add_argument("--rounds", type=int, default=2, help="passes over the cases (drift check)")
+    ap.add_argument("--layouts", default="",
+                    help="instead of the plans: LAYOUT:PAGE_SIZE pairs (NHD / HND) under LPT")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split(":")) for c in args.cases.split(",")]
+    if args.layouts:
+        layouts = [(x.split(":")[0], int(x.split(":")[1])) for x in args.layouts.split(",")]
+        names = [f"{lay}:{ps}" for lay, ps in layouts]
+        rows = [dict(layout_row(b, L, layouts), round=r) for r in range(args.rounds)
+                for b, L in cases]
+        bench.save_json(args.out, layouts=rows)
+        print_table(rows, names)
+        return
     kinds = args.kinds.split(",")
     checks = check_stream() if "stream" in kinds else None
     print("stream plan check:", checks, flush=True)
@@ -218,16 +278,7 @@ def main():
             rows.append(row)
             print(row, flush=True)
     bench.save_json(args.out, check=checks, rows=rows)
-    print(f"\n{'case':14s} {'round':5s} " + " ".join(f"{k + ' gpu ms':>14s}" for k in kinds)
-          + f" {'cuDNN gpu ms':>13s} " + " ".join(f"{k + ' x':>9s}" for k in kinds)
-          + " " + " ".join(f"{k + ' call x':>12s}" for k in kinds))
-    for row in rows:
-        cu = row["cudnn"]
-        print(f"B{row['batch']:<4d} L{row['kv_len']:<7d} {row['round']:5d} "
-              + " ".join(f"{row[k]['gpu_ms']:14.4f}" for k in kinds)
-              + f" {cu['gpu_ms']:13.4f} "
-              + " ".join(f"{cu['gpu_ms'] / row[k]['gpu_ms']:9.3f}" for k in kinds)
-              + " " + " ".join(f"{cu['call_ms'] / row[k]['call_ms']:12.3f}" for k in kinds))
+    print_table(rows, kinds)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,5 @@ source "$(dirname "$0")/session_lib.sh"
 session_start
 session_gpu
 [ "$tag" = h200 ] || { echo "not an H200: nothing to do"; session_end; }
-session_h200_decode
-timeout 100 python3 bench/prefill.py --out "$OUT/r/prefill_h200.json" >"$OUT/r/prefill.log" \
-  2>&1 || status=1
-tail -3 "$OUT/r/prefill.log" | cut -c1-200
+session_h200_rows
 session_end

@@ -12,10 +12,5 @@ timeout "${PROBE_S:-300}" python3 bench/balance_probe.py ${PROBE_ARGS:-} \
   --out "$OUT/r/balance_probe_$tag.json" >"$OUT/r/balance_probe.log" 2>&1 || status=1
 grep -v "^{'batch'" "$OUT/r/balance_probe.log" | tail -14 | cut -c1-220
 echo "probe: $((SECONDS - t0)) s"
-if [ "$tag" = h200 ]; then
-  session_h200_decode
-  timeout 100 python3 bench/prefill.py --out "$OUT/r/prefill_h200.json" >"$OUT/r/prefill.log" \
-    2>&1 || status=1
-  tail -3 "$OUT/r/prefill.log" | cut -c1-200
-fi
+session_h200_rows
 session_end

@@ -74,6 +74,16 @@ session_h200_decode() {
   echo "decode: $((SECONDS - t0)) s"
 }
 
+# On an H200 only: session_h200_decode, then bench/prefill.py (issue 13 reqs 1 and 2) into
+# $OUT/r; a failure sets status.
+session_h200_rows() {
+  [ "$tag" = h200 ] || return 0
+  session_h200_decode
+  timeout 100 python3 bench/prefill.py --out "$OUT/r/prefill_h200.json" >"$OUT/r/prefill.log" \
+    2>&1 || status=1
+  tail -3 "$OUT/r/prefill.log" | cut -c1-200
+}
+
 # Packs $OUT/r into $OUT/results.tgz (KEEP_R=1 also leaves the files themselves), the kernel
 # cache into $OUT/cache.tgz when CACHE_BACK is set, and exits with $status.
 session_end() {
