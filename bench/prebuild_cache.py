@@ -18,10 +18,18 @@ kernels of the engine's model configs (the decode wrapper's own rule picks each 
 whose variant is not one of nbinfer's built-ins (composed by ``from_flashinfer_args`` or the
 factories) is skipped.
 
+The cache folder is not in git, and a fresh checkout starts without one: the manifest
+``bench/cache_specs.json.gz`` (every spec a device call compiled, gzipped JSON, added to with
+``--write-manifest``) stands in for it as ``--from``, so the whole cache can be rebuilt here.
+
     bash bench/prebuild_env.sh  # once: /tmp/py312 with the device's versions
     PATH=/usr/local/cuda/bin:$PATH PYTHONPATH=$PWD /tmp/py312/bin/python \\
         bench/prebuild_cache.py --from .nbinfer-cache --to .nbinfer-cache --lean-rungs --engine \\
         --plans
+    # a fresh checkout: the manifest instead of the folder
+    ... bench/prebuild_cache.py --from bench/cache_specs.json.gz --to .nbinfer-cache --plans
+    # after a device call brought entries back: record their specs
+    ... bench/prebuild_cache.py --from .nbinfer-cache --write-manifest bench/cache_specs.json.gz
 
 Checked against the H200's entries (2026-12-04): a merge kernel built here has the key of the device's
 entry and the same SASS (only Numba's per-process name suffix differs); the device's cubins
@@ -34,6 +42,8 @@ import argparse
 import ast
 import collections
 import dataclasses
+import gzip
+import json
 import multiprocessing
 import os
 import sys
@@ -234,10 +244,42 @@ def rebuild_spec(text: str):
         return None, f"{cls.__name__}: {exc}"
 
 
-def jobs_from(folder: Path, lean_rungs: bool, extra=()) -> tuple[list, collections.Counter]:
-    """``[(kind, spec text, changes)]`` to build from the entries of ``folder`` and the
-    ``extra`` ``(kind, spec)`` pairs, each kernel once (specs travel to the worker processes as
-    text: a variant's hooks do not pickle), and why entries were skipped."""
+def source_specs(source: Path) -> list[tuple[str, str]]:
+    """``[(kind, spec text)]`` named by ``source``: a cache folder's entries (its ``kernels/``
+    subfolder if it has one), or a manifest file (:func:`write_manifest`), sorted."""
+    if source.is_file():
+        with gzip.open(source, "rt") as f:
+            return sorted((str(k), str(t)) for k, t in json.load(f))
+    folder = source / "kernels" if (source / "kernels").is_dir() else source
+    out = []
+    for path in sorted(folder.glob("*.nbk")):
+        header = cache.read_header(path.read_bytes())
+        if header is not None:
+            out.append((header["meta"]["kind"], header["meta"]["spec"]))
+    return sorted(out)
+
+
+def write_manifest(path: Path, specs) -> int:
+    """Write the ``(kind, spec text)`` pairs ``specs``, with those already in ``path``, as the
+    manifest ``path`` (gzipped JSON, sorted, each pair once: the same set gives the same bytes);
+    returns how many pairs it holds. A fresh checkout has no kernel cache, but the manifest in
+    git names every spec the device compiled, so ``--from`` the manifest rebuilds them all
+    offline."""
+    pairs = set(map(tuple, specs))
+    if path.is_file():
+        pairs |= set(source_specs(path))
+    text = json.dumps(sorted(pairs), indent=0)
+    with open(path, "wb") as f:  # no file name or timestamp in the gzip header
+        with gzip.GzipFile(filename="", fileobj=f, mode="wb", mtime=0) as z:
+            z.write(text.encode())
+    return len(pairs)
+
+
+def jobs_from(specs, lean_rungs: bool, extra=()) -> tuple[list, collections.Counter]:
+    """``[(kind, spec text, changes)]`` to build from ``specs`` (``(kind, spec text)`` pairs,
+    :func:`source_specs`) and the ``extra`` ``(kind, spec)`` pairs, each kernel once (specs
+    travel to the worker processes as text: a variant's hooks do not pickle), and why specs
+    were skipped."""
     out, skipped, seen = [], collections.Counter(), set()
 
     def add(kind, spec, text, change):
@@ -246,22 +288,18 @@ def jobs_from(folder: Path, lean_rungs: bool, extra=()) -> tuple[list, collectio
             seen.add(k)
             out.append((kind, text, change))
 
-    for path in sorted(folder.glob("*.nbk")):
-        header = cache.read_header(path.read_bytes())
-        if header is None:
-            continue
-        meta = header["meta"]
-        spec, why = rebuild_spec(meta["spec"])
+    for kind, text in specs:
+        spec, why = rebuild_spec(text)
         if spec is None:
             skipped[why] += 1
             continue
         changes = [{}]
-        if lean_rungs and meta["kind"] == "prefill_wgmma":
+        if lean_rungs and kind == "prefill_wgmma":
             changes += [dict(prefetch=True), dict(lazy_rescale=True),
                         dict(prefetch=True, lazy_rescale=True), dict(qk_ahead=True),
                         dict(prefetch=True, qk_ahead=True)]
         for change in changes:
-            add(meta["kind"], spec, meta["spec"], change)
+            add(kind, spec, text, change)
     for kind, spec in extra:
         add(kind, spec, cache.stable(spec), {})
     return out, skipped
@@ -433,19 +471,18 @@ def suite_specs() -> list:
     return out
 
 
-def lean_counterparts(folder: Path) -> list:
-    """``(kind, spec)``: for every tensor-core prefill entry of ``folder`` on ``mma.sync``
-    with the default tiles, the spec the rule now gives the same problem on an sm_90 GPU when
-    its requests fill the tile (the lean kernel, where it computes the problem): the gpu
-    tests' 16-bit prefill plans ran before the rule existed."""
+def lean_counterparts(specs) -> list:
+    """``(kind, spec)``: for every tensor-core prefill spec of ``specs`` (``(kind, spec
+    text)`` pairs) on ``mma.sync`` with the default tiles, the spec the rule now gives the same
+    problem on an sm_90 GPU when its requests fill the tile (the lean kernel, where it computes
+    the problem): the gpu tests' 16-bit prefill plans ran before the rule existed."""
     from nbinfer.kernels.prefill_mma import MmaPrefillSpec
 
     out = []
-    for path in sorted(folder.glob("*.nbk")):
-        header = cache.read_header(path.read_bytes())
-        if header is None or header["meta"]["kind"] != "prefill_mma":
+    for kind, text in specs:
+        if kind != "prefill_mma":
             continue
-        spec, _ = rebuild_spec(header["meta"]["spec"])
+        spec, _ = rebuild_spec(text)
         if not isinstance(spec, MmaPrefillSpec) or spec.wgmma or spec.kv_split \
                 or spec.value_guard or spec.sim:
             continue
@@ -506,8 +543,11 @@ def check_versions(folder: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--from", dest="source", required=True,
-                    help="cache folder whose entries name the specs to build")
-    ap.add_argument("--to", required=True, help="cache folder to fill (NBINFER_CACHE_DIR)")
+                    help="cache folder whose entries name the specs to build, or a manifest "
+                         "(bench/cache_specs.json.gz)")
+    ap.add_argument("--to", default=None, help="cache folder to fill (NBINFER_CACHE_DIR)")
+    ap.add_argument("--write-manifest", default=None, metavar="PATH",
+                    help="instead of building: add the specs --from names to the manifest PATH")
     ap.add_argument("--versions-from", default=None,
                     help="a cache folder the device wrote: its versions must be this one's")
     ap.add_argument("--lean-rungs", action="store_true",
@@ -523,16 +563,21 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="list the jobs, build nothing")
     ap.add_argument("-j", type=int, default=2, help="processes")
     args = ap.parse_args(argv)
-    src = Path(args.source)
-    src = src / "kernels" if (src / "kernels").is_dir() else src
+    specs = source_specs(Path(args.source))
+    if args.write_manifest:
+        n = write_manifest(Path(args.write_manifest), specs)
+        print(f"{args.write_manifest}: {n} specs")
+        return 0
+    if args.to is None:
+        ap.error("--to is required unless --write-manifest is given")
     if args.versions_from:
         vf = Path(args.versions_from)
         check_versions(vf / "kernels" if (vf / "kernels").is_dir() else vf)
     _init(args.to)
     extra = [("decode", decode_spec(*case)) for case in ENGINE_DECODE] if args.engine else []
     if args.plans:
-        extra += plan_specs() + suite_specs() + lean_counterparts(src)
-    jobs, skipped = jobs_from(src, args.lean_rungs, extra)
+        extra += plan_specs() + suite_specs() + lean_counterparts(specs)
+    jobs, skipped = jobs_from(specs, args.lean_rungs, extra)
     if args.kinds:
         wanted = set(args.kinds.split(","))
         jobs = [j for j in jobs if j[0] in wanted]

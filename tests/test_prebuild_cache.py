@@ -87,13 +87,40 @@ def test_jobs_from_a_folder_add_the_lean_rungs_and_drop_repeats(tmp_path):
                                       ("decode", decode)]):
         key, meta = kernel_key(kind, spec, f"sig{i}", {}, (9, 0))  # two entries, one spec
         store.save(key, meta, "_Z1k", b"cubin")
-    jobs, skipped = prebuild.jobs_from(tmp_path, lean_rungs=True)
+    jobs, skipped = prebuild.jobs_from(prebuild.source_specs(tmp_path), lean_rungs=True)
     assert not skipped
     kinds = sorted((k, tuple(sorted(c))) for k, _, c in jobs)
     assert kinds == [("decode", ()), ("prefill_wgmma", ()), ("prefill_wgmma", ("lazy_rescale",)),
                      ("prefill_wgmma", ("lazy_rescale", "prefetch")),
                      ("prefill_wgmma", ("prefetch",)), ("prefill_wgmma", ("prefetch", "qk_ahead")),
                      ("prefill_wgmma", ("qk_ahead",))]
+
+
+def test_a_manifest_names_the_specs_its_folder_did(tmp_path):
+    # A fresh checkout has no cache folder: the manifest in git stands in for it as --from.
+    store = KernelStore(tmp_path / "cache")
+    specs = _specs()
+    for i, spec in enumerate(specs[:4]):
+        key, meta = kernel_key("decode" if isinstance(spec, DecodeSpec) else "other", spec,
+                               f"sig{i}", {}, (9, 0))
+        store.save(key, meta, "_Z1k", b"cubin")
+    folder = prebuild.source_specs(tmp_path / "cache")
+    assert len(folder) == 4 and folder == sorted(folder)
+    manifest = tmp_path / "specs.json.gz"
+    assert prebuild.write_manifest(manifest, folder[:3]) == 3
+    first = manifest.read_bytes()
+    # adding to it keeps what it held; the same set gives the same bytes
+    assert prebuild.write_manifest(manifest, folder[2:]) == 4
+    assert prebuild.source_specs(manifest) == folder
+    again = tmp_path / "again.json.gz"
+    prebuild.write_manifest(again, folder[:3])
+    assert again.read_bytes() == first
+    assert prebuild.jobs_from(prebuild.source_specs(manifest), lean_rungs=False) == \
+        prebuild.jobs_from(folder, lean_rungs=False)
+    # the command line: --write-manifest needs no --to
+    out = tmp_path / "cli.json.gz"
+    assert prebuild.main(["--from", str(tmp_path / "cache"), "--write-manifest", str(out)]) == 0
+    assert prebuild.source_specs(out) == folder
 
 
 def _toolkit() -> bool:
