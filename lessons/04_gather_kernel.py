@@ -815,7 +815,7 @@ print(f"batch 64 -> 66 (+3.1 % bytes): nbinfer +{g_ours:.1%}, cuDNN +{g_cudnn:.1
 #   still the slowest bar: every CTA's last piece ends in a merge (a fence, an atomic, the
 #   partner's partial state read back), all of them at the very end of the step. Here LPT's
 #   "no split unless a request is longer than a CTA's share" is the right rule.
-# - The pages cost under 1 %: one page per request is 0.4-0.9 % faster. On SDPA's own layout
+# - The pages cost about 1 %: one page per request is 0.9 % faster in NHD (0.2 % in HND). On SDPA's own layout
 #   the kernel is still behind cuDNN, by about what the balance costs.
 
 # %%
