@@ -43,7 +43,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import decode as bench  # noqa: E402  (bench/decode.py: timing helpers, cases)
 
-from nbinfer import reference  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 from nbinfer.scheduler import compiled as sched_compiled  # noqa: E402
 from nbinfer.scheduler.schedule import Plan  # noqa: E402
@@ -122,10 +121,9 @@ def stream_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, *, ste
 
 
 def cta_loads(plan: Plan) -> np.ndarray:
-    w = plan.work
-    size = (w[:, 5] - w[:, 4]).astype(np.int64)
-    return np.array([size[plan.cta_work[plan.cta_indptr[c]:plan.cta_indptr[c + 1]]].sum()
-                     for c in range(plan.cta_indptr.size - 1)])
+    """KV tokens every CTA reads (``Plan.cta_loads`` counts cost, query rows included)."""
+    return np.bincount(plan.item_cta(), weights=plan.work[:, 5] - plan.work[:, 4],
+                       minlength=plan.num_ctas).astype(np.int64)
 
 
 @contextlib.contextmanager
@@ -149,25 +147,13 @@ def wrapper_for(kind, pt, hq, hkv, d, ps, layout="NHD"):
     return w
 
 
-def check_stream(seed=3):
-    """The stream-K plan against the float64 reference on ragged lengths (empty pieces too)."""
-    rng = np.random.default_rng(seed)
+def check_stream():
+    """The stream-K plan against the float64 reference on ragged lengths (an empty request
+    too): bench/decode.py's own check, planned by :func:`stream_plan`."""
     kv_lens = [4096, 17, 0, 1000, 2500, 8000, 33]
-    hq, hkv, d, ps = 32, 8, 128, 16
-    pt = bench.PageTable.from_kv_lens(kv_lens, ps, rng=rng)
-    cache = torch.randn((pt.num_pages, 2, ps, hkv, d), dtype=torch.float16, device="cuda")
-    q = torch.randn(len(kv_lens), hq, d, dtype=torch.float16, device="cuda")
-    w = wrapper_for("stream", pt, hq, hkv, d, ps)
-    o, lse = w.run(q, cache, return_lse=True)
-    ref_o, ref_lse = reference.batch_decode_with_paged_kv_cache(
-        q.float().cpu().numpy(), cache.float().cpu().numpy(), pt.indptr, pt.indices,
-        pt.last_page_len, kv_layout="NHD", return_lse=True)
-    o = o.float().cpu().numpy()
-    err = float(np.linalg.norm(o - ref_o) / np.linalg.norm(ref_o))
-    fin = np.isfinite(ref_lse)
-    lerr = float(np.abs(lse.cpu().numpy()[fin] - ref_lse[fin]).max())
-    return dict(kv_lens=kv_lens, rel_err=err, lse_err=lerr,
-                merge_lists=int(w.schedule.merge_rows.size), items=int(w.schedule.num_work))
+    with planner("stream"):
+        err, lerr = bench.check(len(kv_lens), kv_lens, 32, 8, 128, 16, torch.float16, "NHD")
+    return dict(kv_lens=kv_lens, rel_err=err, lse_err=lerr)
 
 
 def cudnn_times(q, hkv, kv_len):
