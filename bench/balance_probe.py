@@ -23,7 +23,12 @@ Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
    V one contiguous 1 MiB run, as SDPA's ``[B, H, L, D]``), so that what paging costs the
    decode itself is measured beside cuDNN.
 
+4. **The queues' order** (``--kinds`` with any of :data:`ORDERS`): LPT's own plan with its CTA
+   queues permuted or reversed (:func:`reordered`), the same loads and bitwise the same output,
+   so that only the order in which the grid meets the items and which queues share an SM vary.
+
     python3 bench/balance_probe.py --out bench/results/issue13/balance_probe.json
+    python3 bench/balance_probe.py --kinds lpt,rev,shuffle,stride,headmajor,within
     python3 bench/balance_probe.py --layouts NHD:16,HND:16,HND:4096 --cases 64:4096
 """
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from unittest import mock
@@ -43,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import decode as bench  # noqa: E402  (bench/decode.py: timing helpers, cases)
 
+from nbinfer import scheduler  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 from nbinfer.scheduler import compiled as sched_compiled  # noqa: E402
 from nbinfer.scheduler.schedule import Plan  # noqa: E402
@@ -126,15 +133,62 @@ def cta_loads(plan: Plan) -> np.ndarray:
                        minlength=plan.num_ctas).astype(np.int64)
 
 
+# The LPT plan's CTA queues put on other CTAs (the same items, the same per-CTA loads): does the
+# order in which the grid meets the items, or which queues share an SM, move the decode?
+ORDERS = ("rev", "shuffle", "stride", "headmajor", "within")
+
+
+def reordered(plan: Plan, kind: str, sms: int = 132) -> Plan:
+    """``plan`` with its CTA queues permuted (or, ``within``, each queue reversed).
+
+    ``rev``: queue ``q`` on CTA ``C - 1 - q``; ``shuffle``: a seeded random permutation;
+    ``stride``: queues ``4 s .. 4 s + 3`` on CTAs ``s, s + sms, s + 2 sms, s + 3 sms`` (the
+    CTAs that share an SM when the whole grid is resident and blocks go round-robin, so that an
+    SM runs consecutive queues: the kv heads of one request); ``headmajor``: queues sorted by
+    their first item's (kv head, request); ``within``: every queue run back to front.
+    """
+    c = plan.num_ctas
+    queues = [plan.cta_work[plan.cta_indptr[i]:plan.cta_indptr[i + 1]] for i in range(c)]
+    if kind == "within":
+        queues = [qu[::-1] for qu in queues]
+    else:
+        if kind == "rev":
+            src = np.arange(c)[::-1]
+        elif kind == "shuffle":
+            src = np.random.default_rng(0).permutation(c)
+        elif kind == "stride":
+            per = -(-c // sms)  # CTAs per SM
+            slot = np.arange(c)
+            sm, k = slot % sms, slot // sms  # CTA slot -> (SM position, its k-th CTA)
+            src = np.argsort(np.argsort(sm * per + k, kind="stable"), kind="stable")
+        elif kind == "headmajor":
+            first = [(int(plan.work[qu[0], 1]), int(plan.work[qu[0], 0])) if qu.size
+                     else (1 << 30, i) for i, qu in enumerate(queues)]
+            src = np.array(sorted(range(c), key=lambda i: first[i]))
+        else:
+            raise ValueError(f"unknown order {kind!r}")
+        queues = [queues[int(src[i])] for i in range(c)]
+    sizes = np.array([qu.size for qu in queues], np.int64)
+    indptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+    work = np.concatenate(queues).astype(np.int32) if sizes.sum() else plan.cta_work
+    return dataclasses.replace(plan, cta_indptr=indptr, cta_work=work)
+
+
 @contextlib.contextmanager
 def planner(kind):
-    """The wrapper's NumPy planning path with ``kind``'s planner ("lpt": nbinfer's own)."""
+    """The wrapper's NumPy planning path with ``kind``'s planner ("lpt": nbinfer's own,
+    "stream": :func:`stream_plan`, one of :data:`ORDERS`: LPT's reordered)."""
     if kind == "lpt":
         with mock.patch.object(sched_compiled, "loaded", return_value=False):
             yield
         return
+    if kind in ORDERS:
+        lpt = scheduler.plan
+        fn = lambda *a, **kw: reordered(lpt(*a, **kw), kind)  # noqa: E731
+    else:
+        fn = stream_plan
     with mock.patch.object(sched_compiled, "loaded", return_value=False), \
-            mock.patch("nbinfer.api.decode.scheduler.plan", stream_plan):
+            mock.patch("nbinfer.api.decode.scheduler.plan", fn):
         yield
 
 
