@@ -11,7 +11,7 @@ Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
 1. **Batch 66 and 264 beside 64 and 256**: 528 and 2112 items, exactly four per SM. If the
    per-SM bound holds, nbinfer's time grows less than the bytes (~0 % instead of 3.1 %) while
    cuDNN's grows with them.
-2. **A stream-K plan** (:func:`stream_plan`): the (request, kv head) pairs laid end to end, cut
+2. **A stream-K plan** (``probe_plans.stream_plan``): the (request, kv head) pairs laid end to end, cut
    into ``num_ctas`` equal spans at page boundaries, one span per CTA; a pair cut in two or
    three writes partial states that the kernel's fused merge combines (one merge list per cut
    pair: the fused merge already merges per (list, kv head)). Every CTA then reads the same
@@ -23,8 +23,8 @@ Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
    V one contiguous 1 MiB run, as SDPA's ``[B, H, L, D]``), so that what paging costs the
    decode itself is measured beside cuDNN.
 
-4. **The queues' order** (``--kinds`` with any of :data:`ORDERS`): LPT's own plan with its CTA
-   queues permuted or reversed (:func:`reordered`), the same loads and bitwise the same output,
+4. **The queues' order** (``--kinds`` with any of ``probe_plans.ORDERS``): LPT's own plan with its CTA
+   queues permuted or reversed (``probe_plans.reordered``), the same loads and bitwise the same output,
    so that only the order in which the grid meets the items and which queues share an SM vary.
 
     python3 bench/balance_probe.py --out bench/results/issue13/balance_probe.json
@@ -35,10 +35,8 @@ Two measurements, each against cuDNN SDPA (contiguous KV) in the same run:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from unittest import mock
 
 import numpy as np
 import torch
@@ -47,29 +45,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import decode as bench  # noqa: E402  (bench/decode.py: timing helpers, cases)
-from probe_plans import ORDERS, cta_loads, reordered, stream_plan  # noqa: E402
+from probe_plans import cta_loads, planner  # noqa: E402
 
-from nbinfer import scheduler  # noqa: E402
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
-from nbinfer.scheduler import compiled as sched_compiled  # noqa: E402
-
-
-@contextlib.contextmanager
-def planner(kind):
-    """The wrapper's NumPy planning path with ``kind``'s planner ("lpt": nbinfer's own,
-    "stream": :func:`stream_plan`, one of :data:`ORDERS`: LPT's reordered)."""
-    if kind == "lpt":
-        with mock.patch.object(sched_compiled, "loaded", return_value=False):
-            yield
-        return
-    if kind in ORDERS:
-        lpt = scheduler.plan
-        fn = lambda *a, **kw: reordered(lpt(*a, **kw), kind)  # noqa: E731
-    else:
-        fn = stream_plan
-    with mock.patch.object(sched_compiled, "loaded", return_value=False), \
-            mock.patch("nbinfer.api.decode.scheduler.plan", fn):
-        yield
 
 
 def wrapper_for(kind, pt, hq, hkv, d, ps, layout="NHD"):
@@ -83,7 +61,7 @@ def wrapper_for(kind, pt, hq, hkv, d, ps, layout="NHD"):
 
 def check_stream():
     """The stream-K plan against the float64 reference on ragged lengths (an empty request
-    too): bench/decode.py's own check, planned by :func:`stream_plan`."""
+    too): bench/decode.py's own check, planned by ``probe_plans.stream_plan``."""
     kv_lens = [4096, 17, 0, 1000, 2500, 8000, 33]
     with planner("stream"):
         err, lerr = bench.check(len(kv_lens), kv_lens, 32, 8, 128, 16, torch.float16, "NHD")

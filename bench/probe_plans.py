@@ -2,15 +2,19 @@
 torch): a stream-K decode plan and LPT's plan with its CTA queues reordered (issue 13, req 3).
 
 Both return :class:`~nbinfer.scheduler.schedule.Plan` objects that the decode wrapper runs as
-its own (the probe swaps them in for ``scheduler.plan``).
+its own: :func:`planner` swaps them in for ``scheduler.plan``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from unittest import mock
 
 import numpy as np
 
+from nbinfer import scheduler
+from nbinfer.scheduler import compiled as sched_compiled
 from nbinfer.scheduler.schedule import Plan
 
 
@@ -131,3 +135,22 @@ def reordered(plan: Plan, kind: str, sms: int = 132) -> Plan:
     indptr = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
     work = np.concatenate(queues).astype(np.int32) if sizes.sum() else plan.cta_work
     return dataclasses.replace(plan, cta_indptr=indptr, cta_work=work)
+
+
+@contextlib.contextmanager
+def planner(kind):
+    """The decode wrapper's NumPy planning path with ``kind``'s planner: ``"lpt"`` nbinfer's
+    own, ``"stream"`` :func:`stream_plan`, one of :data:`ORDERS` LPT's plan :func:`reordered`.
+    A wrapper's ``plan()`` inside the block builds its schedule with it."""
+    if kind == "lpt":
+        fn = scheduler.plan
+    elif kind in ORDERS:
+        lpt = scheduler.plan
+        fn = lambda *a, **kw: reordered(lpt(*a, **kw), kind)  # noqa: E731
+    elif kind == "stream":
+        fn = stream_plan
+    else:
+        raise ValueError(f"unknown planner {kind!r}")
+    with mock.patch.object(sched_compiled, "loaded", return_value=False), \
+            mock.patch("nbinfer.api.decode.scheduler.plan", fn):
+        yield

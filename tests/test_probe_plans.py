@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,7 +18,6 @@ from conftest import TOLERANCE, rel_err
 from nbinfer import reference, scheduler
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper
 from nbinfer.formats import PageTable
-from nbinfer.scheduler import compiled as sched_compiled
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("probe_plans", ROOT / "bench" / "probe_plans.py")
@@ -96,19 +94,14 @@ def test_probe_plans_run_to_the_reference(rng, kind):
     pt = PageTable.from_kv_lens(kv_lens, ps, rng=rng)
     cache = rng.standard_normal((pt.num_pages, 2, ps, hkv, d)).astype(np.float16)
     q = rng.standard_normal((len(kv_lens), hq, d)).astype(np.float16)
-    lpt = scheduler.plan
-    fn = probe.stream_plan if kind == "stream" else \
-        (lambda *a, **kw: probe.reordered(lpt(*a, **kw), kind))
-
-    def run(planner):
+    def run(kind):
         w = BatchDecodeWithPagedKVCacheWrapper(np.zeros(1 << 20, np.uint8), "NHD")
-        with mock.patch.object(sched_compiled, "loaded", return_value=False), \
-                mock.patch("nbinfer.api.decode.scheduler.plan", planner):
+        with probe.planner(kind):
             w.plan(pt.indptr, pt.indices, pt.last_page_len, hq, hkv, d, ps,
                    q_data_type=q.dtype)
         return w, w.run(q, cache, return_lse=True)
 
-    w, (out, lse) = run(fn)
+    w, (out, lse) = run(kind)
     if kind == "stream":
         assert w.schedule.merge_rows.size >= 1  # some pair was cut and merged in the kernel
     ref, ref_lse = reference.batch_decode_with_paged_kv_cache(
@@ -117,5 +110,5 @@ def test_probe_plans_run_to_the_reference(rng, kind):
     finite = np.isfinite(ref_lse)
     np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4)
     if kind != "stream":
-        _, (out_lpt, _) = run(lpt)
+        _, (out_lpt, _) = run("lpt")
         assert np.array_equal(out, out_lpt)
