@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import decode as bench  # noqa: E402  (bench/decode.py: timing helpers, cases)
-from probe_plans import cta_loads, planner  # noqa: E402
+from probe_plans import planner  # noqa: E402
 
 from nbinfer.api.decode import BatchDecodeWithPagedKVCacheWrapper  # noqa: E402
 
@@ -106,7 +106,7 @@ def case(batch, kv_len, kinds):
     ref = None
     for kind in kinds:
         w = wrapper_for(kind, pt, hq, hkv, d, ps)
-        loads = cta_loads(w.schedule)
+        loads = w.schedule.cta_kv_tokens()
         run = lambda w=w: w.run(q, cache, out=out, lse=lse)  # noqa: E731
         run()
         torch.cuda.synchronize()

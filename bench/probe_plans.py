@@ -90,12 +90,6 @@ def stream_plan(qo_indptr, kv_lens, num_qo_heads, num_kv_heads, num_ctas, *, ste
                 fixed_split_size=None, alpha=1.0, beta=1.0, item_overhead=0)
 
 
-def cta_loads(plan: Plan) -> np.ndarray:
-    """KV tokens every CTA reads (``Plan.cta_loads`` counts cost, query rows included)."""
-    return np.bincount(plan.item_cta(), weights=plan.work[:, 5] - plan.work[:, 4],
-                       minlength=plan.num_ctas).astype(np.int64)
-
-
 # The LPT plan's CTA queues put on other CTAs (the same items, the same per-CTA loads): does the
 # order in which the grid meets the items, or which queues share an SM, move the decode?
 ORDERS = ("rev", "shuffle", "stride", "headmajor", "within")

@@ -755,8 +755,7 @@ from nbinfer import scheduler  # noqa: E402
 CTAS = 132 * 4
 for b, n in ((64, 4096), (256, 1024), (16, 32768)):
     p = scheduler.plan(np.arange(b + 1), np.full(b, n), 32, 8, CTAS, granule=256)
-    # KV tokens per CTA (p.cta_loads() would count the cost model's query rows too)
-    load = np.bincount(p.item_cta(), weights=p.work[:, 5] - p.work[:, 4], minlength=CTAS)
+    load = p.cta_kv_tokens()  # KV tokens per CTA (cta_loads() counts query rows too)
     print(f"batch {b:3d}, KV {n:5d}: {p.num_work} items, busiest CTA {load.max():.0f} tokens, "
           f"mean {load.mean():.0f}: {load.max() / load.mean() - 1:.1%} over")
     assert 0.030 < load.max() / load.mean() - 1 < 0.032

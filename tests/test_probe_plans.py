@@ -47,7 +47,7 @@ def test_reordered_moves_whole_queues(batch, kv_len, kind):
         assert new_q == [q[::-1] for q in old_q]
     else:  # a permutation of whole queues: every CTA's load is one of LPT's
         assert sorted(map(tuple, new_q)) == sorted(map(tuple, old_q))
-    assert sorted(probe.cta_loads(new)) == sorted(probe.cta_loads(plan))
+    assert sorted(new.cta_kv_tokens()) == sorted(plan.cta_kv_tokens())
 
 
 def test_reordered_placements():
@@ -82,7 +82,7 @@ def test_stream_plan_reads_each_pair_once_in_equal_spans(kv_lens, ctas):
                 assert plan.merge_indices[lo:lo + len(mine)].tolist() == mine[:, 6].tolist()
             else:
                 assert mine[0, 6] == -1
-    loads = probe.cta_loads(plan)
+    loads = plan.cta_kv_tokens()
     assert loads.max() - loads.min() <= 2 * step  # equal spans, moved to page boundaries
 
 

@@ -199,6 +199,11 @@ def test_unsplit_requests_write_directly():
     assert np.all(short[:, 6] == -1) and np.all(long[:, 6] >= 0)
     assert p.merge_rows.tolist() == [0] and p.merge_indptr.tolist() == [0, 8]
     assert np.all(long[:, 5] - long[:, 4] <= 512) and np.all(long[:, 4] % 16 == 0)
+    # KV tokens per CTA, from the queues one by one: every token of the batch counted once
+    tokens = [sum(int(p.work[i, 5] - p.work[i, 4]) for i in p.cta_work[a:e])
+              for a, e in zip(p.cta_indptr[:-1], p.cta_indptr[1:], strict=True)]
+    assert p.cta_kv_tokens().dtype == np.int64 and p.cta_kv_tokens().tolist() == tokens
+    assert sum(tokens) == 4060 and max(tokens) <= 512 + 30
 
 
 @SETTINGS

@@ -151,6 +151,12 @@ class Plan:
         """Summed item cost of every CTA (float64 [num_ctas])."""
         return np.bincount(self.item_cta(), weights=self.item_costs(), minlength=self.num_ctas)
 
+    def cta_kv_tokens(self) -> np.ndarray:
+        """KV tokens every CTA's items cover (int64 [num_ctas]): what a decode CTA reads, where
+        :meth:`cta_loads` sums the cost model's units (query rows and item overhead too)."""
+        return np.bincount(self.item_cta(), weights=self.work[:, 5] - self.work[:, 4],
+                           minlength=self.num_ctas).astype(np.int64)
+
     def lower_bound(self) -> float:
         """No schedule beats ``max(total / num_ctas, largest item)``."""
         costs = self.item_costs()
